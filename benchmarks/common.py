@@ -1,0 +1,105 @@
+"""Timing and reporting shared by the benchmark scripts.
+
+* `graph_us`: device time per call of a microsecond op, from CUDA-graph replays (the graph holds
+  ``calls`` launches; each replay is timed with events; the median replay over ``calls``).
+* `events_us`: device time of eager calls with events (for baselines that cannot be captured).
+* `copy_bandwidth`: the measured device-to-device copy bandwidth (bytes read + written) that
+  every row is compared with.
+* `Table`: prints the rows and writes them as JSON for the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import cupy as cp
+
+
+def events_us(fn, *, warmup: int = 3, iters: int = 20) -> float:
+    """Median device time in µs of ``fn()`` launched eagerly on the current stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+    return statistics.median(times)
+
+
+def graph_us(fn, *, calls: int = 20, replays: int = 30) -> float:
+    """Median device time in µs per ``fn(i)`` from replays of one graph holding ``calls`` calls.
+
+    ``fn(i)`` gets the call index so that it can rotate among input buffers.
+    """
+    fn(0)  # eager first use: compile, allocate scratch
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for i in range(calls):
+            fn(i)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(replays):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    t = events_us(lambda: b.__setitem__(Ellipsis, a), iters=10)
+    del a, b
+    return 2 * nbytes / (t * 1e-6)
+
+
+def device_name() -> str:
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def l2_bytes() -> int:
+    return cp.cuda.Device().attributes["L2CacheSize"]
+
+
+class Table:
+    def __init__(self, title: str, columns: list[str]):
+        self.title, self.columns, self.rows = title, columns, []
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+        print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+
+    def markdown(self) -> str:
+        head = "| " + " | ".join(self.columns) + " |"
+        rule = "| " + " | ".join("---" for _ in self.columns) + " |"
+        body = ["| " + " | ".join(_fmt(r.get(c, "")) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join([f"### {self.title}", "", head, rule, *body])
+
+    def save(self, name: str, meta: dict) -> Path:
+        out_dir = Path(os.environ.get("FP4KIT_BENCH_OUT", Path(__file__).parent / "results"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps({"title": self.title, "meta": meta, "columns": self.columns, "rows": self.rows}, indent=1))
+        return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or abs(v) >= 100:
+            return f"{v:.0f}"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)

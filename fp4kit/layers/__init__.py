@@ -1,0 +1,1 @@
+"""Layers composed from ops, owning their device buffers."""

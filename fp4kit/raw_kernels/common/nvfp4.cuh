@@ -1,0 +1,114 @@
+// The NVFP4 codec on the device: E2M1 and E4M3 encode/decode, the global encode scale, one
+// 16-element block quantized, 16-element vector loads and the 128x4 swizzled scale offset.
+// Bit for bit the recipe of fp4kit/reference/quant.py (Transformer Engine's reference).
+#pragma once
+
+#include "fp32.cuh"
+
+#define FP4_BLOCK 16
+#define FP4_STATUS_NONFINITE 1u  // a NaN or Inf reached an NVFP4 encoder (fp4kit.check_finite)
+
+// fp32 to an E2M1 code: round to nearest even, saturate at +-6, sign from the sign bit,
+// NaN to 0x7 (+6) as the sm_100a cvt.rn.satfinite.e2m1x2 does. Sm_90 has no such instruction:
+// the seven comparisons are the rounding boundaries, >= where the tie goes up to an even code.
+__device__ __forceinline__ unsigned fp4_e2m1_code(float y) {
+    const float a = fabsf(y);
+    const unsigned mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                         (a >= 3.5f) + (a > 5.0f);
+    return isnan(y) ? 7u : (mag | ((__float_as_uint(y) >> 28) & 8u));
+}
+
+__device__ __forceinline__ float fp4_e2m1_value(unsigned code) {
+    // code = 2e + m: e = 0 gives 0 or 0.5, otherwise (1 + m/2) * 2**(e-1), built from its bits
+    const unsigned e = (code >> 1) & 3u, m = code & 1u;
+    const float v = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : (m ? 0.5f : 0.0f);
+    return (code & 8u) ? -v : v;
+}
+
+// Non-negative fp32 to E4M3 with round-to-nearest-even and saturation at 448 (sm_89+ cvt).
+__device__ __forceinline__ unsigned fp4_e4m3_encode(float v) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
+    return pair & 0xFFu;
+}
+
+// E4M3 byte to fp32, exact; 0x7F / 0xFF are NaN.
+__device__ __forceinline__ float fp4_e4m3_value(unsigned byte) {
+    const unsigned e = (byte >> 3) & 0xFu, m = byte & 7u;
+    float v;
+    if ((byte & 0x7Fu) == 0x7Fu) v = __uint_as_float(0x7FC00000u);
+    else if (e == 0) v = (float)m * 0.001953125f;  // subnormal: m * 2**-9
+    else v = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (byte & 0x80u) ? -v : v;
+}
+
+// S = min(2688 / amax, FLT_MAX); 1 if that is 0 or amax is not finite.
+__device__ __forceinline__ float fp4_global_scale_from_amax(float amax) {
+    amax = fp4_ftz(amax);
+    if (!(amax <= FP4_FLT_MAX)) return 1.0f;
+    const float s = fminf(__fdiv_rn(2688.0f, amax), FP4_FLT_MAX);
+    return s == 0.0f ? 1.0f : s;
+}
+
+// |v| as bits, so that an integer max orders finite < Inf < NaN.
+__device__ __forceinline__ unsigned fp4_abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+__device__ __forceinline__ unsigned fp4_block_abs_max_bits(const float v[FP4_BLOCK]) {
+    unsigned m = 0;
+#pragma unroll
+    for (int i = 0; i < FP4_BLOCK; ++i) m = max(m, fp4_abs_bits(v[i]));
+    return m;
+}
+
+// Quantize one block: returns the E4M3 scale byte, writes 16 codes packed into 8 bytes.
+__device__ __forceinline__ unsigned fp4_encode_block(const float v[FP4_BLOCK], float global_scale, uint2& packed) {
+    const float vmax = __uint_as_float(fp4_block_abs_max_bits(v));
+    const float s = fp4_ftz(global_scale);
+    const unsigned sf = fp4_e4m3_encode(fminf(__fmul_rn(vmax, __fmul_rn(s, 1.0f / 6.0f)), FP4_FLT_MAX));
+    const float enc = fminf(__fdiv_rn(1.0f, __fmul_rn(fp4_e4m3_value(sf), __fdiv_rn(1.0f, s))), FP4_FLT_MAX);
+    unsigned words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < FP4_BLOCK; ++i)
+        words[i / 8] |= fp4_e2m1_code(__fmul_rn(v[i], enc)) << (4 * (i % 8));
+    packed = make_uint2(words[0], words[1]);
+    return sf;
+}
+
+// 16 consecutive elements (16-byte aligned) as fp32, subnormals flushed.
+template <typename T>
+__device__ __forceinline__ void fp4_load16(const T* p, float v[FP4_BLOCK]) {
+    constexpr int kPerVec = 16 / sizeof(T);
+    const uint4* src = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int j = 0; j < FP4_BLOCK / kPerVec; ++j) {
+        const uint4 raw = src[j];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kPerVec; ++i) v[j * kPerVec + i] = fp4_ftz(fp4_to_float(e[i]));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void fp4_store16(T* p, const float v[FP4_BLOCK]) {
+    constexpr int kPerVec = 16 / sizeof(T);
+    uint4* dst = reinterpret_cast<uint4*>(p);
+#pragma unroll
+    for (int j = 0; j < FP4_BLOCK / kPerVec; ++j) {
+        uint4 raw;
+        T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kPerVec; ++i) e[i] = fp4_from_float<T>(v[j * kPerVec + i]);
+        dst[j] = raw;
+    }
+}
+
+// Byte offset of block scale (row m, block column k) in the 128x4 swizzled layout whose padded
+// width is padded_kblocks (a multiple of 4): 512-byte tiles of 128 rows x 4 columns.
+__device__ __forceinline__ long long fp4_swizzled_offset(long long m, long long k, long long padded_kblocks) {
+    return ((m >> 7) * (padded_kblocks >> 2) + (k >> 2)) * 512 + (m & 31) * 16 + ((m & 127) >> 5) * 4 + (k & 3);
+}
+
+// Where block b (row-major over [rows, kblocks]) keeps its scale byte.
+__device__ __forceinline__ long long fp4_scale_offset(long long b, int kblocks, int swizzled, long long padded_kblocks) {
+    return swizzled ? fp4_swizzled_offset(b / kblocks, b % kblocks, padded_kblocks) : b;
+}

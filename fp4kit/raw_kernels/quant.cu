@@ -1,0 +1,236 @@
+// NVFP4 quantization kernels: amax -> global encode scale on the device, quantize reading the
+// scale from device memory, the single-launch fused amax+quantize, the fused deinterleave +
+// SwiGLU(+clamp) + amax + quantize, and dequantize. Bit for bit fp4kit/reference/quant.py.
+//
+// Arguments (all row-major, contiguous, 16-byte aligned):
+//   x        T [rows, K]                   bf16 / fp16 / fp32 input, K = 16 * kblocks
+//   h        T [rows, 2I]                  fused gate|up input of the SwiGLU kernels, I = 16 * kblocks
+//   packed   uint8 [rows, K/2]             E2M1 codes, element 2i in the low nibble
+//   scales   uint8 [rows, kblocks]         linear E4M3 block scales, or when swizzled the flat
+//                                          128x4-tiled buffer of round_up(rows,128) x padded_kblocks
+//   global_scale / scale_out  fp32 [1]     encode scale S = 2688 / amax
+//   amax_out fp32 [1]
+//   partials uint32 [gridDim.x]            per-block maxima (scratch, overwritten each launch)
+//   status   uint32 [1]                    FP4_STATUS_NONFINITE is or-ed in on a NaN/Inf input
+//
+// Launch geometry: 1-D grids of kThreads threads, grid-stride over 16-element blocks, one block
+// per thread per step. The module is loaded for cooperative launch: the amax kernels reduce
+// per-block maxima across the whole grid with cooperative_groups grid.sync(), so the host sizes
+// every grid to at most the co-resident block count. When every 16-element block fits in one
+// pass of the grid (decode sizes), each thread keeps its block in registers across the barrier.
+#include <cooperative_groups.h>
+
+#include "common/nvfp4.cuh"
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+
+// Max over the thread block; every thread gets the result.
+__device__ __forceinline__ unsigned block_max(unsigned v) {
+    __shared__ unsigned warp_max[kThreads / 32];
+    v = __reduce_max_sync(0xFFFFFFFFu, v);
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+    if (threadIdx.x < 32) v = __reduce_max_sync(0xFFFFFFFFu, v);
+    __shared__ unsigned result;
+    if (threadIdx.x == 0) result = v;
+    __syncthreads();
+    v = result;
+    __syncthreads();  // warp_max and result are reused by the next call
+    return v;
+}
+
+// Sources produce the fp32 values of output block b.
+template <typename T>
+struct PlainSource {
+    const T* x;
+    __device__ __forceinline__ void load(long long b, float v[FP4_BLOCK]) const { fp4_load16(x + b * FP4_BLOCK, v); }
+};
+
+template <typename T, bool kInterleaved>
+struct SwigluSource {
+    const T* h;
+    const float* row_scale;  // nullptr: no per-row factor
+    float limit;             // gate <= limit, up in [-limit, limit]; no clamp when has_limit == 0
+    int has_limit;
+    int kblocks;             // output blocks per row
+
+    __device__ __forceinline__ void load(long long b, float v[FP4_BLOCK]) const {
+        const long long row = b / kblocks;
+        const int kb = (int)(b % kblocks);
+        const T* base = h + row * (long long)kblocks * 2 * FP4_BLOCK;
+        // interleaved: 16 gate then 16 up per 32-element chunk; concatenated: [gate | up]
+        const T* gate = kInterleaved ? base + kb * 2 * FP4_BLOCK : base + kb * FP4_BLOCK;
+        const T* up = kInterleaved ? gate + FP4_BLOCK : base + ((long long)kblocks + kb) * FP4_BLOCK;
+        float g[FP4_BLOCK], u[FP4_BLOCK];
+        fp4_load16(gate, g);
+        fp4_load16(up, u);
+        const float rs = row_scale ? fp4_ftz(row_scale[row]) : 1.0f;
+#pragma unroll
+        for (int i = 0; i < FP4_BLOCK; ++i) {
+            float gi = g[i], ui = u[i];
+            if (has_limit) {  // comparisons keep a NaN a NaN
+                gi = gi > limit ? limit : gi;
+                ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
+            }
+            v[i] = __fmul_rn(fp4_silu(gi), ui);
+            if (row_scale) v[i] = __fmul_rn(v[i], rs);
+        }
+    }
+};
+
+struct QuantOut {
+    unsigned char* packed;
+    unsigned char* scales;
+    long long rows;
+    int kblocks;
+    int swizzled;
+    long long padded_kblocks;
+};
+
+// The 128x4 layout is padded to whole tiles; GEMMs read the padding, so it must be zero.
+__device__ void zero_swizzle_padding(const QuantOut& o, long long first, long long stride) {
+    const long long padded_rows = (o.rows + 127) / 128 * 128;
+    for (long long p = first; p < padded_rows * o.padded_kblocks; p += stride) {
+        const long long m = p / o.padded_kblocks, k = p % o.padded_kblocks;
+        if (m >= o.rows || k >= o.kblocks) o.scales[fp4_swizzled_offset(m, k, o.padded_kblocks)] = 0;
+    }
+}
+
+__device__ __forceinline__ void store_block(const QuantOut& o, long long b, const float v[FP4_BLOCK], float s) {
+    uint2 codes;
+    const unsigned sf = fp4_encode_block(v, s, codes);
+    reinterpret_cast<uint2*>(o.packed)[b] = codes;
+    o.scales[fp4_scale_offset(b, o.kblocks, o.swizzled, o.padded_kblocks)] = (unsigned char)sf;
+}
+
+// kAmax: reduce max|value| over the grid, derive S, write amax_out / scale_out.
+// kQuantize: quantize with S (from the reduction, or read from static_scale).
+template <bool kAmax, bool kQuantize, class Source>
+__device__ void amax_quantize(const Source& src, long long nblocks, const QuantOut& o, const float* static_scale,
+                              float* amax_out, float* scale_out, unsigned* partials, unsigned* status) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool resident = nblocks <= stride;  // at most one block per thread: keep it in registers
+    float v[FP4_BLOCK];
+    float s;
+    if (kAmax) {
+        unsigned m = 0;
+        for (long long b = first; b < nblocks; b += stride) {
+            src.load(b, v);
+            m = max(m, fp4_block_abs_max_bits(v));
+        }
+        m = block_max(m);
+        if (threadIdx.x == 0) partials[blockIdx.x] = m;
+        cg::this_grid().sync();
+        unsigned a = 0;
+        for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) a = max(a, __ldcg(partials + i));
+        a = block_max(a);
+        const float amax = __uint_as_float(a);
+        s = fp4_global_scale_from_amax(amax);
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            *amax_out = amax;
+            *scale_out = s;
+            if (a >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+        }
+    } else {
+        s = *static_scale;
+    }
+    if (!kQuantize) return;
+    for (long long b = first; b < nblocks; b += stride) {
+        if (!(kAmax && resident)) {
+            src.load(b, v);
+            if (!kAmax && fp4_block_abs_max_bits(v) >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+        }
+        store_block(o, b, v, s);
+    }
+    if (o.swizzled) zero_swizzle_padding(o, first, stride);
+}
+
+#define FP4_QUANT_ARGS                                                                                    \
+    unsigned char *packed, unsigned char *scales, long long rows, int kblocks, int swizzled,              \
+        long long padded_kblocks, unsigned *status
+#define FP4_QUANT_OUT QuantOut{packed, scales, rows, kblocks, swizzled, padded_kblocks}
+
+#define FP4_DEFINE_QUANT(SUFFIX, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+        amax_##SUFFIX(const T* x, long long nblocks, float* amax_out, float* scale_out, unsigned* partials, \
+                      unsigned* status) {                                                                 \
+        amax_quantize<true, false>(PlainSource<T>{x}, nblocks, QuantOut{}, nullptr, amax_out, scale_out,  \
+                                   partials, status);                                                     \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads) amax_quantize_##SUFFIX(                       \
+        const T* x, float* amax_out, float* scale_out, unsigned* partials, FP4_QUANT_ARGS) {              \
+        amax_quantize<true, true>(PlainSource<T>{x}, rows * kblocks, FP4_QUANT_OUT, nullptr, amax_out,    \
+                                  scale_out, partials, status);                                           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+        quantize_##SUFFIX(const T* x, const float* global_scale, FP4_QUANT_ARGS) {                        \
+        amax_quantize<false, true>(PlainSource<T>{x}, rows * kblocks, FP4_QUANT_OUT, global_scale,        \
+                                   nullptr, nullptr, nullptr, status);                                    \
+    }
+
+#define FP4_DEFINE_SWIGLU(SUFFIX, T, INTERLEAVED)                                                         \
+    extern "C" __global__ void __launch_bounds__(kThreads) swiglu_amax_quantize_##SUFFIX(                \
+        const T* h, const float* row_scale, float limit, int has_limit, float* amax_out, float* scale_out, \
+        unsigned* partials, FP4_QUANT_ARGS) {                                                             \
+        const SwigluSource<T, INTERLEAVED> src{h, row_scale, limit, has_limit, kblocks};                  \
+        amax_quantize<true, true>(src, rows * kblocks, FP4_QUANT_OUT, nullptr, amax_out, scale_out,       \
+                                  partials, status);                                                      \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads) swiglu_quantize_##SUFFIX(                     \
+        const T* h, const float* row_scale, float limit, int has_limit, const float* global_scale,        \
+        FP4_QUANT_ARGS) {                                                                                 \
+        const SwigluSource<T, INTERLEAVED> src{h, row_scale, limit, has_limit, kblocks};                  \
+        amax_quantize<false, true>(src, rows * kblocks, FP4_QUANT_OUT, global_scale, nullptr, nullptr,    \
+                                   nullptr, status);                                                      \
+    }
+
+FP4_DEFINE_QUANT(bf16, __nv_bfloat16)
+FP4_DEFINE_QUANT(f16, __half)
+FP4_DEFINE_QUANT(f32, float)
+FP4_DEFINE_SWIGLU(bf16_interleaved, __nv_bfloat16, true)
+FP4_DEFINE_SWIGLU(f16_interleaved, __half, true)
+FP4_DEFINE_SWIGLU(f32_interleaved, float, true)
+FP4_DEFINE_SWIGLU(bf16_concatenated, __nv_bfloat16, false)
+FP4_DEFINE_SWIGLU(f16_concatenated, __half, false)
+FP4_DEFINE_SWIGLU(f32_concatenated, float, false)
+
+// out = e2m1 * (fp32(scale) / S), one 16-element block per thread per step.
+template <typename T>
+__device__ void dequantize_blocks(const unsigned char* packed, const unsigned char* scales, const float* global_scale,
+                                  T* out, long long rows, int kblocks, int swizzled, long long padded_kblocks) {
+    const long long nblocks = rows * kblocks;
+    const float s = fp4_ftz(*global_scale);
+    for (long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks;
+         b += (long long)gridDim.x * blockDim.x) {
+        const uint2 codes = reinterpret_cast<const uint2*>(packed)[b];
+        const float decode = __fdiv_rn(fp4_e4m3_value(scales[fp4_scale_offset(b, kblocks, swizzled, padded_kblocks)]), s);
+        float v[FP4_BLOCK];
+#pragma unroll
+        for (int i = 0; i < FP4_BLOCK; ++i)
+            v[i] = __fmul_rn(fp4_e2m1_value(((i < 8 ? codes.x : codes.y) >> (4 * (i % 8))) & 0xFu), decode);
+        fp4_store16(out + b * FP4_BLOCK, v);
+    }
+}
+
+#define FP4_DEFINE_DEQUANT(SUFFIX, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+        dequantize_##SUFFIX(const unsigned char* packed, const unsigned char* scales, const float* global_scale, \
+                            T* out, long long rows, int kblocks, int swizzled, long long padded_kblocks) { \
+        dequantize_blocks(packed, scales, global_scale, out, rows, kblocks, swizzled, padded_kblocks);    \
+    }
+
+FP4_DEFINE_DEQUANT(bf16, __nv_bfloat16)
+FP4_DEFINE_DEQUANT(f16, __half)
+FP4_DEFINE_DEQUANT(f32, float)
+
+extern "C" __global__ void global_scale_from_amax(const float* amax, float* scale_out, unsigned* status) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const float a = *amax;
+        *scale_out = fp4_global_scale_from_amax(a);
+        if (!(fabsf(a) <= FP4_FLT_MAX)) atomicOr(status, FP4_STATUS_NONFINITE);
+    }
+}

@@ -1,0 +1,79 @@
+"""The status word: events that kernels record on the device instead of stopping the decode loop.
+
+Each CUDA device has one ``uint32`` word in device memory; kernels ``atomicOr`` flags into it.
+Nothing in fp4kit reads it back: the caller checks it when it chooses (one host sync), e.g.
+once per N decode steps. The numpy backend keeps a host word with the same flags.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .workspace import zeros_outside_capture
+
+#: a NaN or ±Inf reached an NVFP4 encoder (quantize, amax, swiglu_quantize)
+NONFINITE_INPUT = 1
+
+FLAG_NAMES = {NONFINITE_INPUT: "non-finite input to an NVFP4 encoder"}
+
+_lock = threading.Lock()
+_host_word = 0
+_device_words: dict[int, object] = {}
+
+
+def device_word():
+    """The status word of the current CUDA device (a CuPy ``uint32[1]``), created zeroed once."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    word = _device_words.get(dev)
+    if word is None:
+        with _lock:
+            word = _device_words.get(dev)
+            if word is None:
+                word = zeros_outside_capture(1, cupy.uint32)
+                _device_words[dev] = word
+    return word
+
+
+def record_host(flags: int) -> None:
+    """Or ``flags`` into the host word (numpy backend)."""
+    global _host_word
+    with _lock:
+        _host_word |= int(flags)
+
+
+def read(device: int | None = None) -> int:
+    """The flags recorded so far: the host word, or-ed with the word of ``device`` (or of every
+    device that has one when ``device`` is None). Reading a device word synchronises the host."""
+    flags = _host_word
+    for dev, word in list(_device_words.items()):
+        if device is None or dev == device:
+            flags |= int(word.get()[0])
+    return flags
+
+
+def clear(device: int | None = None) -> None:
+    """Reset the host word and the device word(s)."""
+    global _host_word
+    with _lock:
+        _host_word = 0
+    for dev, word in list(_device_words.items()):
+        if device is None or dev == device:
+            word.fill(0)
+
+
+def describe(flags: int) -> list[str]:
+    return [text for bit, text in FLAG_NAMES.items() if flags & bit]
+
+
+def check_finite(device: int | None = None, *, raise_error: bool = False) -> bool:
+    """True if no non-finite value has reached an encoder since the last `clear`.
+
+    With ``raise_error=True`` a recorded event raises `FloatingPointError` instead.
+    Synchronises the host with the device(s) it reads.
+    """
+    ok = not (read(device) & NONFINITE_INPUT)
+    if not ok and raise_error:
+        raise FloatingPointError(FLAG_NAMES[NONFINITE_INPUT])
+    return ok

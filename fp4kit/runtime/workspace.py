@@ -1,0 +1,58 @@
+"""Preallocated device scratch, one set per (device, stream).
+
+Grid-wide reductions write one partial per thread block. The buffer is allocated once per
+stream and kept for the life of the process, so a captured CUDA graph keeps pointing at live
+memory and no step allocates. Launches on one stream are ordered, so they can share it;
+launches on different streams get different buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+PARTIALS_CAPACITY = 1 << 14  # uint32 words: more than any co-resident grid
+
+_lock = threading.Lock()
+_buffers: dict[tuple[str, int, int], object] = {}
+
+
+def _per_stream(kind: str, n: int, dtype):
+    import cupy
+
+    key = (kind, cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    buf = _buffers.get(key)
+    if buf is None:
+        with _lock:
+            buf = _buffers.get(key)
+            if buf is None:
+                buf = cupy.empty(n, dtype=dtype)
+                _buffers[key] = buf
+    return buf
+
+
+def partials():
+    """``uint32[PARTIALS_CAPACITY]`` scratch for the current device and stream."""
+    return _per_stream("partials", PARTIALS_CAPACITY, "uint32")
+
+
+def scalar():
+    """An fp32 0-d scratch value for the current device and stream (a result nobody reads)."""
+    return _per_stream("scalar", 1, "float32").reshape(())
+
+
+def zeros_outside_capture(n: int, dtype):
+    """A zeroed device array whose zeroing is never part of a CUDA graph being captured.
+
+    A lazily created buffer may first be needed while the current stream is capturing; a fill
+    issued on that stream would become a graph node and re-zero the buffer on every replay.
+    The fill runs on a private side stream instead, which is then synchronised (allowed under
+    CuPy's relaxed capture mode).
+    """
+    import cupy
+
+    buf = cupy.empty(n, dtype=dtype)
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        buf.fill(0)
+    side.synchronize()
+    return buf
