@@ -20,16 +20,16 @@ run() {  # run NAME CMD...: tee the output into $out/NAME.log, report the exit s
 has() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/device.txt"
-python3 - <<'PY' | tee "$out/kernels.txt"
-import cupy, fp4kit
+python3 - <<'PY' > "$out/kernels.txt" 2>&1  # registers, local memory and shared memory per kernel
+import subprocess, tempfile
 from fp4kit.runtime import loader
-print("cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion(), "runtime", cupy.cuda.runtime.runtimeGetVersion())
 for name in loader.kernel_names():
-    module = loader.get_module(name, cooperative=True)
-    for fn in sorted(set(__import__("re").findall(r'extern "C" __global__ void(?: __launch_bounds__\(\w+\))?\s+(\w+)\(', loader.kernel_source(name)))):
-        k = module.get_function(fn)
-        print(f"{name}.{fn}: regs={k.num_regs} local={k.local_size_bytes}B shared={k.shared_size_bytes}B")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(loader.compile_offline(name, "sm_90a") + b"\0")  # CuPy strips the ELF's last byte
+        f.flush()
+        print(subprocess.run(["cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout)
 PY
+grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, $6, $7, $8}'
 if has tests; then
     run gpu-tests python3 -m pytest -q -m gpu tests
 fi
@@ -39,6 +39,13 @@ if has sanitize; then
         python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
     run racecheck timeout 900 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or swiglu" -p no:cacheprovider
+fi
+if has profile; then
+    for size in "2048 7168" "16384 7168"; do
+        run "ncu-${size// /x}" ncu --clock-control none -k regex:amax_quantize -s 2 -c 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis --section WarpStateStats python3 scripts/profile_quant.py $size
+    done
 fi
 if has bench; then
     for bench in benchmarks/bench_*.py; do

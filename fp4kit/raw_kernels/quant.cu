@@ -25,6 +25,7 @@
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
+constexpr int kMinBlocksPerSM = 4;  // <= 64 registers: 1024 threads per SM keep enough loads in flight
 
 // Max over the thread block; every thread gets the result.
 __device__ __forceinline__ unsigned block_max(unsigned v) {
@@ -128,6 +129,7 @@ __device__ void amax_quantize(const Source& src, long long nblocks, const QuantO
         unsigned a = 0;
         for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) a = max(a, __ldcg(partials + i));
         a = block_max(a);
+        if (a < 0x00800000u) a = 0;  // a subnormal maximum flushes to zero, as in the reference
         const float amax = __uint_as_float(a);
         s = fp4_global_scale_from_amax(amax);
         if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -155,32 +157,32 @@ __device__ void amax_quantize(const Source& src, long long nblocks, const QuantO
 #define FP4_QUANT_OUT QuantOut{packed, scales, rows, kblocks, swizzled, padded_kblocks}
 
 #define FP4_DEFINE_QUANT(SUFFIX, T)                                                                       \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                                \
         amax_##SUFFIX(const T* x, long long nblocks, float* amax_out, float* scale_out, unsigned* partials, \
                       unsigned* status) {                                                                 \
         amax_quantize<true, false>(PlainSource<T>{x}, nblocks, QuantOut{}, nullptr, amax_out, scale_out,  \
                                    partials, status);                                                     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads) amax_quantize_##SUFFIX(                       \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) amax_quantize_##SUFFIX(                       \
         const T* x, float* amax_out, float* scale_out, unsigned* partials, FP4_QUANT_ARGS) {              \
         amax_quantize<true, true>(PlainSource<T>{x}, rows * kblocks, FP4_QUANT_OUT, nullptr, amax_out,    \
                                   scale_out, partials, status);                                           \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                                \
         quantize_##SUFFIX(const T* x, const float* global_scale, FP4_QUANT_ARGS) {                        \
         amax_quantize<false, true>(PlainSource<T>{x}, rows * kblocks, FP4_QUANT_OUT, global_scale,        \
                                    nullptr, nullptr, nullptr, status);                                    \
     }
 
 #define FP4_DEFINE_SWIGLU(SUFFIX, T, INTERLEAVED)                                                         \
-    extern "C" __global__ void __launch_bounds__(kThreads) swiglu_amax_quantize_##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) swiglu_amax_quantize_##SUFFIX(                \
         const T* h, const float* row_scale, float limit, int has_limit, float* amax_out, float* scale_out, \
         unsigned* partials, FP4_QUANT_ARGS) {                                                             \
         const SwigluSource<T, INTERLEAVED> src{h, row_scale, limit, has_limit, kblocks};                  \
         amax_quantize<true, true>(src, rows * kblocks, FP4_QUANT_OUT, nullptr, amax_out, scale_out,       \
                                   partials, status);                                                      \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads) swiglu_quantize_##SUFFIX(                     \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) swiglu_quantize_##SUFFIX(                     \
         const T* h, const float* row_scale, float limit, int has_limit, const float* global_scale,        \
         FP4_QUANT_ARGS) {                                                                                 \
         const SwigluSource<T, INTERLEAVED> src{h, row_scale, limit, has_limit, kblocks};                  \
@@ -217,7 +219,7 @@ __device__ void dequantize_blocks(const unsigned char* packed, const unsigned ch
 }
 
 #define FP4_DEFINE_DEQUANT(SUFFIX, T)                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                                \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                                \
         dequantize_##SUFFIX(const unsigned char* packed, const unsigned char* scales, const float* global_scale, \
                             T* out, long long rows, int kblocks, int swizzled, long long padded_kblocks) { \
         dequantize_blocks(packed, scales, global_scale, out, rows, kblocks, swizzled, padded_kblocks);    \
