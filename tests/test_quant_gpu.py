@@ -124,7 +124,7 @@ def test_edge_values_and_status_word():
     assert_same(fp4kit.quantize(xd, global_scale=cp.asarray(np.float32(64))), ref.quantize(x, np.float32(64)))
     assert fp4kit.check_finite()
     assert_same(fp4kit.quantize(cp.zeros((2, 32), cp.float32)), ref.quantize(np.zeros((2, 32), np.float32)))
-    for bad in (np.nan, np.inf, -np.inf):
+    for bad in (np.nan, np.copysign(np.nan, -1), np.inf, -np.inf):
         y = x.copy()
         y[2, 40] = bad
         fp4kit.clear_status()

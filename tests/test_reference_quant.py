@@ -203,3 +203,40 @@ def test_swiglu_layouts_agree_and_row_scale(rng):
     assert np.array_equal(scaled, fp32.mul(ref.swiglu(cat, "concatenated"), w[..., None]))
     with pytest.raises(ValueError, match="layout: expected one of"):
         ref.split_gate_up(cat, "pairs")
+
+
+def _e2m1_inputs(rng):
+    """Random fp32 bit patterns plus every rounding boundary and its neighbours, both signs."""
+    bits = rng.integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0.125, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 8], F32).view(np.uint32)
+    near = (edges[:, None].astype(np.int64) + np.arange(-3, 4)[None, :]).astype(np.uint32).ravel()
+    special = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0, 0x80000000, 1, 0x807FFFFF], np.uint32)
+    y = np.concatenate([bits, near, near | np.uint32(0x80000000), special]).view(F32)
+    return fp32.ftz(y)  # the kernels encode products of -ftz multiplies
+
+
+def test_device_integer_e2m1_form_matches_reference(rng):
+    """fp4_e2m1_code in raw_kernels/common/nvfp4.cuh, emulated bit for bit."""
+    y = _e2m1_inputs(rng)
+    b = y.view(np.uint32).astype(np.int64)
+    a = b & 0x7FFFFFFF
+    normal = np.minimum(((a + 0x1FFFFF + ((a >> 22) & 1)) >> 22) - 252, 7)
+    subnormal = (a > 0x3E800000).astype(np.int64) + (a >= 0x3F400000)
+    sign = np.where(a > 0x7F800000, 0, (b >> 28) & 8)
+    code = np.where(a >= 0x3F800000, normal, subnormal) | sign
+    assert np.array_equal(code.astype(np.uint8), ref.e2m1_encode(y))
+
+
+def test_device_add_magic_e2m1_form_matches_reference(rng):
+    """fp4_e2m1_code_not_nan in raw_kernels/common/nvfp4.cuh, emulated bit for bit (no NaN)."""
+    y = _e2m1_inputs(rng)
+    y = y[~np.isnan(y)]
+    a = np.fmin(np.abs(y), F32(6))
+    mb = (np.fmax(a, F32(1)).view(np.uint32) & np.uint32(0x7F800000)) + np.uint32(0x0B400000)
+    m = mb.view(F32)
+    r = ((a + m).astype(F32) - m).astype(F32)
+    step_inv = (np.uint32(0x8AC00000) - mb).view(F32)
+    offset = (np.uint32(0x4B000000 - 299) + (mb >> 22)).view(F32)
+    fma = (r.astype(np.float64) * step_inv + offset).astype(F32)  # exact: a small integer plus 2**23
+    code = (fma.view(np.uint32) & 7) | ((y.view(np.uint32) >> 28) & 8)
+    assert np.array_equal(code.astype(np.uint8), ref.e2m1_encode(y))
