@@ -19,7 +19,8 @@ from ..runtime import arrays, loader, status, workspace
 _MODULE = "quant"  # raw_kernels/quant.cu, loaded for cooperative launch (grid-wide amax)
 _THREADS = 256
 _I32 = np.int32
-_I64 = np.int64
+_U32 = np.uint32
+_MAX_BLOCKS = 2**31  # the kernels index 16-element blocks with 32-bit integers
 
 
 def _kernel(name: str) -> loader.Kernel:
@@ -36,6 +37,8 @@ def _intake(x, name: str, last_dim_multiple: int):
     arrays.check_last_dim(name, x, last_dim_multiple)
     arrays.check_contiguous(name, x)
     arrays.check_aligned(name, x)
+    if x.size // BLOCK_SIZE >= _MAX_BLOCKS:
+        raise ValueError(f"{name}: {x.size} elements is too large; at most {_MAX_BLOCKS * BLOCK_SIZE - 1} per call")
     return x
 
 
@@ -90,7 +93,9 @@ def _layout_args(out: Nvfp4Tensor):
     swizzled = out.scale_layout == "swizzled"
     # blocks to quantize, and entries the swizzle padding loop visits
     work = max(rows * kblocks, formats.swizzled_shape(rows, kblocks)[0] * padded_kblocks if swizzled else 0)
-    args = (out.packed, out.block_scales, _I64(rows), _I32(kblocks), _I32(swizzled), _I64(padded_kblocks),
+    if work >= _MAX_BLOCKS:
+        raise ValueError(f"out: {work} block scales is too large; the kernels index at most {_MAX_BLOCKS - 1}")
+    args = (out.packed, out.block_scales, _U32(rows), _U32(kblocks), _I32(swizzled), _U32(padded_kblocks),
             status.device_word())
     return args, work
 
@@ -128,7 +133,7 @@ def amax(x, *, out=None):
     nblocks = x.size // BLOCK_SIZE
     grid = _grid(kernel, nblocks)
     unused_scale = workspace.scalar()  # the kernel also derives S; amax() does not return it
-    kernel(grid, _THREADS, (x, _I64(nblocks), out, unused_scale, workspace.partials(), status.device_word()))
+    kernel(grid, _THREADS, (x, _U32(nblocks), out, unused_scale, workspace.partials(), status.device_word()))
     return out
 
 
@@ -283,10 +288,12 @@ def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     for name in ("packed", "block_scales"):
         arrays.check_contiguous(f"q.{name}", getattr(q, name))
     arrays.check_aligned("q.packed", q.packed, 8)
-    out = cupy.empty(q.shape, dtype=dtype) if out is None else out
     rows, kblocks = q.rows, q.shape[-1] // BLOCK_SIZE
+    if rows * kblocks >= _MAX_BLOCKS:
+        raise ValueError(f"q: {rows * kblocks} blocks is too large; the kernels index at most {_MAX_BLOCKS - 1}")
+    out = cupy.empty(q.shape, dtype=dtype) if out is None else out
     kernel = _kernel(f"dequantize_{arrays.DTYPE_SUFFIX[dtype]}")
-    args = (q.packed, q.block_scales, q.global_scale, out, _I64(rows), _I32(kblocks),
-            _I32(q.scale_layout == "swizzled"), _I64(formats.swizzled_shape(rows, kblocks)[1]))
+    args = (q.packed, q.block_scales, q.global_scale, out, _U32(rows), _U32(kblocks),
+            _I32(q.scale_layout == "swizzled"), _U32(formats.swizzled_shape(rows, kblocks)[1]))
     kernel(_grid(kernel, rows * kblocks), _THREADS, args)
     return out

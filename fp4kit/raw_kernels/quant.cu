@@ -43,32 +43,43 @@ __device__ __forceinline__ unsigned block_max(unsigned v) {
     return v;
 }
 
-// Sources produce the fp32 values of output block b.
+// Sources produce the fp32 values of output block b in two steps, so that the loop can issue the
+// loads of the next block before it encodes the current one: fetch (global loads into registers)
+// and expand (to fp32, plus the SwiGLU arithmetic). Block indices are 32-bit: the host checks
+// that rows * kblocks < 2**31.
 template <typename T>
 struct PlainSource {
+    using Raw = Fp4Raw16<T>;
     const T* x;
-    __device__ __forceinline__ void load(long long b, float v[FP4_BLOCK]) const { fp4_load16(x + b * FP4_BLOCK, v); }
+    __device__ __forceinline__ Raw fetch(unsigned b) const { return fp4_fetch16(x + (size_t)b * FP4_BLOCK); }
+    __device__ __forceinline__ void expand(const Raw& r, unsigned, float v[FP4_BLOCK]) const { fp4_expand16(r, v); }
 };
 
 template <typename T, bool kInterleaved>
 struct SwigluSource {
+    struct Raw {
+        Fp4Raw16<T> gate, up;
+    };
     const T* h;
     const float* row_scale;  // nullptr: no per-row factor
     float limit;             // gate <= limit, up in [-limit, limit]; no clamp when has_limit == 0
     int has_limit;
-    int kblocks;             // output blocks per row
+    unsigned kblocks;        // output blocks per row
 
-    __device__ __forceinline__ void load(long long b, float v[FP4_BLOCK]) const {
-        const long long row = b / kblocks;
-        const int kb = (int)(b % kblocks);
-        const T* base = h + row * (long long)kblocks * 2 * FP4_BLOCK;
+    __device__ __forceinline__ Raw fetch(unsigned b) const {
+        const unsigned row = b / kblocks, kb = b % kblocks;
+        const T* base = h + (size_t)row * kblocks * 2 * FP4_BLOCK;
         // interleaved: 16 gate then 16 up per 32-element chunk; concatenated: [gate | up]
         const T* gate = kInterleaved ? base + kb * 2 * FP4_BLOCK : base + kb * FP4_BLOCK;
-        const T* up = kInterleaved ? gate + FP4_BLOCK : base + ((long long)kblocks + kb) * FP4_BLOCK;
+        const T* up = kInterleaved ? gate + FP4_BLOCK : base + (size_t)(kblocks + kb) * FP4_BLOCK;
+        return Raw{fp4_fetch16(gate), fp4_fetch16(up)};
+    }
+
+    __device__ __forceinline__ void expand(const Raw& r, unsigned b, float v[FP4_BLOCK]) const {
         float g[FP4_BLOCK], u[FP4_BLOCK];
-        fp4_load16(gate, g);
-        fp4_load16(up, u);
-        const float rs = row_scale ? fp4_ftz(row_scale[row]) : 1.0f;
+        fp4_expand16(r.gate, g);
+        fp4_expand16(r.up, u);
+        const float rs = row_scale ? fp4_ftz(row_scale[b / kblocks]) : 1.0f;
 #pragma unroll
         for (int i = 0; i < FP4_BLOCK; ++i) {
             float gi = g[i], ui = u[i];
@@ -85,49 +96,51 @@ struct SwigluSource {
 struct QuantOut {
     unsigned char* packed;
     unsigned char* scales;
-    long long rows;
-    int kblocks;
+    unsigned rows;
+    unsigned kblocks;
     int swizzled;
-    long long padded_kblocks;
+    unsigned padded_kblocks;
 };
 
 // The 128x4 layout is padded to whole tiles; GEMMs read the padding, so it must be zero.
-__device__ void zero_swizzle_padding(const QuantOut& o, long long first, long long stride) {
-    const long long padded_rows = (o.rows + 127) / 128 * 128;
-    for (long long p = first; p < padded_rows * o.padded_kblocks; p += stride) {
-        const long long m = p / o.padded_kblocks, k = p % o.padded_kblocks;
+__device__ void zero_swizzle_padding(const QuantOut& o, unsigned first, unsigned stride) {
+    const unsigned padded_rows = (o.rows + 127) / 128 * 128;
+    for (unsigned p = first; p < padded_rows * o.padded_kblocks; p += stride) {
+        const unsigned m = p / o.padded_kblocks, k = p % o.padded_kblocks;
         if (m >= o.rows || k >= o.kblocks) o.scales[fp4_swizzled_offset(m, k, o.padded_kblocks)] = 0;
     }
 }
 
-__device__ __forceinline__ void store_block(const QuantOut& o, long long b, const float v[FP4_BLOCK], float s) {
+__device__ __forceinline__ void store_block(const QuantOut& o, unsigned b, const float v[FP4_BLOCK], float s) {
     uint2 codes;
     const unsigned sf = fp4_encode_block(v, s, codes);
     reinterpret_cast<uint2*>(o.packed)[b] = codes;
-    o.scales[fp4_scale_offset(b, o.kblocks, o.swizzled, o.padded_kblocks)] = (unsigned char)sf;
+    const size_t at = o.swizzled ? fp4_swizzled_offset(b / o.kblocks, b % o.kblocks, o.padded_kblocks) : b;
+    o.scales[at] = (unsigned char)sf;
 }
 
 // kAmax: reduce max|value| over the grid, derive S, write amax_out / scale_out.
 // kQuantize: quantize with S (from the reduction, or read from static_scale).
 template <bool kAmax, bool kQuantize, class Source>
-__device__ void amax_quantize(const Source& src, long long nblocks, const QuantOut& o, const float* static_scale,
+__device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOut& o, const float* static_scale,
                               float* amax_out, float* scale_out, unsigned* partials, unsigned* status) {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned stride = gridDim.x * blockDim.x;
+    const unsigned first = blockIdx.x * blockDim.x + threadIdx.x;
     const bool resident = nblocks <= stride;  // at most one block per thread: keep it in registers
     float v[FP4_BLOCK];
     float s;
     if (kAmax) {
         unsigned m = 0;
-        long long b = first;
+        unsigned b = first;
         for (; b + stride < nblocks; b += 2 * stride) {  // two blocks per step: more loads in flight
+            const typename Source::Raw r0 = src.fetch(b), r1 = src.fetch(b + stride);
             float w[FP4_BLOCK];
-            src.load(b, v);
-            src.load(b + stride, w);
+            src.expand(r0, b, v);
+            src.expand(r1, b + stride, w);
             m = max(m, max(fp4_block_abs_max_bits(v), fp4_block_abs_max_bits(w)));
         }
         if (b < nblocks) {  // when resident, this is the thread's only block: v keeps it
-            src.load(b, v);
+            src.expand(src.fetch(b), b, v);
             m = max(m, fp4_block_abs_max_bits(v));
         }
         m = block_max(m);
@@ -148,24 +161,31 @@ __device__ void amax_quantize(const Source& src, long long nblocks, const QuantO
         s = *static_scale;
     }
     if (!kQuantize) return;
-    for (long long b = first; b < nblocks; b += stride) {
-        if (!(kAmax && resident)) {
-            src.load(b, v);
+    if (kAmax && resident) {
+        if (first < nblocks) store_block(o, first, v, s);
+    } else {
+        // software pipeline: the loads of block b + stride are in flight while block b is encoded
+        typename Source::Raw next;
+        if (first < nblocks) next = src.fetch(first);
+        for (unsigned b = first; b < nblocks; b += stride) {
+            const typename Source::Raw cur = next;
+            if (b + stride < nblocks) next = src.fetch(b + stride);
+            src.expand(cur, b, v);
             if (!kAmax && fp4_block_abs_max_bits(v) >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+            store_block(o, b, v, s);
         }
-        store_block(o, b, v, s);
     }
     if (o.swizzled) zero_swizzle_padding(o, first, stride);
 }
 
 #define FP4_QUANT_ARGS                                                                                    \
-    unsigned char *packed, unsigned char *scales, long long rows, int kblocks, int swizzled,              \
-        long long padded_kblocks, unsigned *status
+    unsigned char *packed, unsigned char *scales, unsigned rows, unsigned kblocks, int swizzled,          \
+        unsigned padded_kblocks, unsigned *status
 #define FP4_QUANT_OUT QuantOut{packed, scales, rows, kblocks, swizzled, padded_kblocks}
 
 #define FP4_DEFINE_QUANT(SUFFIX, T)                                                                       \
     extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                                \
-        amax_##SUFFIX(const T* x, long long nblocks, float* amax_out, float* scale_out, unsigned* partials, \
+        amax_##SUFFIX(const T* x, unsigned nblocks, float* amax_out, float* scale_out, unsigned* partials, \
                       unsigned* status) {                                                                 \
         amax_quantize<true, false>(PlainSource<T>{x}, nblocks, QuantOut{}, nullptr, amax_out, scale_out,  \
                                    partials, status);                                                     \
@@ -210,25 +230,25 @@ FP4_DEFINE_SWIGLU(f32_concatenated, float, false)
 // out = e2m1 * (fp32(scale) / S), one 16-element block per thread per step.
 template <typename T>
 __device__ void dequantize_blocks(const unsigned char* packed, const unsigned char* scales, const float* global_scale,
-                                  T* out, long long rows, int kblocks, int swizzled, long long padded_kblocks) {
-    const long long nblocks = rows * kblocks;
+                                  T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks) {
+    const unsigned nblocks = rows * kblocks;
     const float s = fp4_ftz(*global_scale);
-    for (long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks;
-         b += (long long)gridDim.x * blockDim.x) {
+    for (unsigned b = blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += gridDim.x * blockDim.x) {
         const uint2 codes = reinterpret_cast<const uint2*>(packed)[b];
-        const float decode = __fdiv_rn(fp4_e4m3_value(scales[fp4_scale_offset(b, kblocks, swizzled, padded_kblocks)]), s);
+        const size_t at = swizzled ? fp4_swizzled_offset(b / kblocks, b % kblocks, padded_kblocks) : b;
+        const float decode = __fdiv_rn(fp4_e4m3_value(scales[at]), s);
         float v[FP4_BLOCK];
 #pragma unroll
         for (int i = 0; i < FP4_BLOCK; ++i)
             v[i] = __fmul_rn(fp4_e2m1_value(((i < 8 ? codes.x : codes.y) >> (4 * (i % 8))) & 0xFu), decode);
-        fp4_store16(out + b * FP4_BLOCK, v);
+        fp4_store16(out + (size_t)b * FP4_BLOCK, v);
     }
 }
 
 #define FP4_DEFINE_DEQUANT(SUFFIX, T)                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                                \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                               \
         dequantize_##SUFFIX(const unsigned char* packed, const unsigned char* scales, const float* global_scale, \
-                            T* out, long long rows, int kblocks, int swizzled, long long padded_kblocks) { \
+                            T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks) { \
         dequantize_blocks(packed, scales, global_scale, out, rows, kblocks, swizzled, padded_kblocks);    \
     }
 

@@ -25,19 +25,16 @@ __device__ __forceinline__ unsigned fp4_e2m1_code(float y) {
     return (a >= 0x3F800000u ? normal : subnormal) | sign;
 }
 
-// fp4_e2m1_code_not_nan: y must not be NaN; about half the integer instructions, so the
-// quantizers use it for every block without a NaN. The E2M1 step is 0.5 below 2, 1 in [2, 4)
-// and 2 from 4: adding M = 1.5 * 2**(22 + e) (e = 0, 1, 2 for the three ranges) rounds a to that
-// step with the fp32 adder's own ties-to-even, and one FMA maps the rounded value to its code
-// (r * 2**(1-e) + 2e), read from the low mantissa bits of 2**23 + code.
+// fp4_e2m1_code_not_nan: y must not be NaN; about half the instructions of the integer form,
+// so the quantizers use it for every block without a NaN. The E2M1 step is 0.5 below 2, 1 in
+// [2, 4) and 2 from 4: adding M = 1.5 * 2**(22 + e) (e = 0, 1, 2 for the three ranges) rounds
+// |y| to that step with the fp32 adder's own ties-to-even and leaves n = round(|y| / step) in the
+// low mantissa bits of the sum; the code is n + 2e, and 2e = (bits(M) >> 22) - 299.
 __device__ __forceinline__ unsigned fp4_e2m1_code_not_nan(float y) {
     const float a = fminf(fabsf(y), 6.0f);  // +-Inf and everything above 6 saturate
-    const unsigned mb = (__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u) + 0x0B400000u;
-    const float m = __uint_as_float(mb);
-    const float r = __fsub_rn(__fadd_rn(a, m), m);
-    const float step_inv = __uint_as_float(0x8AC00000u - mb);               // 2**(1-e)
-    const float offset = __uint_as_float(0x4B000000u - 299u + (mb >> 22));  // 2**23 + 2e
-    return (__float_as_uint(__fmaf_rn(r, step_inv, offset)) & 7u) | ((__float_as_uint(y) >> 28) & 8u);
+    const unsigned m = (__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u) + 0x0B400000u;
+    const unsigned n_plus_m = __float_as_uint(__fadd_rn(a, __uint_as_float(m)));
+    return (n_plus_m - m + (m >> 22) - 299u) | ((__float_as_uint(y) >> 28) & 8u);
 }
 
 __device__ __forceinline__ float fp4_e2m1_value(unsigned code) {
@@ -102,19 +99,28 @@ __device__ __forceinline__ unsigned fp4_encode_block(const float v[FP4_BLOCK], f
     return sf;
 }
 
-// 16 consecutive elements (16-byte aligned) as fp32. Subnormals are not flushed here: every
-// consumer flushes them through its -ftz arithmetic (or, for amax, once at the end).
+// 16 consecutive elements of T (16-byte aligned) as 16-byte words, and their fp32 values.
+// Fetching and expanding are separate so that a loop can have the next block's loads in flight
+// while it works on the current one. Subnormals are not flushed here: every consumer flushes
+// them through its -ftz arithmetic (or, for amax, once at the end).
 template <typename T>
-__device__ __forceinline__ void fp4_load16(const T* p, float v[FP4_BLOCK]) {
-    constexpr int kPerVec = 16 / sizeof(T);
-    const uint4* src = reinterpret_cast<const uint4*>(p);
+struct Fp4Raw16 {
+    uint4 q[FP4_BLOCK * sizeof(T) / 16];
+};
+
+template <typename T>
+__device__ __forceinline__ Fp4Raw16<T> fp4_fetch16(const T* p) {
+    Fp4Raw16<T> r;
 #pragma unroll
-    for (int j = 0; j < FP4_BLOCK / kPerVec; ++j) {
-        const uint4 raw = src[j];
-        const T* e = reinterpret_cast<const T*>(&raw);
+    for (int j = 0; j < FP4_BLOCK * (int)sizeof(T) / 16; ++j) r.q[j] = reinterpret_cast<const uint4*>(p)[j];
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void fp4_expand16(const Fp4Raw16<T>& r, float v[FP4_BLOCK]) {
+    const T* e = reinterpret_cast<const T*>(r.q);
 #pragma unroll
-        for (int i = 0; i < kPerVec; ++i) v[j * kPerVec + i] = fp4_to_float(e[i]);
-    }
+    for (int i = 0; i < FP4_BLOCK; ++i) v[i] = fp4_to_float(e[i]);
 }
 
 template <typename T>
@@ -133,11 +139,6 @@ __device__ __forceinline__ void fp4_store16(T* p, const float v[FP4_BLOCK]) {
 
 // Byte offset of block scale (row m, block column k) in the 128x4 swizzled layout whose padded
 // width is padded_kblocks (a multiple of 4): 512-byte tiles of 128 rows x 4 columns.
-__device__ __forceinline__ long long fp4_swizzled_offset(long long m, long long k, long long padded_kblocks) {
-    return ((m >> 7) * (padded_kblocks >> 2) + (k >> 2)) * 512 + (m & 31) * 16 + ((m & 127) >> 5) * 4 + (k & 3);
-}
-
-// Where block b (row-major over [rows, kblocks]) keeps its scale byte.
-__device__ __forceinline__ long long fp4_scale_offset(long long b, int kblocks, int swizzled, long long padded_kblocks) {
-    return swizzled ? fp4_swizzled_offset(b / kblocks, b % kblocks, padded_kblocks) : b;
+__device__ __forceinline__ size_t fp4_swizzled_offset(unsigned m, unsigned k, unsigned padded_kblocks) {
+    return ((size_t)(m >> 7) * (padded_kblocks >> 2) + (k >> 2)) * 512 + (m & 31) * 16 + ((m & 127) >> 5) * 4 + (k & 3);
 }
