@@ -53,6 +53,9 @@ struct PlainSource {
     const T* x;
     __device__ __forceinline__ Raw fetch(unsigned b) const { return fp4_fetch16(x + (size_t)b * FP4_BLOCK); }
     __device__ __forceinline__ void expand(const Raw& r, unsigned, float v[FP4_BLOCK]) const { fp4_expand16(r, v); }
+    // max |value| of a block as fp32 bits: from the fetched words, or from its expanded values
+    __device__ __forceinline__ unsigned abs_max_bits(const Raw& r, unsigned) const { return fp4_raw_abs_max_bits(r); }
+    __device__ __forceinline__ unsigned abs_max_bits(const Raw& r, const float*) const { return fp4_raw_abs_max_bits(r); }
 };
 
 template <typename T, bool kInterleaved>
@@ -91,6 +94,15 @@ struct SwigluSource {
             if (row_scale) v[i] = __fmul_rn(v[i], rs);
         }
     }
+
+    __device__ __forceinline__ unsigned abs_max_bits(const Raw&, const float v[FP4_BLOCK]) const {
+        return fp4_block_abs_max_bits(v);
+    }
+    __device__ __forceinline__ unsigned abs_max_bits(const Raw& r, unsigned b) const {
+        float v[FP4_BLOCK];
+        expand(r, b, v);
+        return fp4_block_abs_max_bits(v);
+    }
 };
 
 struct QuantOut {
@@ -111,9 +123,10 @@ __device__ void zero_swizzle_padding(const QuantOut& o, unsigned first, unsigned
     }
 }
 
-__device__ __forceinline__ void store_block(const QuantOut& o, unsigned b, const float v[FP4_BLOCK], float s) {
+__device__ __forceinline__ void store_block(const QuantOut& o, unsigned b, const float v[FP4_BLOCK], unsigned vmax_bits,
+                                            float s) {
     uint2 codes;
-    const unsigned sf = fp4_encode_block(v, s, codes);
+    const unsigned sf = fp4_encode_block(v, vmax_bits, s, codes);
     reinterpret_cast<uint2*>(o.packed)[b] = codes;
     const size_t at = o.swizzled ? fp4_swizzled_offset(b / o.kblocks, b % o.kblocks, o.padded_kblocks) : b;
     o.scales[at] = (unsigned char)sf;
@@ -128,20 +141,20 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
     const unsigned first = blockIdx.x * blockDim.x + threadIdx.x;
     const bool resident = nblocks <= stride;  // at most one block per thread: keep it in registers
     float v[FP4_BLOCK];
+    unsigned vmax_bits = 0;
     float s;
     if (kAmax) {
         unsigned m = 0;
         unsigned b = first;
         for (; b + stride < nblocks; b += 2 * stride) {  // two blocks per step: more loads in flight
             const typename Source::Raw r0 = src.fetch(b), r1 = src.fetch(b + stride);
-            float w[FP4_BLOCK];
-            src.expand(r0, b, v);
-            src.expand(r1, b + stride, w);
-            m = max(m, max(fp4_block_abs_max_bits(v), fp4_block_abs_max_bits(w)));
+            m = max(m, max(src.abs_max_bits(r0, b), src.abs_max_bits(r1, b + stride)));
         }
         if (b < nblocks) {  // when resident, this is the thread's only block: v keeps it
-            src.expand(src.fetch(b), b, v);
-            m = max(m, fp4_block_abs_max_bits(v));
+            const typename Source::Raw r = src.fetch(b);
+            src.expand(r, b, v);
+            vmax_bits = src.abs_max_bits(r, v);
+            m = max(m, vmax_bits);
         }
         m = block_max(m);
         if (threadIdx.x == 0) partials[blockIdx.x] = m;
@@ -162,7 +175,7 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
     }
     if (!kQuantize) return;
     if (kAmax && resident) {
-        if (first < nblocks) store_block(o, first, v, s);
+        if (first < nblocks) store_block(o, first, v, vmax_bits, s);
     } else {
         // software pipeline: the loads of block b + stride are in flight while block b is encoded
         typename Source::Raw next;
@@ -171,8 +184,9 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
             const typename Source::Raw cur = next;
             if (b + stride < nblocks) next = src.fetch(b + stride);
             src.expand(cur, b, v);
-            if (!kAmax && fp4_block_abs_max_bits(v) >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
-            store_block(o, b, v, s);
+            vmax_bits = src.abs_max_bits(cur, v);
+            if (!kAmax && vmax_bits >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+            store_block(o, b, v, vmax_bits, s);
         }
     }
     if (o.swizzled) zero_swizzle_padding(o, first, stride);
