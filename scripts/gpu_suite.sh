@@ -33,13 +33,6 @@ grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, 
 if has tests; then
     run gpu-tests python3 -m pytest -q -m gpu tests
 fi
-if has sanitize; then
-    subset="dtypes or swiglu or dequantize or edge or graph or empty"
-    FP4KIT_NO_POOL=1 run memcheck timeout 900 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
-    run racecheck timeout 900 compute-sanitizer --tool racecheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or swiglu" -p no:cacheprovider
-fi
 if has profile; then
     for size in "2048 7168" "16384 7168"; do
         run "ncu-${size// /x}" ncu --clock-control none -k regex:amax_quantize -s 2 -c 1 \
@@ -51,4 +44,11 @@ if has bench; then
     for bench in benchmarks/bench_*.py; do
         run "$(basename "$bench" .py)" python3 "$bench"
     done
+fi
+if has sanitize; then
+    subset="dtypes or swiglu or dequantize or edge or graph or empty"
+    FP4KIT_NO_POOL=1 run memcheck timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
+    run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or empty" -p no:cacheprovider
 fi
