@@ -47,7 +47,7 @@ if has bench; then
 fi
 if has sanitize; then
     subset="dtypes or dequantize or edge or graph or empty or (swiglu and dtype0)"
-    FP4KIT_NO_POOL=1 run memcheck timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    run memcheck env FP4KIT_NO_POOL=1 timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
     run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or empty" -p no:cacheprovider
