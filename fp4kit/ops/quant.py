@@ -202,6 +202,47 @@ def quantize(x, *, global_scale=None, scale_layout: str = "linear", out: Nvfp4Te
     return out
 
 
+def _swiglu_args(h, layout, limit, row_scale):
+    """Validated (h, row_scale) and the source arguments shared by the SwiGLU kernels."""
+    h = _intake(h, "h", 2 * BLOCK_SIZE)
+    if layout not in ref.SWIGLU_LAYOUTS:
+        raise ValueError(f"layout: expected one of {ref.SWIGLU_LAYOUTS}, got {layout!r}")
+    if limit is not None and not (np.isfinite(limit) and limit > 0):
+        raise ValueError(f"limit: expected a positive finite float or None, got {limit!r}")
+    if row_scale is not None:
+        row_scale = arrays.as_array(row_scale, "row_scale")
+        if row_scale.dtype != np.float32 or tuple(row_scale.shape) != tuple(h.shape[:-1]):
+            raise ValueError(
+                f"row_scale: expected float32 of shape {tuple(h.shape[:-1])}, got {arrays.describe(row_scale)}"
+            )
+        arrays.check_contiguous("row_scale", row_scale)
+        arrays.check_same_device(h=h, row_scale=row_scale)
+    source = (h, row_scale if row_scale is not None else 0, np.float32(limit or 0.0), _I32(limit is not None))
+    return h, row_scale, source
+
+
+def swiglu(h, *, layout: str = "interleaved", limit: float | None = None, row_scale=None, out=None):
+    """``silu(gate) * up`` (with the optional clamp and row factor of `swiglu_quantize`), computed
+    in fp32 and rounded to bf16: ``[..., 2I]`` to ``[..., I]``. The W4A16 down-projection input."""
+    h, row_scale, source = _swiglu_args(h, layout, limit, row_scale)
+    shape = (*h.shape[:-1], h.shape[-1] // 2)
+    if out is not None:
+        arrays.check_out("out", out, shape, arrays.BF16, h)
+    if not arrays.is_device_array(h):
+        result = ref.swiglu(h, layout, limit, row_scale).astype(arrays.BF16)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    import cupy
+
+    out = cupy.empty(shape, dtype=arrays.BF16) if out is None else out
+    rows, kblocks = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1] // BLOCK_SIZE
+    kernel = _kernel(f"swiglu_{arrays.DTYPE_SUFFIX[h.dtype]}_{layout}")
+    kernel(_grid(kernel, rows * kblocks), _THREADS, (*source, out, _U32(rows), _U32(kblocks)))
+    return out
+
+
 def swiglu_quantize(
     h,
     *,
@@ -232,19 +273,7 @@ def swiglu_quantize(
     The activation ``silu(gate) * up`` is computed in fp32 and quantized without rounding in
     between. A NaN or Inf activation is recorded in the status word.
     """
-    h = _intake(h, "h", 2 * BLOCK_SIZE)
-    if layout not in ref.SWIGLU_LAYOUTS:
-        raise ValueError(f"layout: expected one of {ref.SWIGLU_LAYOUTS}, got {layout!r}")
-    if limit is not None and not (np.isfinite(limit) and limit > 0):
-        raise ValueError(f"limit: expected a positive finite float or None, got {limit!r}")
-    if row_scale is not None:
-        row_scale = arrays.as_array(row_scale, "row_scale")
-        if row_scale.dtype != np.float32 or tuple(row_scale.shape) != tuple(h.shape[:-1]):
-            raise ValueError(
-                f"row_scale: expected float32 of shape {tuple(h.shape[:-1])}, got {arrays.describe(row_scale)}"
-            )
-        arrays.check_contiguous("row_scale", row_scale)
-        arrays.check_same_device(h=h, row_scale=row_scale)
+    h, row_scale, source_args = _swiglu_args(h, layout, limit, row_scale)
     global_scale = _scale_arg(global_scale, h)
     shape = (*h.shape[:-1], h.shape[-1] // 2)
     out = _prepare_out(out, shape, scale_layout, h)
@@ -254,7 +283,6 @@ def swiglu_quantize(
         return _copy_into(out, ref.quantize(act, global_scale, scale_layout))
     suffix = f"{arrays.DTYPE_SUFFIX[h.dtype]}_{layout}"
     layout_args, work = _layout_args(out)
-    source_args = (h, row_scale if row_scale is not None else 0, np.float32(limit or 0.0), _I32(limit is not None))
     if global_scale is None:
         kernel = _kernel(f"swiglu_amax_quantize_{suffix}")
         args = (*source_args, workspace.scalar(), out.global_scale, workspace.partials(), *layout_args)

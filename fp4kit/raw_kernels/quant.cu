@@ -231,6 +231,20 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
                                    nullptr, status);                                                      \
     }
 
+// SwiGLU alone, rounded to bf16: the down-projection input of the W4A16 path (and the unfused
+// reference path of the MoE). One 16-element output block per thread per step.
+#define FP4_DEFINE_SWIGLU_BF16(SUFFIX, T, INTERLEAVED)                                                    \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) swiglu_##SUFFIX(              \
+        const T* h, const float* row_scale, float limit, int has_limit, __nv_bfloat16* out, unsigned rows, \
+        unsigned kblocks) {                                                                               \
+        const SwigluSource<T, INTERLEAVED> src{h, row_scale, limit, has_limit, kblocks};                  \
+        float v[FP4_BLOCK];                                                                               \
+        for (unsigned b = blockIdx.x * blockDim.x + threadIdx.x; b < rows * kblocks; b += gridDim.x * blockDim.x) { \
+            src.expand(src.fetch(b), b, v);                                                               \
+            fp4_store16(out + (size_t)b * FP4_BLOCK, v);                                                  \
+        }                                                                                                 \
+    }
+
 FP4_DEFINE_QUANT(bf16, __nv_bfloat16)
 FP4_DEFINE_QUANT(f16, __half)
 FP4_DEFINE_QUANT(f32, float)
@@ -240,6 +254,12 @@ FP4_DEFINE_SWIGLU(f32_interleaved, float, true)
 FP4_DEFINE_SWIGLU(bf16_concatenated, __nv_bfloat16, false)
 FP4_DEFINE_SWIGLU(f16_concatenated, __half, false)
 FP4_DEFINE_SWIGLU(f32_concatenated, float, false)
+FP4_DEFINE_SWIGLU_BF16(bf16_interleaved, __nv_bfloat16, true)
+FP4_DEFINE_SWIGLU_BF16(f16_interleaved, __half, true)
+FP4_DEFINE_SWIGLU_BF16(f32_interleaved, float, true)
+FP4_DEFINE_SWIGLU_BF16(bf16_concatenated, __nv_bfloat16, false)
+FP4_DEFINE_SWIGLU_BF16(f16_concatenated, __half, false)
+FP4_DEFINE_SWIGLU_BF16(f32_concatenated, float, false)
 
 // out = e2m1 * (fp32(scale) / S), one 16-element block per thread per step.
 template <typename T>

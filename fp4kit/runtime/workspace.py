@@ -56,3 +56,23 @@ def zeros_outside_capture(n: int, dtype):
         buf.fill(0)
     side.synchronize()
     return buf
+
+
+def device_buffer(name: str, nbytes: int):
+    """A uint8 device buffer of at least ``nbytes``, reused across calls on this device and stream.
+
+    For work that is not captured in a graph (e.g. the prefill GEMM's dequantized weight): it
+    grows when a call needs more, so a caller must not keep a view across calls.
+    """
+    import cupy
+
+    key = ("buffer:" + name, cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    buf = _buffers.get(key)
+    if buf is None or buf.size < nbytes:
+        with _lock:
+            buf = _buffers.get(key)
+            if buf is None or buf.size < nbytes:
+                _buffers.pop(key, None)
+                buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+                _buffers[key] = buf
+    return buf

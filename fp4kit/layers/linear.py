@@ -1,0 +1,119 @@
+"""`Linear`: an NVFP4 linear layer, ``y = x @ W^T (+ b)``.
+
+The layer owns its NVFP4 weight, its global scales (on the device), an optional bias, and the
+buffers its decode path writes (the quantized activation and the output, one set per input
+shape), so that after one eager call the same call can be captured in a CUDA graph.
+
+Modes:
+
+* ``"w4a4"``: the activation is quantized to NVFP4 first, with its amax computed on the device
+  (one fused launch) or with a static calibrated ``input_scale``; then the NVFP4 x NVFP4 GEMM.
+* ``"w4a16"``: the bf16 activation goes straight into the GEMM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import Nvfp4Tensor
+from ..ops import gemm as gemm_ops
+from ..ops import quant as quant_ops
+from ..runtime import arrays
+
+MODES = ("w4a4", "w4a16")
+
+
+class Linear:
+    """NVFP4 linear layer.
+
+    Parameters
+    ----------
+    weight : Nvfp4Tensor ``[N, K]`` (linear scale layout)
+    bias : fp32 or bf16 ``[N]``, optional
+    mode : "w4a4" or "w4a16"
+    input_scale : 0-d fp32 array, optional
+        Static encode scale ``S_a`` of the activation (W4A4), in the weight's memory. ``None``
+        computes it from each input's amax on the device.
+    w_row_decode : fp32 ``[N]``, optional
+        Per-row decode factors of a fused weight whose shards had different global scales.
+    """
+
+    def __init__(self, weight: Nvfp4Tensor, *, bias=None, mode: str = "w4a4", input_scale=None, w_row_decode=None):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if not isinstance(weight, Nvfp4Tensor) or len(weight.shape) != 2:
+            raise TypeError(f"weight: expected a 2-D Nvfp4Tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
+        if input_scale is not None:
+            input_scale = arrays.as_scalar_fp32("input_scale", input_scale, weight.packed)
+        self.weight, self.bias, self.mode = weight, bias, mode
+        self.input_scale, self.w_row_decode = input_scale, w_row_decode
+        self._buffers: dict[tuple, tuple] = {}
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @classmethod
+    def from_float(cls, weight, *, bias=None, mode: str = "w4a4", input_scale=None) -> "Linear":
+        """Quantize a bf16/fp16/fp32 ``[N, K]`` weight (on the GPU for device arrays)."""
+        return cls(quant_ops.quantize(weight), bias=bias, mode=mode, input_scale=input_scale)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, prefix: str, *, mode: str = "w4a4", static_input_scale: bool = True,
+                        bias: str | None = None) -> "Linear":
+        """The layer ``prefix`` of a loaded `fp4kit.checkpoint.Checkpoint`.
+
+        ``static_input_scale`` uses the checkpoint's calibrated ``input_scale`` when it has one
+        (W4A4); otherwise the activation scale is computed per call. ``bias`` names an
+        unquantized tensor of the checkpoint to use as bias.
+        """
+        if prefix not in checkpoint.weights:
+            raise KeyError(f"prefix: no quantized weight {prefix!r} in the checkpoint; have {sorted(checkpoint.weights)[:8]}")
+        input_scale = checkpoint.input_scales.get(prefix) if static_input_scale else None
+        return cls(checkpoint.weights[prefix], bias=None if bias is None else checkpoint.extra[bias],
+                   mode=mode, input_scale=input_scale)
+
+    def _buffer(self, key: tuple, make):
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = make()
+            self._buffers[key] = buf
+        return buf
+
+    def _output_buffer(self, lead: tuple):
+        import cupy
+
+        return self._buffer(("out", lead), lambda: cupy.empty((*lead, self.out_features), arrays.BF16))
+
+    def _activation_buffer(self, lead: tuple) -> Nvfp4Tensor:
+        import cupy
+
+        k = self.in_features
+        return self._buffer(("act", lead), lambda: Nvfp4Tensor(
+            cupy.empty((*lead, k // 2), np.uint8), cupy.empty((*lead, k // 16), np.uint8),
+            cupy.empty((), np.float32), "linear", (*lead, k)))
+
+    def gemm(self, a, *, out=None):
+        """The GEMM alone on an activation already in the layer's input format: an Nvfp4Tensor
+        (W4A4, e.g. from a fused quantizing kernel) or bf16 (W4A16)."""
+        data = a.packed if isinstance(a, Nvfp4Tensor) else a
+        if out is None and arrays.is_device_array(data):
+            out = self._output_buffer(tuple(a.shape[:-1]))
+        return gemm_ops.gemm(a, self.weight, bias=self.bias, w_row_decode=self.w_row_decode, out=out)
+
+    def __call__(self, x, *, out=None):
+        """``y[..., N]`` for ``x[..., K]``.
+
+        W4A4 quantizes ``x`` (bf16, fp16 or fp32) first; W4A16 takes bf16. On the device, without
+        ``out`` the result is a buffer owned by the layer and overwritten by the next call with the
+        same input shape (what a captured decode step wants); pass ``out`` to keep results.
+        """
+        x = arrays.as_array(x, "x")
+        if self.mode == "w4a16":
+            return self.gemm(x, out=out)
+        act = self._activation_buffer(tuple(x.shape[:-1])) if arrays.is_device_array(x) else None
+        return self.gemm(quant_ops.quantize(x, global_scale=self.input_scale, out=act), out=out)

@@ -1,0 +1,132 @@
+"""`SharedExpert`: DeepSeek's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``, in NVFP4.
+
+Gate and up run as one GEMM over a fused weight ``W13 [2I, H]`` whose rows interleave the two
+projections in chunks of 16: rows ``32j .. 32j+15`` are gate rows ``16j .. 16j+15`` and rows
+``32j+16 .. 32j+31`` are the matching up rows. The GEMM output is then in the ``"interleaved"``
+layout of `fp4kit.swiglu_quantize`: one launch applies the clamp, SwiGLU, the amax and the NVFP4
+quantization of the down-projection input (W4A4), or SwiGLU to bf16 (W4A16).
+
+When gate and up were quantized separately with different global scales (checkpoints), the fused
+weight keeps every byte and carries a per-row decode vector instead of one global scale, so the
+result is exact (no re-quantization).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import Nvfp4Tensor
+from ..ops import quant as quant_ops
+from ..reference import fp32
+from ..reference.quant import SWIGLU_INTERLEAVE
+from ..runtime import arrays
+from .linear import MODES, Linear
+
+
+def interleave_rows(gate, up):
+    """Rows of ``gate`` and ``up`` (``[I, ...]`` each) alternating in chunks of 16: ``[2I, ...]``."""
+    xp = arrays.array_module(gate)
+    i = gate.shape[0]
+    if i % SWIGLU_INTERLEAVE or up.shape != gate.shape:
+        raise ValueError(f"gate/up: expected equal shapes with rows a multiple of 16, got {gate.shape} and {up.shape}")
+    c = i // SWIGLU_INTERLEAVE
+    g = gate.reshape(c, 1, SWIGLU_INTERLEAVE, *gate.shape[1:])
+    u = up.reshape(c, 1, SWIGLU_INTERLEAVE, *up.shape[1:])
+    return xp.concatenate([g, u], axis=1).reshape(2 * i, *gate.shape[1:])
+
+
+def fuse_gate_up(gate: Nvfp4Tensor, up: Nvfp4Tensor) -> tuple[Nvfp4Tensor, object]:
+    """Interleave two NVFP4 weights ``[I, H]`` into ``W13 [2I, H]`` without touching a byte.
+
+    Returns the fused tensor (whose ``global_scale`` is gate's) and a per-row fp32 decode vector
+    ``[2I]`` (``1 / S`` of the shard each row came from), which the GEMM applies exactly.
+    """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Nvfp4Tensor) or t.scale_layout != "linear" or len(t.shape) != 2:
+            raise ValueError(f"{name}: expected a 2-D Nvfp4Tensor with linear scales")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate/up: expected equal shapes, got {gate.shape} and {up.shape}")
+    xp = arrays.array_module(gate.packed)
+    fused = Nvfp4Tensor(interleave_rows(gate.packed, up.packed), interleave_rows(gate.block_scales, up.block_scales),
+                        gate.global_scale.copy(), "linear", (2 * gate.shape[0], gate.shape[1]))
+    ones = xp.ones(gate.shape[0], dtype=np.float32)
+    if xp is np:
+        dec_g, dec_u = fp32.div(np.float32(1), gate.global_scale), fp32.div(np.float32(1), up.global_scale)
+    else:
+        dec_g, dec_u = 1 / gate.global_scale, 1 / up.global_scale  # fp32 IEEE division on the device
+    row_decode = interleave_rows(ones * dec_g, ones * dec_u).astype(np.float32)
+    return fused, row_decode
+
+
+class SharedExpert:
+    """``down(swiglu(gate_up(x)))`` with NVFP4 weights.
+
+    Parameters
+    ----------
+    gate_up : Linear ``[2I, H]`` over the interleaved fused weight
+    down : Linear ``[H, I]``
+    limit : float, optional
+        DeepSeek-V4 ``swiglu_limit``: gate clamped to ``<= limit``, up to ``[-limit, limit]``.
+    """
+
+    def __init__(self, gate_up: Linear, down: Linear, *, limit: float | None = None):
+        if gate_up.out_features != 2 * down.in_features:
+            raise ValueError(
+                f"down: expected in_features {gate_up.out_features // 2} (half of gate_up's {gate_up.out_features}), "
+                f"got {down.in_features}"
+            )
+        if gate_up.mode != down.mode:
+            raise ValueError(f"gate_up and down must share a mode, got {gate_up.mode!r} and {down.mode!r}")
+        self.gate_up, self.down, self.limit = gate_up, down, limit
+        self._buffers: dict[tuple, object] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.down.mode
+
+    @classmethod
+    def from_float(cls, w_gate, w_up, w_down, *, limit: float | None = None, mode: str = "w4a4") -> "SharedExpert":
+        """Quantize float weights ``w_gate, w_up [I, H]`` and ``w_down [H, I]`` (on the GPU for device
+        arrays); gate and up share one global scale."""
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        w13 = interleave_rows(arrays.as_array(w_gate, "w_gate"), arrays.as_array(w_up, "w_up"))
+        return cls(Linear.from_float(w13, mode=mode), Linear.from_float(w_down, mode=mode), limit=limit)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, prefix: str, *, limit: float | None = None, mode: str = "w4a4",
+                        names=("gate_proj", "up_proj", "down_proj")) -> "SharedExpert":
+        """``{prefix}.gate_proj / up_proj / down_proj`` of a loaded checkpoint; gate and up are fused
+        exactly even when their global scales differ."""
+        gate_name, up_name, down_name = (f"{prefix}.{n}" for n in names)
+        for name in (gate_name, up_name, down_name):
+            if name not in checkpoint.weights:
+                raise KeyError(f"checkpoint: no quantized weight {name!r}")
+        fused, row_decode = fuse_gate_up(checkpoint.weights[gate_name], checkpoint.weights[up_name])
+        input_scale = checkpoint.input_scales.get(gate_name)
+        gate_up = Linear(fused, mode=mode, input_scale=input_scale, w_row_decode=row_decode)
+        down = Linear.from_checkpoint(checkpoint, down_name, mode=mode)
+        return cls(gate_up, down, limit=limit)
+
+    def __call__(self, x, *, out=None):
+        """``[..., H]`` to ``[..., H]`` (bf16). On the device the intermediates live in buffers owned
+        by the layers (one set per input shape), so the call can be captured in a CUDA graph."""
+        h = self.gate_up(x)
+        act = self._activation_buffer(h) if arrays.is_device_array(h) else None
+        if self.mode == "w4a4":
+            a = quant_ops.swiglu_quantize(h, layout="interleaved", limit=self.limit,
+                                          global_scale=self.down.input_scale, out=act)
+        else:
+            a = quant_ops.swiglu(h, layout="interleaved", limit=self.limit, out=act)
+        return self.down.gemm(a, out=out)
+
+    def _activation_buffer(self, h):
+        lead, inner = tuple(h.shape[:-1]), h.shape[-1] // 2
+        if self.mode == "w4a4":
+            return self.down._activation_buffer(lead)
+        import cupy
+
+        buf = self._buffers.get(lead)
+        if buf is None:
+            buf = self._buffers[lead] = cupy.empty((*lead, inner), arrays.BF16)
+        return buf

@@ -1,0 +1,197 @@
+"""NVFP4 GEMM ops: ``y = alpha * A @ W^T (+ bias)`` with W an NVFP4 weight, launching
+``raw_kernels/gemm.cu``.
+
+Two paths, picked by the number of activation rows M (``decode_max_m``, default 64):
+
+* **decode** (M <= 64): one kernel that streams the weight once, dequantizing it in registers
+  and multiplying on the bf16 tensor cores; no library call, so it can be captured in a CUDA graph.
+* **prefill** (M > 64): the weight (and an NVFP4 activation) dequantized exactly into a reusable
+  bf16 workspace, a cuBLAS bf16 GEMM with fp32 output, then one epilogue kernel for alpha, bias and
+  the output cast. cuBLAS cannot be captured in a CuPy graph; prefill is not captured.
+
+The threshold was chosen from ``benchmarks/bench_linear.py`` on an H200 (README); override it
+per call with ``decode_max_m``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import BLOCK_SIZE, Nvfp4Tensor
+from ..reference import gemm as ref
+from ..runtime import arrays, loader, workspace
+
+DECODE_MAX_M = 64
+_TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
+_MODULE = "gemm"
+_U32 = np.uint32
+_I32 = np.int32
+
+# cuBLAS enums (cublas_api.h, library_types.h)
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+
+
+def _check_weight(w) -> None:
+    if not isinstance(w, Nvfp4Tensor):
+        raise TypeError(f"w: expected an Nvfp4Tensor [N, K], got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D [N, K] weight, got shape {w.shape}")
+    if w.scale_layout != "linear":
+        raise ValueError("w: expected scale_layout 'linear' (the Hopper GEMM reads [N, K/16] scales), got 'swizzled'")
+    for name in ("packed", "block_scales"):
+        arrays.check_contiguous(f"w.{name}", getattr(w, name))
+    arrays.check_aligned("w.packed", w.packed)
+    arrays.check_same_device(**{"w.packed": w.packed, "w.block_scales": w.block_scales, "w.global_scale": w.global_scale})
+
+
+def _check_activation(a, k: int):
+    """``a`` as (kind, rows, leading shape): an Nvfp4Tensor (W4A4) or a bf16 array (W4A16)."""
+    if isinstance(a, Nvfp4Tensor):
+        if a.scale_layout != "linear":
+            raise ValueError("a: expected an Nvfp4Tensor with scale_layout 'linear', got 'swizzled'")
+        if a.shape[-1] != k:
+            raise ValueError(f"a: expected last dimension K={k} to match w, got shape {a.shape}")
+        for name in ("packed", "block_scales"):
+            arrays.check_contiguous(f"a.{name}", getattr(a, name))
+        return a, a.shape[:-1]
+    a = arrays.as_array(a, "a")
+    if a.dtype != arrays.BF16:
+        raise TypeError(f"a: expected an Nvfp4Tensor or a bfloat16 array, got dtype {a.dtype}")
+    if a.ndim == 0 or a.shape[-1] != k:
+        raise ValueError(f"a: expected last dimension K={k} to match w, got shape {tuple(a.shape)}")
+    arrays.check_contiguous("a", a)
+    arrays.check_aligned("a", a)
+    return a, tuple(a.shape[:-1])
+
+
+def _vector(name: str, v, n: int, dtypes, like):
+    if v is None:
+        return None
+    v = arrays.as_array(v, name)
+    if tuple(v.shape) != (n,) or v.dtype not in [np.dtype(d) for d in dtypes]:
+        names = " or ".join(np.dtype(d).name for d in dtypes)
+        raise ValueError(f"{name}: expected shape ({n},) and dtype {names}, got {arrays.describe(v)}")
+    arrays.check_contiguous(name, v)
+    if arrays.device_id(v) != arrays.device_id(like):
+        raise ValueError(f"{name}: expected an array on the same device as w, got one {arrays.describe(v)}")
+    return v
+
+
+def gemm(
+    a,
+    w: Nvfp4Tensor,
+    *,
+    bias=None,
+    w_row_decode=None,
+    out=None,
+    out_dtype=arrays.BF16,
+    decode_max_m: int = DECODE_MAX_M,
+):
+    """``y[..., N] = alpha * A @ W^T (+ bias)``.
+
+    Parameters
+    ----------
+    a : Nvfp4Tensor ``[..., K]`` (W4A4) or bf16 array ``[..., K]`` (W4A16), C-contiguous
+        An NVFP4 activation comes from `fp4kit.quantize` (linear scale layout); its global scale
+        stays on the device.
+    w : Nvfp4Tensor ``[N, K]``, linear scale layout
+    bias : fp32 or bf16 ``[N]``, optional
+    w_row_decode : fp32 ``[N]``, optional
+        A decode factor per output row replacing ``1 / S_w`` (fused weights whose shards had
+        different global scales, see `fp4kit.checkpoint`).
+    out : bf16 or fp32 array ``[..., N]``, optional
+    out_dtype : bf16 (default) or fp32, when ``out`` is not given
+    decode_max_m : int
+        Largest row count that takes the decode kernel (at most 64).
+
+    ``alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
+    device global scales: nothing is read back. Runs on CuPy's current stream.
+    """
+    _check_weight(w)
+    n, k = w.shape
+    a, lead = _check_activation(a, k)
+    a_data = a.packed if isinstance(a, Nvfp4Tensor) else a
+    arrays.check_same_device(a=a_data, w=w.packed)
+    bias = _vector("bias", bias, n, (np.float32, arrays.BF16), w.packed)
+    w_row_decode = _vector("w_row_decode", w_row_decode, n, (np.float32,), w.packed)
+    m = int(np.prod(lead, dtype=np.int64))
+    out_dtype = np.dtype(out.dtype if out is not None else out_dtype)
+    if out_dtype not in (arrays.BF16, np.dtype(np.float32)):
+        raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
+    if out is not None:
+        arrays.check_out("out", out, (*lead, n), out_dtype, w.packed)
+    if not 0 <= decode_max_m <= 8 * _TOKEN_TILES[-1]:
+        raise ValueError(f"decode_max_m: expected 0..{8 * _TOKEN_TILES[-1]}, got {decode_max_m}")
+    if n * k // 2 >= 2**31 or m * k >= 2**31 or m * n >= 2**31:
+        raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
+
+    if not arrays.is_device_array(w.packed):
+        result = ref.gemm(a, w, bias, w_row_decode, out_dtype).reshape(*lead, n)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    import cupy
+
+    out = cupy.empty((*lead, n), dtype=out_dtype) if out is None else out
+    if m == 0:
+        return out
+    epilogue = (w.global_scale, _ptr(w_row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
+                _I32(out_dtype == np.float32), _U32(m), _U32(n), _U32(k))
+    if m <= decode_max_m:
+        tiles = next(t for t in _TOKEN_TILES if 8 * t >= m)
+        grid = -(-n // 16)
+        if isinstance(a, Nvfp4Tensor):
+            kernel = loader.get_kernel(_MODULE, f"gemm_decode_nvfp4_{tiles}")
+            kernel(grid, 256, (w.packed, w.block_scales, a.packed, a.block_scales, a.global_scale, *epilogue))
+        else:
+            kernel = loader.get_kernel(_MODULE, f"gemm_decode_bf16_{tiles}")
+            kernel(grid, 256, (w.packed, w.block_scales, a, *epilogue))
+        return out
+    _prefill(a, w, m, n, k, epilogue)
+    return out
+
+
+def _ptr(v):
+    return 0 if v is None else v
+
+
+def _bias_kind(bias) -> int:
+    if bias is None:
+        return 0
+    return 1 if bias.dtype == np.float32 else 2
+
+
+def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str):
+    """``e2m1 * fp32(scale)`` of ``q`` as bf16 ``[rows, K]`` in a reusable workspace."""
+    buf = workspace.device_buffer(name, rows * k * 2).view(arrays.BF16)[: rows * k].reshape(rows, k)
+    kernel = loader.get_kernel(_MODULE, "dequantize_unscaled_bf16")
+    blocks = rows * (k // BLOCK_SIZE)
+    kernel(max(1, min(-(-blocks // 256), kernel.max_blocks * 4)), 256,
+           (q.packed, q.block_scales, buf, _U32(rows), _U32(k // BLOCK_SIZE)))
+    return buf
+
+
+def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple) -> None:
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    w_vals = _dequantize_unscaled(w, n, k, "gemm.w")
+    if isinstance(a, Nvfp4Tensor):
+        a_vals, a_global = _dequantize_unscaled(a, m, k, "gemm.a"), a.global_scale
+    else:
+        a_vals, a_global = a.reshape(m, k), 0
+    acc = workspace.device_buffer("gemm.acc", m * n * 4).view(np.float32)[: m * n]
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    # row-major Y[M, N] = A[M, K] @ W[N, K]^T is column-major Y^T = W^T(op T) @ A(op N)
+    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, one.ctypes.data, w_vals.data.ptr, _CUDA_R_16BF, k,
+                  a_vals.data.ptr, _CUDA_R_16BF, k, zero.ctypes.data, acc.data.ptr, _CUDA_R_32F, n,
+                  _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    kernel = loader.get_kernel(_MODULE, "gemm_epilogue")
+    kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (acc, a_global, *epilogue))

@@ -1,0 +1,270 @@
+// NVFP4 GEMM on Hopper, which has no FP4 tensor cores: y[M, N] = alpha * A @ W^T (+ bias).
+// The weight is dequantized to bf16 in registers (e2m1 * fp32(block scale) is exact in bf16) and
+// multiplied on the bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation).
+//
+// Arguments (row-major, contiguous):
+//   w_packed   uint8 [N, K/2]     E2M1 codes, element 2i in the low nibble; w_scales uint8 [N, K/16] (linear E4M3)
+//   w_global   fp32 [1]           encode scale S_w; or w_row_decode fp32 [N]: a decode factor per output row
+//                                 (fused weights whose shards had different global scales)
+//   act        bf16 [M, K] (W4A16), or uint8 [M, K/2] with act_scales uint8 [M, K/16] and act_global fp32 [1]
+//              (W4A4: the activation quantized by quant.cu)
+//   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
+//   alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
+//
+// gemm_decode_*: small M (<= 8 * kTokenTiles). "Swap AB": weight rows are the MMA's M dimension (16
+// per block), tokens its N dimension (8 per tile), so one pass streams the weight once. Launch: grid
+// ceil(N/16) blocks of 8 warps; warp w takes the 128-wide K chunks w, w+8, ...; partial sums are
+// reduced across warps in shared memory (deterministic). The dot product does not depend on the
+// order of k, so each thread reads 16 contiguous weight bytes per row (32 k) and the activation is
+// read in the same permuted order: nibbles (i, i+4) of a 32-bit word form one bf16x2 operand.
+//
+// Nibble to bf16: (q & 0x80008000) | ((q >> 6) & 0x01C001C0) turns the nibbles at bits 12-15 and
+// 28-31 into bf16 values e2m1 * 2^-126 (0.5 becomes a subnormal, exact; bf16 arithmetic keeps
+// subnormals). One bf16x2 multiply by fp32(scale) * 2^100 gives e2m1 * scale * 2^-26, a normal bf16,
+// exactly; the epilogue multiplies by 2^26 per dequantized operand.
+//
+// dequantize_unscaled_bf16 / epilogue_*: the large-M path dequantizes into a bf16 workspace for a
+// cuBLAS bf16 GEMM with fp32 output, then applies alpha, bias and the output cast.
+#include "common/nvfp4.cuh"
+
+constexpr int kWarps = 8;
+constexpr int kChunk = 128;                          // k per warp per step: 4 threads x 32
+constexpr float kOperandUnscale = 67108864.0f;       // 2^26, per dequantized operand
+constexpr float kScaleBias = 1.2676506002282294e30f; // 2^100
+
+__device__ __forceinline__ unsigned nibble_pair_bf16(unsigned q) { return (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u); }
+
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// (s, s) as bf16x2 with s = fp32(E4M3 byte) * 2^100, exact.
+__device__ __forceinline__ unsigned scale_pair_bf16(unsigned byte) {
+    const unsigned h = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(fp4_e4m3_value(byte), kScaleBias)));
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four 32-bit words (32 nibbles, k = kbase .. kbase+31) of a packed row; zero past K or when !valid.
+__device__ __forceinline__ uint4 load_nibble_words(const unsigned char* row, unsigned kbase, unsigned K, bool valid,
+                                                   bool aligned16) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (!valid) return r;
+    if (aligned16 && kbase + 32 <= K) return *reinterpret_cast<const uint4*>(row + kbase / 2);
+    unsigned* words = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        if (kbase + 8 * j + 8 <= K) words[j] = reinterpret_cast<const unsigned*>(row + kbase / 2)[j];
+    return r;
+}
+
+__device__ __forceinline__ unsigned load_byte(const unsigned char* p, bool valid) { return valid ? *p : 0u; }
+
+// The weight operand of one 32-k word: A fragments for two k16 MMA steps, rows g and g+8.
+struct WeightFrags {
+    unsigned a[2][4];
+};
+
+__device__ __forceinline__ WeightFrags weight_frags(unsigned q0, unsigned q1, unsigned s0, unsigned s1) {
+    WeightFrags f;
+    // step 0 <- nibbles (3,7) and (2,6); step 1 <- (1,5) and (0,4); a0/a2 row g, a1/a3 row g+8
+    f.a[0][0] = bf16x2_mul(nibble_pair_bf16(q0), s0);
+    f.a[0][2] = bf16x2_mul(nibble_pair_bf16(q0 << 4), s0);
+    f.a[0][1] = bf16x2_mul(nibble_pair_bf16(q1), s1);
+    f.a[0][3] = bf16x2_mul(nibble_pair_bf16(q1 << 4), s1);
+    f.a[1][0] = bf16x2_mul(nibble_pair_bf16(q0 << 8), s0);
+    f.a[1][2] = bf16x2_mul(nibble_pair_bf16(q0 << 12), s0);
+    f.a[1][1] = bf16x2_mul(nibble_pair_bf16(q1 << 8), s1);
+    f.a[1][3] = bf16x2_mul(nibble_pair_bf16(q1 << 12), s1);
+    return f;
+}
+
+// Activation operands (B fragments) of the same 8 k for one token, in the weight's k order.
+struct ActBf16 {
+    const __nv_bfloat16* x;  // [M, K]
+    __device__ __forceinline__ void frags(unsigned token, bool valid, unsigned k, unsigned K, unsigned b[2][2]) const {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (valid && k + 8 <= K) v = *reinterpret_cast<const uint4*>(x + (size_t)token * K + k);
+        b[0][0] = prmt(v.y, v.w, 0x7632u);  // elements (3, 7)
+        b[0][1] = prmt(v.y, v.w, 0x5410u);  // (2, 6)
+        b[1][0] = prmt(v.x, v.z, 0x7632u);  // (1, 5)
+        b[1][1] = prmt(v.x, v.z, 0x5410u);  // (0, 4)
+    }
+    static constexpr int kDequantized = 1;
+};
+
+struct ActNvfp4 {
+    const unsigned char* packed;  // [M, K/2]
+    const unsigned char* scales;  // [M, K/16]
+    __device__ __forceinline__ void frags(unsigned token, bool valid, unsigned k, unsigned K, unsigned b[2][2]) const {
+        unsigned q = 0u, s = 0u;
+        if (valid && k + 8 <= K) {
+            q = *reinterpret_cast<const unsigned*>(packed + (size_t)token * (K / 2) + k / 2);
+            s = scale_pair_bf16(scales[(size_t)token * (K / 16) + k / 16]);
+        }
+        b[0][0] = bf16x2_mul(nibble_pair_bf16(q), s);
+        b[0][1] = bf16x2_mul(nibble_pair_bf16(q << 4), s);
+        b[1][0] = bf16x2_mul(nibble_pair_bf16(q << 8), s);
+        b[1][1] = bf16x2_mul(nibble_pair_bf16(q << 12), s);
+    }
+    static constexpr int kDequantized = 2;
+};
+
+struct Epilogue {
+    const float* w_global;
+    const float* w_row_decode;  // nullptr: 1 / S_w for every row
+    const float* act_global;    // nullptr: W4A16
+    const void* bias;
+    int bias_kind;  // 0 none, 1 fp32, 2 bf16
+    void* out;
+    int out_f32;
+
+    float w_dec, a_dec;  // 1 / S_w (unused with w_row_decode) and 1 / S_a (1 for W4A16)
+
+    __device__ __forceinline__ void init() {
+        w_dec = w_row_decode ? 0.0f : __fdiv_rn(1.0f, *w_global);
+        a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+    }
+
+    __device__ __forceinline__ float alpha(unsigned n, float unscale) const {
+        return __fmul_rn(__fmul_rn(w_row_decode ? w_row_decode[n] : w_dec, a_dec), unscale);
+    }
+
+    __device__ __forceinline__ void store(size_t index, unsigned n, float y) const {
+        if (bias_kind == 1) y = __fadd_rn(y, static_cast<const float*>(bias)[n]);
+        if (bias_kind == 2) y = __fadd_rn(y, __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]));
+        if (out_f32) static_cast<float*>(out)[index] = y;
+        else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(y);
+    }
+};
+
+template <int kTokenTiles, class Act>
+__device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* w_scales, const Act act,
+                            Epilogue ep, unsigned M, unsigned N, unsigned K) {
+    __shared__ float partial[kWarps][16][kTokenTiles * 8];
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned n0 = blockIdx.x * 16;
+    const bool valid0 = n0 + g < N, valid1 = n0 + g + 8 < N;
+    const unsigned char* row0 = w_packed + (size_t)(n0 + g) * (K / 2);
+    const unsigned char* row1 = w_packed + (size_t)(n0 + g + 8) * (K / 2);
+    const unsigned char* srow0 = w_scales + (size_t)(n0 + g) * (K / 16);
+    const unsigned char* srow1 = w_scales + (size_t)(n0 + g + 8) * (K / 16);
+    const bool aligned16 = (K % 32) == 0;
+
+    float acc[kTokenTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTokenTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    const unsigned chunks = (K + kChunk - 1) / kChunk;
+    for (unsigned c = warp; c < chunks; c += kWarps) {
+        const unsigned kbase = c * kChunk + 32 * t;
+        const uint4 w0 = load_nibble_words(row0, kbase, K, valid0, aligned16);
+        const uint4 w1 = load_nibble_words(row1, kbase, K, valid1, aligned16);
+        const bool in0 = kbase < K, in1 = kbase + 16 < K;
+        const unsigned sb[2][2] = {{load_byte(srow0 + kbase / 16, valid0 && in0), load_byte(srow0 + kbase / 16 + 1, valid0 && in1)},
+                                   {load_byte(srow1 + kbase / 16, valid1 && in0), load_byte(srow1 + kbase / 16 + 1, valid1 && in1)}};
+        const unsigned* q0 = reinterpret_cast<const unsigned*>(&w0);
+        const unsigned* q1 = reinterpret_cast<const unsigned*>(&w1);
+#pragma unroll
+        for (int word = 0; word < 4; ++word) {
+            const WeightFrags wf = weight_frags(q0[word], q1[word], scale_pair_bf16(sb[0][word / 2]),
+                                                scale_pair_bf16(sb[1][word / 2]));
+#pragma unroll
+            for (int tile = 0; tile < kTokenTiles; ++tile) {
+                const unsigned token = tile * 8 + g;
+                unsigned b[2][2];
+                act.frags(token, token < M, kbase + 8 * word, K, b);
+                mma_bf16(acc[tile], wf.a[0][0], wf.a[0][1], wf.a[0][2], wf.a[0][3], b[0][0], b[0][1]);
+                mma_bf16(acc[tile], wf.a[1][0], wf.a[1][1], wf.a[1][2], wf.a[1][3], b[1][0], b[1][1]);
+            }
+        }
+    }
+
+    // D fragment: (row g, tokens 2t, 2t+1) and (row g+8, the same tokens)
+#pragma unroll
+    for (int tile = 0; tile < kTokenTiles; ++tile) {
+        partial[warp][g][tile * 8 + 2 * t] = acc[tile][0];
+        partial[warp][g][tile * 8 + 2 * t + 1] = acc[tile][1];
+        partial[warp][g + 8][tile * 8 + 2 * t] = acc[tile][2];
+        partial[warp][g + 8][tile * 8 + 2 * t + 1] = acc[tile][3];
+    }
+    __syncthreads();
+    const float unscale = Act::kDequantized == 2 ? kOperandUnscale * kOperandUnscale : kOperandUnscale;
+    ep.init();
+    for (unsigned i = threadIdx.x; i < 16 * kTokenTiles * 8; i += blockDim.x) {
+        const unsigned r = i % 16, token = i / 16, n = n0 + r;
+        if (token >= M || n >= N) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, partial[w][r][token]);
+        ep.store((size_t)token * N + n, n, __fmul_rn(sum, ep.alpha(n, unscale)));
+    }
+}
+
+#define FP4_GEMM_EPILOGUE_ARGS                                                                            \
+    const float *w_global, const float *w_row_decode, const void *bias, int bias_kind, void *out, int out_f32, \
+        unsigned M, unsigned N, unsigned K
+
+#define FP4_DEFINE_GEMM_DECODE(TILES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_bf16_##TILES(                   \
+        const unsigned char* w_packed, const unsigned char* w_scales, const __nv_bfloat16* act,           \
+        FP4_GEMM_EPILOGUE_ARGS) {                                                                         \
+        const Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};               \
+        gemm_decode<TILES>(w_packed, w_scales, ActBf16{act}, ep, M, N, K);                                \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_nvfp4_##TILES(                  \
+        const unsigned char* w_packed, const unsigned char* w_scales, const unsigned char* act_packed,    \
+        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS) {               \
+        const Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};            \
+        gemm_decode<TILES>(w_packed, w_scales, ActNvfp4{act_packed, act_scales}, ep, M, N, K);            \
+    }
+
+FP4_DEFINE_GEMM_DECODE(1)
+FP4_DEFINE_GEMM_DECODE(2)
+FP4_DEFINE_GEMM_DECODE(4)
+FP4_DEFINE_GEMM_DECODE(8)
+
+// e2m1 * fp32(scale) as bf16 [rows, K] (exact), the operand of the large-M cuBLAS path. One
+// 16-element block per thread per step.
+extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const unsigned char* packed,
+                                                                           const unsigned char* scales,
+                                                                           __nv_bfloat16* out, unsigned rows,
+                                                                           unsigned kblocks) {
+    const size_t nblocks = (size_t)rows * kblocks;
+    for (size_t b = (size_t)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += (size_t)gridDim.x * blockDim.x) {
+        const uint2 codes = reinterpret_cast<const uint2*>(packed)[b];
+        const float sf = fp4_e4m3_value(scales[b]);
+        float v[FP4_BLOCK];
+#pragma unroll
+        for (int i = 0; i < FP4_BLOCK; ++i)
+            v[i] = __fmul_rn(fp4_e2m1_value(((i < 8 ? codes.x : codes.y) >> (4 * (i % 8))) & 0xFu), sf);
+        fp4_store16(out + b * FP4_BLOCK, v);
+    }
+}
+
+// out[m, n] = acc[m, n] * alpha(n) (+ bias[n]), acc fp32 [M, N] from cuBLAS.
+extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc, const float* act_global,
+                                                                FP4_GEMM_EPILOGUE_ARGS) {
+    Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};
+    ep.init();
+    const size_t total = (size_t)M * N;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned n = (unsigned)(i % N);
+        ep.store(i, n, __fmul_rn(acc[i], ep.alpha(n, 1.0f)));
+    }
+}

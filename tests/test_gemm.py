@@ -1,0 +1,114 @@
+"""NVFP4 GEMM reference, the Linear and SharedExpert layers on the numpy backend, and bad inputs."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4kit
+from fp4kit.layers import Linear, SharedExpert, fuse_gate_up, interleave_rows
+from fp4kit.ops.gemm import gemm
+from fp4kit.reference import gemm as ref
+from fp4kit.reference import quant as qref
+
+BF16 = ml_dtypes.bfloat16
+
+
+def test_unscaled_values_times_decode_is_dequantize(rng):
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    q = qref.quantize(w)
+    direct = qref.dequantize(q, np.float64)
+    via = ref.unscaled_values(q) * np.float64(ref.decode_factor(q.global_scale))
+    assert np.allclose(via, direct, rtol=2**-23, atol=0)
+
+
+def test_gemm_w4a16_and_w4a4_match_float64(rng):
+    w = qref.quantize(rng.standard_normal((40, 96)).astype(np.float32))
+    x = rng.standard_normal((5, 96)).astype(BF16)
+    y = gemm(x, w, out_dtype=np.float32)
+    expect = x.astype(np.float64) @ qref.dequantize(w, np.float64).T
+    assert ref.calc_diff(y, expect) < 1e-12
+    a = qref.quantize(x)
+    y4 = gemm(a, w, out_dtype=np.float32)
+    expect4 = qref.dequantize(a, np.float64) @ qref.dequantize(w, np.float64).T
+    assert ref.calc_diff(y4, expect4) < 1e-12
+    bias = rng.standard_normal(40).astype(np.float32)
+    assert ref.calc_diff(gemm(x, w, bias=bias, out_dtype=np.float32), expect + bias) < 1e-12
+
+
+def test_calc_diff():
+    x = np.array([1.0, 2.0, 3.0])
+    assert ref.calc_diff(x, x) == 0
+    assert ref.calc_diff(x, -x) == pytest.approx(2.0)
+    assert ref.calc_diff(np.zeros(3), np.zeros(3)) == 0
+
+
+def test_fused_gate_up_with_different_global_scales_is_exact(rng):
+    gate = qref.quantize(rng.standard_normal((32, 64)).astype(np.float32) * 3)
+    up = qref.quantize(rng.standard_normal((32, 64)).astype(np.float32) * 0.01)
+    assert gate.global_scale != up.global_scale
+    fused, row_decode = fuse_gate_up(gate, up)
+    assert fused.shape == (64, 64)
+    x = rng.standard_normal((3, 64)).astype(BF16)
+    y = gemm(x, fused, w_row_decode=row_decode, out_dtype=np.float32)
+    yg = gemm(x, gate, out_dtype=np.float32)
+    yu = gemm(x, up, out_dtype=np.float32)
+    assert np.array_equal(y, interleave_rows(yg.T, yu.T).T)
+
+
+def test_linear_modes_and_static_scale(rng):
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 64)).astype(BF16)
+    lin16 = Linear.from_float(w, mode="w4a16")
+    y16 = lin16(x)
+    assert y16.shape == (2, 3, 48) and y16.dtype == BF16
+    assert ref.calc_diff(y16, gemm(x, lin16.weight)) == 0
+    s = np.array(2688 / 4.0, np.float32)
+    lin4 = Linear.from_float(w, input_scale=s)
+    y4 = lin4(x)
+    assert np.array_equal(y4, gemm(fp4kit.quantize(x, global_scale=s), lin4.weight))
+
+
+def test_shared_expert_matches_composition(rng):
+    h, i = 64, 32
+    wg, wu = rng.standard_normal((i, h)).astype(np.float32), rng.standard_normal((i, h)).astype(np.float32)
+    wd = rng.standard_normal((h, i)).astype(np.float32)
+    x = rng.standard_normal((16, h)).astype(BF16)
+    for mode in ("w4a4", "w4a16"):
+        se = SharedExpert.from_float(wg, wu, wd, limit=4.0, mode=mode)
+        y = se(x)
+        hh = se.gate_up(x)
+        if mode == "w4a4":
+            a = qref.swiglu_quantize(hh, "interleaved", 4.0)
+        else:
+            a = qref.swiglu(hh, "interleaved", 4.0).astype(BF16)
+        assert np.array_equal(y, gemm(a, se.down.weight))
+        # against float math: five NVFP4 roundings (x, three weights, the activation) cost a few
+        # percent of calc_diff; a wrong gate/up layout or clamp gives a value near 1
+        g, u = x.astype(np.float64) @ wg.T, x.astype(np.float64) @ wu.T
+        exact = (np.minimum(g, 4) / (1 + np.exp(-np.minimum(g, 4))) * np.clip(u, -4, 4)) @ wd.T
+        wrong = (np.minimum(u, 4) / (1 + np.exp(-np.minimum(u, 4))) * np.clip(g, -4, 4)) @ wd.T
+        assert ref.calc_diff(y, exact) < 0.1 < ref.calc_diff(wrong, exact)
+
+
+@pytest.mark.parametrize(
+    "call, exc, message",
+    [
+        (lambda w, x: gemm(x, np.zeros((4, 32), np.uint8)), TypeError, "w: expected an Nvfp4Tensor"),
+        (lambda w, x: gemm(x, qref.quantize(np.ones((32, 64), np.float32), scale_layout="swizzled")), ValueError, "w: expected scale_layout 'linear'"),
+        (lambda w, x: gemm(x[:, :32].copy(), w), ValueError, "a: expected last dimension K=64"),
+        (lambda w, x: gemm(x.astype(np.float32), w), TypeError, "a: expected an Nvfp4Tensor or a bfloat16 array, got dtype float32"),
+        (lambda w, x: gemm(x, w, bias=np.ones(5, np.float32)), ValueError, r"bias: expected shape \(16,\)"),
+        (lambda w, x: gemm(x, w, w_row_decode=np.ones(16, np.float64)), ValueError, "w_row_decode: expected shape"),
+        (lambda w, x: gemm(x, w, out=np.zeros((2, 15), BF16)), ValueError, r"out: expected shape \(2, 16\)"),
+        (lambda w, x: gemm(x, w, out_dtype=np.float16), TypeError, "out_dtype: expected bfloat16 or float32"),
+        (lambda w, x: gemm(x, w, decode_max_m=65), ValueError, "decode_max_m: expected 0..64"),
+        (lambda w, x: Linear(w, mode="w8a8"), ValueError, "mode: expected one of"),
+        (lambda w, x: Linear(w, input_scale=2.0), TypeError, "input_scale: expected a 0-d float32 array"),
+        (lambda w, x: SharedExpert(Linear(w), Linear(w)), ValueError, "down: expected in_features 8"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(call, exc, message):
+    w = qref.quantize(np.ones((16, 64), np.float32))
+    x = np.ones((2, 64), BF16)
+    with pytest.raises(exc, match=message):
+        call(w, x)
