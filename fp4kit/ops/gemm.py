@@ -32,6 +32,7 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUDA_R_32F, _CUDA_R_16BF = 0, 14
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_POINTER_MODE_HOST, _CUBLAS_POINTER_MODE_DEVICE = 0, 1
 
 
 def _check_weight(w) -> None:
@@ -177,21 +178,41 @@ def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str):
 
 
 def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple) -> None:
+    """Exact bf16 dequantization into workspaces + one cuBLAS bf16 GEMM (fp32 accumulation).
+
+    Without a bias or per-row decode factors cuBLAS applies alpha itself (device pointer mode:
+    alpha is computed on the device) and writes the output; otherwise it writes fp32 and the
+    epilogue kernel applies alpha, bias and the cast.
+    """
     import cupy
     from cupy_backends.cuda.libs import cublas
 
+    w_global, w_row_decode, bias, _, out = epilogue[:5]
     w_vals = _dequantize_unscaled(w, n, k, "gemm.w")
     if isinstance(a, Nvfp4Tensor):
         a_vals, a_global = _dequantize_unscaled(a, m, k, "gemm.a"), a.global_scale
     else:
         a_vals, a_global = a.reshape(m, k), 0
-    acc = workspace.device_buffer("gemm.acc", m * n * 4).view(np.float32)[: m * n]
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+
+    def run(alpha_ptr: int, beta_ptr: int, c, c_type: int) -> None:
+        # row-major Y[M, N] = A[M, K] @ W[N, K]^T is column-major Y^T = W^T(op T) @ A(op N)
+        cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, alpha_ptr, w_vals.data.ptr, _CUDA_R_16BF, k,
+                      a_vals.data.ptr, _CUDA_R_16BF, k, beta_ptr, c.data.ptr, c_type, n,
+                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+    if w_row_decode == 0 and bias == 0:
+        alpha_beta = workspace.device_buffer("gemm.alpha", 8).view(np.float32)[:2]
+        loader.get_kernel(_MODULE, "gemm_alpha")(1, 32, (w_global, a_global, alpha_beta))
+        cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
+        try:
+            run(alpha_beta.data.ptr, alpha_beta.data.ptr + 4, out, _CUDA_R_32F if out.dtype == np.float32 else _CUDA_R_16BF)
+        finally:
+            cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
+        return
+    acc = workspace.device_buffer("gemm.acc", m * n * 4).view(np.float32)[: m * n]
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    # row-major Y[M, N] = A[M, K] @ W[N, K]^T is column-major Y^T = W^T(op T) @ A(op N)
-    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, one.ctypes.data, w_vals.data.ptr, _CUDA_R_16BF, k,
-                  a_vals.data.ptr, _CUDA_R_16BF, k, zero.ctypes.data, acc.data.ptr, _CUDA_R_32F, n,
-                  _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    run(one.ctypes.data, zero.ctypes.data, acc, _CUDA_R_32F)
     kernel = loader.get_kernel(_MODULE, "gemm_epilogue")
     kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (acc, a_global, *epilogue))

@@ -32,7 +32,14 @@ constexpr int kChunk = 128;                          // k per warp per step: 4 t
 constexpr float kOperandUnscale = 67108864.0f;       // 2^26, per dequantized operand
 constexpr float kScaleBias = 1.2676506002282294e30f; // 2^100
 
-__device__ __forceinline__ unsigned nibble_pair_bf16(unsigned q) { return (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u); }
+// The same for the nibbles (3-k, 7-k) of q, k = 0..3: signs at bits 15-4k / 31-4k, the other
+// three bits at 12-4k..14-4k, moved with one shift each.
+template <int k>
+__device__ __forceinline__ unsigned nibble_pair_bf16_at(unsigned q) {
+    const unsigned sign = (q << (4 * k)) & 0x80008000u;
+    const unsigned rest = (k <= 1 ? q >> (6 - 4 * k) : q << (4 * k - 6)) & 0x01C001C0u;
+    return sign | rest;
+}
 
 __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     unsigned d;
@@ -83,14 +90,14 @@ struct WeightFrags {
 __device__ __forceinline__ WeightFrags weight_frags(unsigned q0, unsigned q1, unsigned s0, unsigned s1) {
     WeightFrags f;
     // step 0 <- nibbles (3,7) and (2,6); step 1 <- (1,5) and (0,4); a0/a2 row g, a1/a3 row g+8
-    f.a[0][0] = bf16x2_mul(nibble_pair_bf16(q0), s0);
-    f.a[0][2] = bf16x2_mul(nibble_pair_bf16(q0 << 4), s0);
-    f.a[0][1] = bf16x2_mul(nibble_pair_bf16(q1), s1);
-    f.a[0][3] = bf16x2_mul(nibble_pair_bf16(q1 << 4), s1);
-    f.a[1][0] = bf16x2_mul(nibble_pair_bf16(q0 << 8), s0);
-    f.a[1][2] = bf16x2_mul(nibble_pair_bf16(q0 << 12), s0);
-    f.a[1][1] = bf16x2_mul(nibble_pair_bf16(q1 << 8), s1);
-    f.a[1][3] = bf16x2_mul(nibble_pair_bf16(q1 << 12), s1);
+    f.a[0][0] = bf16x2_mul(nibble_pair_bf16_at<0>(q0), s0);
+    f.a[0][2] = bf16x2_mul(nibble_pair_bf16_at<1>(q0), s0);
+    f.a[0][1] = bf16x2_mul(nibble_pair_bf16_at<0>(q1), s1);
+    f.a[0][3] = bf16x2_mul(nibble_pair_bf16_at<1>(q1), s1);
+    f.a[1][0] = bf16x2_mul(nibble_pair_bf16_at<2>(q0), s0);
+    f.a[1][2] = bf16x2_mul(nibble_pair_bf16_at<3>(q0), s0);
+    f.a[1][1] = bf16x2_mul(nibble_pair_bf16_at<2>(q1), s1);
+    f.a[1][3] = bf16x2_mul(nibble_pair_bf16_at<3>(q1), s1);
     return f;
 }
 
@@ -117,10 +124,10 @@ struct ActNvfp4 {
             q = *reinterpret_cast<const unsigned*>(packed + (size_t)token * (K / 2) + k / 2);
             s = scale_pair_bf16(scales[(size_t)token * (K / 16) + k / 16]);
         }
-        b[0][0] = bf16x2_mul(nibble_pair_bf16(q), s);
-        b[0][1] = bf16x2_mul(nibble_pair_bf16(q << 4), s);
-        b[1][0] = bf16x2_mul(nibble_pair_bf16(q << 8), s);
-        b[1][1] = bf16x2_mul(nibble_pair_bf16(q << 12), s);
+        b[0][0] = bf16x2_mul(nibble_pair_bf16_at<0>(q), s);
+        b[0][1] = bf16x2_mul(nibble_pair_bf16_at<1>(q), s);
+        b[1][0] = bf16x2_mul(nibble_pair_bf16_at<2>(q), s);
+        b[1][1] = bf16x2_mul(nibble_pair_bf16_at<3>(q), s);
     }
     static constexpr int kDequantized = 2;
 };
@@ -170,20 +177,37 @@ __device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* 
 #pragma unroll
     for (int i = 0; i < kTokenTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    const unsigned chunks = (K + kChunk - 1) / kChunk;
-    for (unsigned c = warp; c < chunks; c += kWarps) {
+    // Software pipeline over this warp's K chunks: the weight words and scale bytes of the next
+    // chunk are in flight while the current one is dequantized and multiplied.
+    struct Chunk {
+        uint4 w0, w1;
+        unsigned sb[2][2];
+    };
+    auto fetch = [&](unsigned c) {
         const unsigned kbase = c * kChunk + 32 * t;
-        const uint4 w0 = load_nibble_words(row0, kbase, K, valid0, aligned16);
-        const uint4 w1 = load_nibble_words(row1, kbase, K, valid1, aligned16);
         const bool in0 = kbase < K, in1 = kbase + 16 < K;
-        const unsigned sb[2][2] = {{load_byte(srow0 + kbase / 16, valid0 && in0), load_byte(srow0 + kbase / 16 + 1, valid0 && in1)},
-                                   {load_byte(srow1 + kbase / 16, valid1 && in0), load_byte(srow1 + kbase / 16 + 1, valid1 && in1)}};
-        const unsigned* q0 = reinterpret_cast<const unsigned*>(&w0);
-        const unsigned* q1 = reinterpret_cast<const unsigned*>(&w1);
+        Chunk ch;
+        ch.w0 = load_nibble_words(row0, kbase, K, valid0, aligned16);
+        ch.w1 = load_nibble_words(row1, kbase, K, valid1, aligned16);
+        ch.sb[0][0] = load_byte(srow0 + kbase / 16, valid0 && in0);
+        ch.sb[0][1] = load_byte(srow0 + kbase / 16 + 1, valid0 && in1);
+        ch.sb[1][0] = load_byte(srow1 + kbase / 16, valid1 && in0);
+        ch.sb[1][1] = load_byte(srow1 + kbase / 16 + 1, valid1 && in1);
+        return ch;
+    };
+    const unsigned chunks = (K + kChunk - 1) / kChunk;
+    Chunk next{};
+    if (warp < chunks) next = fetch(warp);
+    for (unsigned c = warp; c < chunks; c += kWarps) {
+        const Chunk cur = next;
+        if (c + kWarps < chunks) next = fetch(c + kWarps);
+        const unsigned kbase = c * kChunk + 32 * t;
+        const unsigned* q0 = reinterpret_cast<const unsigned*>(&cur.w0);
+        const unsigned* q1 = reinterpret_cast<const unsigned*>(&cur.w1);
 #pragma unroll
         for (int word = 0; word < 4; ++word) {
-            const WeightFrags wf = weight_frags(q0[word], q1[word], scale_pair_bf16(sb[0][word / 2]),
-                                                scale_pair_bf16(sb[1][word / 2]));
+            const WeightFrags wf = weight_frags(q0[word], q1[word], scale_pair_bf16(cur.sb[0][word / 2]),
+                                                scale_pair_bf16(cur.sb[1][word / 2]));
 #pragma unroll
             for (int tile = 0; tile < kTokenTiles; ++tile) {
                 const unsigned token = tile * 8 + g;
@@ -266,5 +290,16 @@ extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const unsigned n = (unsigned)(i % N);
         ep.store(i, n, __fmul_rn(acc[i], ep.alpha(n, 1.0f)));
+    }
+}
+
+// alpha_beta[0] = alpha (w_row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a
+// cuBLAS call in device pointer mode, so no host ever reads the global scales.
+extern "C" __global__ void gemm_alpha(const float* w_global, const float* act_global, float* alpha_beta) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        Epilogue ep{w_global, nullptr, act_global, nullptr, 0, nullptr, 0};
+        ep.init();
+        alpha_beta[0] = ep.alpha(0, 1.0f);
+        alpha_beta[1] = 0.0f;
     }
 }

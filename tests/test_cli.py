@@ -1,0 +1,214 @@
+"""The ``fp4kit`` command on the numpy backend: quantize a tiny synthetic model, inspect it."""
+
+import io
+import json
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import fp4kit
+from fp4kit import checkpoint as ck
+from fp4kit import cli
+
+BF16 = ml_dtypes.bfloat16
+F32 = np.float32
+
+
+def tiny_model(rng) -> dict:
+    """A two-layer-ish model: what must be quantized and what must not."""
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((40, 64)).astype(BF16),
+        "model.layers.0.input_layernorm.weight": rng.standard_normal(64).astype(BF16),
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((48, 64)).astype(np.float16),
+        "model.layers.0.self_attn.q_proj.bias": rng.standard_normal(48).astype(BF16),
+        "model.layers.0.self_attn.q_norm.weight": rng.standard_normal((1, 64)).astype(BF16),
+        "model.layers.0.mlp.gate.weight": rng.standard_normal((4, 64)).astype(BF16),  # MoE router
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((32, 64)).astype(BF16),
+        "model.layers.0.mlp.down_proj.weight": (rng.standard_normal((64, 32)) * 0.01).astype(F32),
+        "model.layers.0.odd.weight": rng.standard_normal((8, 24)).astype(BF16),  # K not a multiple of 16
+        "lm_head.weight": rng.standard_normal((40, 64)).astype(BF16),
+    }
+
+
+QUANTIZED = {
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.down_proj",
+    "lm_head",
+}
+
+
+def check_quantized(out, model, quantized):
+    loaded = ck.load_nvfp4(out)
+    assert loaded.layout == "modelopt"
+    assert set(loaded.weights) == quantized
+    for prefix, w in loaded.weights.items():
+        expected = fp4kit.quantize(model[f"{prefix}.weight"])
+        assert np.array_equal(w.packed, expected.packed), prefix
+        assert np.array_equal(w.block_scales, expected.block_scales), prefix
+        assert w.global_scale.view(np.uint32) == expected.global_scale.view(np.uint32), prefix
+    kept = {name for name in model if name.removesuffix(".weight") not in quantized}
+    assert set(loaded.extra) == kept
+    for name in kept:
+        assert loaded.extra[name].dtype == model[name].dtype and np.array_equal(loaded.extra[name], model[name])
+    return loaded
+
+
+def test_quantize_then_inspect(rng, tmp_path, capsys):
+    model = tiny_model(rng)
+    src = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(model, src)
+    out = tmp_path / "nvfp4"
+
+    assert cli.main(["quantize", str(src), str(out), "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "[##############################] 10/10" in captured.err
+    for prefix in QUANTIZED:
+        assert re.search(rf"^{re.escape(prefix)}\.weight\s+\[", captured.out, re.M)
+    assert "model.embed_tokens.weight" not in captured.out
+    assert "quantized 4 tensor(s) on cpu" in captured.out
+
+    assert sorted(p.name for p in out.iterdir()) == ["hf_quant_config.json", "model.safetensors"]
+    check_quantized(out, model, QUANTIZED)
+    config = json.loads((out / "hf_quant_config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "NVFP4"
+    assert sorted(config["quantization"]["exclude_modules"]) == [
+        "model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.0.self_attn.q_norm",
+    ]
+
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layout: modelopt" in text
+    assert "producer fp4kit" in text
+    assert re.search(r"^model\.layers\.0\.mlp\.down_proj\.weight_scale\s+F8_E4M3\s+\[64, 2\]\s+128$", text, re.M)
+    assert re.search(r"^model\.embed_tokens\.weight\s+BF16\s+\[40, 64\]\s+5,120$", text, re.M)
+    row = re.search(r"^model\.layers\.0\.mlp\.down_proj\s+64\s+32\s+(\S+)\s+(\S+)\s+-\s+(\S+)\s+(\S+)\s+(\d+)$", text, re.M)
+    assert row, text
+    q = fp4kit.quantize(model["model.layers.0.mlp.down_proj.weight"])
+    assert float(row[1]) == pytest.approx(float(q.global_scale), rel=1e-8)
+    nonzero = fp4kit.E4M3_VALUES[q.block_scales[q.block_scales != 0]]
+    assert float(row[3]) == pytest.approx(nonzero.min(), rel=1e-6) and float(row[4]) == pytest.approx(nonzero.max(), rel=1e-6)
+    assert int(row[5]) == int(np.count_nonzero(q.block_scales == 0))
+    total = sum(t.nbytes for t in ck.SafetensorsFile(out / "model.safetensors").tensors.values())
+    assert f"total: {total:,} bytes of tensor data in 18 tensors" in text
+
+
+def test_quantize_sharded_folder_copies_side_files(rng, tmp_path, capsys):
+    model = tiny_model(rng)
+    names = list(model)
+    src = tmp_path / "src"
+    src.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    for file, part in shards.items():
+        safetensors.numpy.save_file({n: model[n] for n in part}, src / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (src / ck.INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / "config.json").write_text('{"model_type": "tiny"}')
+    out = tmp_path / "out"
+
+    assert cli.main(["quantize", str(src), str(out), "--device", "cpu", "--exclude", "lm_head"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "hf_quant_config.json", ck.INDEX_NAME, *shards]
+    )
+    assert (out / "config.json").read_text() == '{"model_type": "tiny"}'
+    index = json.loads((out / ck.INDEX_NAME).read_text())
+    assert index["weight_map"]["model.layers.0.self_attn.q_proj.weight_scale_2"] == "model-00001-of-00002.safetensors"
+    assert index["weight_map"]["lm_head.weight"] == "model-00002-of-00002.safetensors"
+    check_quantized(out, model, QUANTIZED - {"lm_head"})
+
+
+def test_include_replaces_the_name_rule(rng, tmp_path, capsys):
+    model = tiny_model(rng)
+    safetensors.numpy.save_file(model, tmp_path / "m.safetensors")
+    out = tmp_path / "out"
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), str(out), "--device", "cpu",
+                     "--include", r"embed|odd|\.bias"]) == 0
+    capsys.readouterr()
+    check_quantized(out, model, {"model.embed_tokens"})  # odd (K=24) and the bias stay out by shape
+
+
+@pytest.mark.parametrize(
+    "name, shape, dtype, selected",
+    [
+        ("model.layers.3.mlp.gate_proj.weight", (32, 64), "BF16", True),
+        ("model.layers.3.mlp.experts.7.down_proj.weight", (64, 32), "F16", True),
+        ("lm_head.weight", (128, 64), "F32", True),
+        ("model.layers.3.mlp.gate.weight", (8, 64), "BF16", False),  # router
+        ("model.layers.3.block_sparse_moe.gate.weight", (8, 64), "BF16", False),
+        ("model.layers.3.mlp.shared_expert_gate.weight", (1, 64), "BF16", False),
+        ("model.layers.3.mlp.router.weight", (8, 64), "BF16", False),
+        ("model.embed_tokens.weight", (128, 64), "BF16", False),
+        ("transformer.wte.weight", (128, 64), "BF16", False),
+        ("model.layers.3.post_attention_layernorm.weight", (64,), "BF16", False),
+        ("transformer.h.0.ln_1.weight", (64,), "BF16", False),
+        ("model.layers.3.self_attn.o_proj.bias", (64,), "BF16", False),
+        ("model.layers.3.self_attn.o_proj.weight", (64, 40), "BF16", False),  # K % 16 != 0
+        ("model.layers.3.mlp.experts.gate_up_proj.weight", (4, 64, 32), "BF16", False),  # 3-D
+        ("model.layers.3.self_attn.o_proj.weight", (64, 64), "I8", False),
+    ],
+)
+def test_default_selection(name, shape, dtype, selected):
+    assert cli.Selection()(ck.TensorInfo(name, dtype, shape, 0, 0)) is selected
+
+
+def test_errors_exit_with_a_message(rng, tmp_path, capsys):
+    model = tiny_model(rng)
+    src = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(model, src)
+    out = tmp_path / "out"
+    assert cli.main(["quantize", str(src), str(out), "--device", "cpu"]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["quantize", str(src), str(out), "--device", "cpu"]) == 1
+    assert "already holds *.safetensors files" in capsys.readouterr().err
+    assert cli.main(["quantize", str(out), str(tmp_path / "again"), "--device", "cpu"]) == 1
+    assert "already holds modelopt NVFP4 tensors" in capsys.readouterr().err
+
+    model["lm_head.weight"][3, 5] = np.nan
+    safetensors.numpy.save_file(model, src)
+    assert cli.main(["quantize", str(src), str(tmp_path / "nan"), "--device", "cpu"]) == 1
+    assert "lm_head.weight: holds 1 non-finite value(s)" in capsys.readouterr().err
+    assert list((tmp_path / "nan").iterdir()) == []  # nothing half-written
+
+    bad = out / "model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:-3])
+    assert cli.main(["inspect", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp4kit inspect: error: ") and f"{bad}: truncated safetensors file" in err
+
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", str(src), str(out), "--include", "("])
+    assert "not a valid regular expression" in capsys.readouterr().err
+
+
+def test_inspect_plain_file(rng, tmp_path, capsys):
+    path = tmp_path / "plain.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((2, 16), BF16)}, path)
+    assert cli.main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "layout: plain" in text and "quantized prefixes" not in text
+    assert re.search(r"^w\s+BF16\s+\[2, 16\]\s+64$", text, re.M)
+
+
+def test_error_stats_and_progress():
+    w = np.array([[3.0, 4.0]], F32)
+    rel, max_abs = cli.error_stats(w, np.array([[3.0, 4.5]], F32))
+    assert rel == pytest.approx(0.1) and max_abs == 0.5
+    assert cli.error_stats(np.zeros((1, 2), F32), np.zeros((1, 2), F32)) == (0.0, 0.0)
+    stream = io.StringIO()
+    bar = cli.Progress(4, stream, width=8)
+    bar.advance("a")
+    bar.advance("b")
+    bar.close()
+    assert stream.getvalue().startswith("\r[##......] 1/4 a") and "\r[####....] 2/4 b" in stream.getvalue()
+
+
+def test_device_cuda_without_a_gpu_is_an_error(rng, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    safetensors.numpy.save_file({"w.weight": np.ones((2, 16), BF16)}, tmp_path / "m.safetensors")
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--device", "cuda"]) == 1
+    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
