@@ -153,7 +153,7 @@ def gemm(
             kernel = loader.get_kernel(_MODULE, f"gemm_decode_bf16_{tiles}")
             kernel(grid, 256, (w.packed, w.block_scales, a, *epilogue))
         return out
-    _prefill(a, w, m, n, k, epilogue)
+    _prefill(a, w, m, n, k, epilogue, plain=bias is None and w_row_decode is None)
     return out
 
 
@@ -177,7 +177,7 @@ def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str):
     return buf
 
 
-def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple) -> None:
+def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: bool) -> None:
     """Exact bf16 dequantization into workspaces + one cuBLAS bf16 GEMM (fp32 accumulation).
 
     Without a bias or per-row decode factors cuBLAS applies alpha itself (device pointer mode:
@@ -187,7 +187,7 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple) -> None
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    w_global, w_row_decode, bias, _, out = epilogue[:5]
+    w_global, out = epilogue[0], epilogue[4]
     w_vals = _dequantize_unscaled(w, n, k, "gemm.w")
     if isinstance(a, Nvfp4Tensor):
         a_vals, a_global = _dequantize_unscaled(a, m, k, "gemm.a"), a.global_scale
@@ -202,7 +202,7 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple) -> None
                       a_vals.data.ptr, _CUDA_R_16BF, k, beta_ptr, c.data.ptr, c_type, n,
                       _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
-    if w_row_decode == 0 and bias == 0:
+    if plain:
         alpha_beta = workspace.device_buffer("gemm.alpha", 8).view(np.float32)[:2]
         loader.get_kernel(_MODULE, "gemm_alpha")(1, 32, (w_global, a_global, alpha_beta))
         cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)

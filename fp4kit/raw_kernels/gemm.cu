@@ -47,9 +47,13 @@ __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     return d;
 }
 
-// (s, s) as bf16x2 with s = fp32(E4M3 byte) * 2^100, exact.
+// (s, s) as bf16x2 with s = fp32(E4M3 byte) * 2^100, exact. A normal E4M3 byte maps straight to
+// bf16 bits (exponent + 120 + 100, mantissa shifted up 4); subnormal bytes and NaN (rare: a block
+// 2^14 times smaller than the tensor's largest, or a corrupt scale) take the float path.
 __device__ __forceinline__ unsigned scale_pair_bf16(unsigned byte) {
-    const unsigned h = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(fp4_e4m3_value(byte), kScaleBias)));
+    unsigned h = ((byte & 0x7Fu) << 4) + (220u << 7);
+    if ((byte & 0x78u) == 0u || (byte & 0x7Fu) == 0x7Fu)
+        h = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(fp4_e4m3_value(byte), kScaleBias)));
     return h | (h << 16);
 }
 
