@@ -185,8 +185,14 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: 
     epilogue kernel applies alpha, bias and the cast.
     """
     import cupy
-    from cupy_backends.cuda.libs import cublas
 
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError as e:
+        raise RuntimeError(
+            f"gemm: M={m} takes the prefill path (M > decode_max_m), which needs the cuBLAS library: "
+            "pip install nvidia-cublas (CUDA 13) or nvidia-cublas-cu12 (CUDA 12)"
+        ) from e
     w_global, out = epilogue[0], epilogue[4]
     w_vals = _dequantize_unscaled(w, n, k, "gemm.w")
     if isinstance(a, Nvfp4Tensor):
