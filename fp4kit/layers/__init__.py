@@ -1,6 +1,7 @@
 """Layers composed from ops, owning their device buffers."""
 
 from .linear import Linear
+from .moe import ExpertStack, MoE, RoutingConfig
 from .shared_expert import SharedExpert, fuse_gate_up, interleave_rows
 
-__all__ = ["Linear", "SharedExpert", "fuse_gate_up", "interleave_rows"]
+__all__ = ["ExpertStack", "Linear", "MoE", "RoutingConfig", "SharedExpert", "fuse_gate_up", "interleave_rows"]

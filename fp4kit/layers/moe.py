@@ -1,0 +1,351 @@
+"""`MoE`: a DeepSeek Mixture-of-Experts layer with NVFP4 experts and no host synchronisation.
+
+A forward pass on the device is a fixed sequence of launches whose grids are sized for the worst
+case (every token to distinct experts) and exit early, so it can be captured in a CUDA graph:
+
+1. router (one block per token): logits from the high-precision gate weight, scores
+   (``sqrtsoftplus`` V4 / ``sigmoid`` V3 / ``softmax``), selection-only bias, optional grouped top-k,
+   top-k (ties to the lower expert id) or hash routing, renormalisation, routed scaling; per-expert
+   counts by atomics;
+2. dispatch (one block): offsets by a prefix sum, the active experts, each (token, slot)'s row in
+   expert-sorted order;
+3. the layer input quantized once (W4A4; W4A16 feeds bf16);
+4. L1: one grouped GEMM over W13 (gate and up interleaved in chunks of 16 rows, so the fused SwiGLU
+   reads its output directly) — or, unfused, two grouped GEMMs over W1 and W3 writing the two
+   halves of a ``[gate | up]`` buffer;
+5. the fused SwiGLU (+ V4 clamp, + routing weight as row factor when it is applied before the down
+   projection) + amax + quantize (W4A4), or SwiGLU to bf16 (W4A16);
+6. L2: one grouped GEMM over W2;
+7. combine back to token order in slot order (times the routing weight for V3), plus the shared
+   expert.
+
+Expert weights are stacked: `ExpertStack` holds ``[E, N, K/2]`` codes, ``[E, N, K/16]`` scales, the
+per-expert encode scales ``[E]`` and their decode factors on the device (and optional per-row
+decode factors for experts fused from shards with different global scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..formats import Nvfp4Tensor
+from ..ops import moe as moe_ops
+from ..ops import quant as quant_ops
+from ..reference import fp32
+from ..reference import moe as moe_ref
+from ..runtime import arrays
+from ..runtime.workspace import zeros_outside_capture
+from .shared_expert import interleave_rows
+
+SCORE_FUNCS = moe_ref.SCORE_FUNCS
+
+
+@dataclass
+class ExpertStack:
+    """NVFP4 weights of E experts, ``[E, N, K]`` logically.
+
+    ``packed`` uint8 ``[E, N, K/2]``; ``block_scales`` uint8 ``[E, N, K/16]`` (linear);
+    ``global_scale`` fp32 ``[E]`` (encode scales); ``decode`` fp32 ``[E]`` = ``fp32(1 / S_e)``;
+    ``row_decode`` fp32 ``[E, N]`` or None (overrides ``decode`` row by row).
+    """
+
+    packed: object
+    block_scales: object
+    global_scale: object
+    decode: object
+    row_decode: object = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half_k = self.packed.shape
+        return e, n, 2 * half_k
+
+    @classmethod
+    def from_tensors(cls, experts: list[Nvfp4Tensor], row_decode=None) -> "ExpertStack":
+        """Stack per-expert `Nvfp4Tensor` ``[N, K]`` (host or device, linear scales)."""
+        if not experts:
+            raise ValueError("experts: expected at least one expert")
+        shape = experts[0].shape
+        for i, q in enumerate(experts):
+            if not isinstance(q, Nvfp4Tensor) or q.shape != shape or q.scale_layout != "linear":
+                raise ValueError(f"experts[{i}]: expected an Nvfp4Tensor of shape {shape} with linear scales")
+        xp = arrays.array_module(experts[0].packed)
+        s = xp.stack([q.global_scale.reshape(()) for q in experts]).astype(np.float32)
+        decode = fp32.div(np.float32(1), s) if xp is np else (1 / s).astype(np.float32)
+        return cls(xp.stack([q.packed for q in experts]), xp.stack([q.block_scales for q in experts]), s, decode,
+                   row_decode)
+
+    @classmethod
+    def fuse_gate_up(cls, w1: "ExpertStack", w3: "ExpertStack") -> "ExpertStack":
+        """W13 from separately quantized W1 (gate) and W3 (up) ``[E, I, H]``: rows interleaved in
+        chunks of 16, every byte kept, a decode factor per row (exact with different scales)."""
+        if w1.shape != w3.shape:
+            raise ValueError(f"w1/w3: expected equal shapes, got {w1.shape} and {w3.shape}")
+        xp = arrays.array_module(w1.packed)
+
+        def rows(a, b):  # [E, I, ...] x 2 -> [E, 2I, ...], chunks of 16 rows alternating
+            return xp.stack([interleave_rows(a[i], b[i]) for i in range(a.shape[0])])
+
+        e, i, _ = w1.shape
+        d1 = w1.decode[:, None] * xp.ones((1, i), np.float32) if w1.row_decode is None else w1.row_decode
+        d3 = w3.decode[:, None] * xp.ones((1, i), np.float32) if w3.row_decode is None else w3.row_decode
+        return cls(rows(w1.packed, w3.packed), rows(w1.block_scales, w3.block_scales), w1.global_scale.copy(),
+                   w1.decode.copy(), rows(d1, d3).astype(np.float32))
+
+    def expert(self, e: int) -> Nvfp4Tensor:
+        """Expert ``e`` as an `Nvfp4Tensor` (views)."""
+        _, n, k = self.shape
+        return Nvfp4Tensor(self.packed[e], self.block_scales[e], self.global_scale[e].reshape(()), "linear", (n, k))
+
+
+@dataclass
+class RoutingConfig:
+    top_k: int
+    score_func: str = "sqrtsoftplus"
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
+    routed_scale: float = 1.0
+
+
+@dataclass
+class _Plan:
+    """Device buffers of one forward pass for T tokens."""
+
+    ids: object
+    weights: object
+    tickets: object
+    offsets: object
+    active: object
+    num_active: object
+    slot_row: object
+    row_token: object
+    row_weight: object
+    x_act: object
+    h: object
+    h_act: object
+    y: object
+    out: object
+
+
+class MoE:
+    """DeepSeek MoE layer with NVFP4 routed experts (see the module docstring).
+
+    Parameters
+    ----------
+    gate_weight : bf16 or fp32 ``[E, H]``
+        Router weight (kept in high precision).
+    w13 : ExpertStack ``[E, 2I, H]``
+        Gate and up, rows interleaved in chunks of 16 (fused SwiGLU). For the unfused path pass
+        ``w1`` and ``w3`` (``[E, I, H]`` each) instead.
+    w2 : ExpertStack ``[E, H, I]``
+    routing : RoutingConfig
+    bias : fp32 ``[E]``, optional — selection-only (noaux) bias
+    tid2eid : int32 ``[vocab, top_k]``, optional — hash routing (``token_ids`` required per call)
+    limit : float, optional — V4 ``swiglu_limit``
+    weight_before_down : bool — V4 applies the routing weight before W2 (True); V3 after (False)
+    mode : "w4a4" or "w4a16"
+    shared : callable ``[T, H] -> [T, H]`` bf16, optional (e.g. a `SharedExpert`)
+    """
+
+    def __init__(self, gate_weight, w2: ExpertStack, routing: RoutingConfig, *, w13: ExpertStack | None = None,
+                 w1: ExpertStack | None = None, w3: ExpertStack | None = None, bias=None, tid2eid=None,
+                 limit: float | None = None, weight_before_down: bool = True, mode: str = "w4a4", shared=None):
+        self.gate_weight = arrays.as_array(gate_weight, "gate_weight")
+        e, h = self.gate_weight.shape
+        if (w13 is None) == (w1 is None or w3 is None):
+            raise ValueError("w13: pass either the fused w13 or both w1 and w3")
+        inner = w2.shape[2]
+        if w13 is not None and w13.shape != (e, 2 * inner, h):
+            raise ValueError(f"w13: expected shape {(e, 2 * inner, h)}, got {w13.shape}")
+        for name, st in (("w1", w1), ("w3", w3)):
+            if st is not None and st.shape != (e, inner, h):
+                raise ValueError(f"{name}: expected shape {(e, inner, h)}, got {st.shape}")
+        if w2.shape != (e, h, inner):
+            raise ValueError(f"w2: expected shape {(e, h, inner)} (experts, hidden, inner), got {w2.shape}")
+        _check_routing(routing, e)
+        if h % 16 or inner % 16:
+            raise ValueError(f"hidden and inner sizes must be multiples of 16, got hidden={h}, inner={inner}")
+        if mode not in ("w4a4", "w4a16"):
+            raise ValueError(f"mode: expected 'w4a4' or 'w4a16', got {mode!r}")
+        if tid2eid is not None:
+            tid2eid = arrays.as_array(tid2eid, "tid2eid")
+            host = np.asarray(tid2eid.get() if arrays.is_device_array(tid2eid) else tid2eid)  # once, at construction
+            if tid2eid.ndim != 2 or tid2eid.shape[1] != routing.top_k or tid2eid.dtype != np.int32:
+                raise ValueError(f"tid2eid: expected int32 [vocab, {routing.top_k}], got {arrays.describe(tid2eid)}")
+            if host.size and (host.min() < 0 or host.max() >= e):
+                raise ValueError(f"tid2eid: expert ids must lie in [0, {e}), got [{host.min()}, {host.max()}]")
+        if bias is not None:
+            bias = arrays.as_array(bias, "bias")
+            if tuple(bias.shape) != (e,) or bias.dtype != np.float32:
+                raise ValueError(f"bias: expected float32 [{e}], got {arrays.describe(bias)}")
+        arrays.check_same_device(gate_weight=self.gate_weight, w2=w2.packed, bias=bias, tid2eid=tid2eid)
+        if self.gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
+            raise TypeError(f"gate_weight: expected bfloat16 or float32, got {self.gate_weight.dtype}")
+        self.w13, self.w1, self.w3, self.w2 = w13, w1, w3, w2
+        self.routing, self.bias, self.tid2eid = routing, bias, tid2eid
+        self.limit, self.weight_before_down, self.mode, self.shared = limit, weight_before_down, mode, shared
+        self.num_experts, self.hidden, self.inner = e, h, inner
+        self._plans: dict[int, _Plan] = {}
+        self._counts = None
+
+    @property
+    def fused(self) -> bool:
+        return self.w13 is not None
+
+    @classmethod
+    def from_float(cls, gate_weight, w1, w3, w2, routing: RoutingConfig, *, fused: bool = True, **kwargs) -> "MoE":
+        """Quantize per-expert float weights ``w1, w3 [E, I, H]``, ``w2 [E, H, I]`` (on the GPU for
+        device arrays), one global scale per expert and matrix (W13 shares one per expert)."""
+        e = w1.shape[0]
+        if fused:
+            w13 = ExpertStack.from_tensors([quant_ops.quantize(interleave_rows(w1[i], w3[i])) for i in range(e)])
+            parts = {"w13": w13}
+        else:
+            parts = {"w1": ExpertStack.from_tensors([quant_ops.quantize(w1[i]) for i in range(e)]),
+                     "w3": ExpertStack.from_tensors([quant_ops.quantize(w3[i]) for i in range(e)])}
+        w2s = ExpertStack.from_tensors([quant_ops.quantize(w2[i]) for i in range(e)])
+        return cls(gate_weight, w2s, routing, **parts, **kwargs)
+
+    def route(self, x, token_ids=None):
+        """Expert ids ``[T, top_k]`` and routing weights ``[T, top_k]`` (numpy inputs: the reference)."""
+        x = arrays.as_array(x, "x")
+        if not arrays.is_device_array(x):
+            return moe_ref.route(x, self.gate_weight, bias=self.bias, tid2eid=self.tid2eid, token_ids=token_ids,
+                                 **vars(self.routing))
+        plan = self._plan(x)
+        self._route_device(x, token_ids, plan)
+        return plan.ids, plan.weights
+
+    def __call__(self, x, token_ids=None):
+        """``[T, H]`` (bf16 or fp32) to ``[T, H]`` bf16. On the device the result is a buffer owned by
+        the layer (one per T), overwritten by the next call with the same T."""
+        x = arrays.as_array(x, "x")
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x: expected [tokens, {self.hidden}], got shape {tuple(x.shape)}")
+        if x.dtype not in (arrays.BF16, np.dtype(np.float32)):
+            raise TypeError(f"x: expected bfloat16 or float32, got {x.dtype}")
+        arrays.check_contiguous("x", x)
+        if self.tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("token_ids: hash routing needs the token ids of x")
+            token_ids = arrays.as_array(token_ids, "token_ids")
+            if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
+                raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
+            arrays.check_same_device(x=x, token_ids=token_ids)
+        if not arrays.is_device_array(x):
+            return self._forward_reference(x, token_ids)
+        return self._forward_device(x, token_ids)
+
+    # -- numpy reference --------------------------------------------------------------------------
+    def _experts(self, stack: ExpertStack):
+        return [stack.expert(i) for i in range(self.num_experts)]
+
+    def _forward_reference(self, x, token_ids):
+        ids, weights = moe_ref.route(x, self.gate_weight, bias=self.bias, tid2eid=self.tid2eid, token_ids=token_ids,
+                                     **vars(self.routing))
+        if self.fused:
+            w13, layout, row_decode = self._experts(self.w13), "interleaved", self.w13.row_decode
+        else:
+            (w13, row_decode), layout = _concat_experts(self.w1, self.w3), "concatenated"
+        y = moe_ref.moe(x, ids, weights, w13, self._experts(self.w2), limit=self.limit,
+                        weight_before_down=self.weight_before_down, mode=self.mode, layout=layout,
+                        w13_row_decode=row_decode)
+        if self.shared is not None:
+            y = y + np.asarray(self.shared(x.astype(moe_ref.BF16) if x.dtype != moe_ref.BF16 else x)).astype(np.float32)
+        return y.astype(moe_ref.BF16)
+
+    # -- device -------------------------------------------------------------------------------------
+    def _plan(self, x) -> _Plan:
+        t = x.shape[0]
+        plan = self._plans.get(t)
+        if plan is not None:
+            return plan
+        import cupy
+
+        if self._counts is None:
+            self._counts = zeros_outside_capture(self.num_experts, np.uint32)
+        k, e, h, i = self.routing.top_k, self.num_experts, self.hidden, self.inner
+        pairs = t * k
+
+        def nvfp4(rows, cols):
+            return Nvfp4Tensor(cupy.empty((rows, cols // 2), np.uint8), cupy.empty((rows, cols // 16), np.uint8),
+                               cupy.empty((), np.float32), "linear", (rows, cols))
+
+        plan = _Plan(
+            ids=cupy.empty((t, k), np.int32), weights=cupy.empty((t, k), np.float32),
+            tickets=cupy.empty((t, k), np.uint32), offsets=cupy.empty(e + 1, np.uint32),
+            active=cupy.empty(e, np.uint32), num_active=cupy.empty(1, np.uint32),
+            slot_row=cupy.empty(pairs, np.uint32), row_token=cupy.empty(pairs, np.uint32),
+            row_weight=cupy.empty(pairs, np.float32),
+            x_act=nvfp4(t, h) if self.mode == "w4a4" else None,
+            h=cupy.empty((pairs, 2 * i), arrays.BF16),
+            h_act=nvfp4(pairs, i) if self.mode == "w4a4" else cupy.empty((pairs, i), arrays.BF16),
+            y=cupy.empty((pairs, h), np.float32), out=cupy.empty((t, h), arrays.BF16))
+        self._plans[t] = plan
+        return plan
+
+    def _route_device(self, x, token_ids, plan: _Plan) -> None:
+        moe_ops.route(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids, plan.weights,
+                      self._counts, plan.tickets)
+        moe_ops.dispatch(self._counts, plan.tickets, plan.ids, plan.weights, self.routing.top_k, plan)
+
+    def _forward_device(self, x, token_ids):
+        plan = self._plan(x)
+        t = x.shape[0]
+        self._route_device(x, token_ids, plan)
+        if self.mode == "w4a4":
+            act = quant_ops.quantize(x, out=plan.x_act)
+        else:
+            act = x if x.dtype == arrays.BF16 else None
+            if act is None:
+                raise TypeError("x: mode 'w4a16' takes bfloat16 input")
+        rows_per_expert = t  # a token picks an expert at most once
+        if self.fused:
+            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert)
+            layout = "interleaved"
+        else:
+            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert)
+            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert,
+                                 out_col=self.inner)
+            layout = "concatenated"
+        row_scale = plan.row_weight if self.weight_before_down else None
+        if self.mode == "w4a4":
+            h_act = quant_ops.swiglu_quantize(plan.h, layout=layout, limit=self.limit, row_scale=row_scale,
+                                              out=plan.h_act)
+        else:
+            h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
+        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows_per_expert=rows_per_expert)
+        shared = self.shared(x) if self.shared is not None else None
+        moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
+        return plan.out
+
+
+def _check_routing(r: RoutingConfig, e: int) -> None:
+    if r.score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {r.score_func!r}")
+    if not 1 <= r.top_k <= min(e, moe_ops.MAX_TOP_K):
+        raise ValueError(f"top_k: expected 1..{min(e, moe_ops.MAX_TOP_K)} for {e} experts, got {r.top_k}")
+    if e > moe_ops.MAX_EXPERTS:
+        raise ValueError(f"experts: at most {moe_ops.MAX_EXPERTS} supported, got {e}")
+    if r.n_group > 1:
+        if e % r.n_group or r.n_group > 32 or not 1 <= r.topk_group <= r.n_group:
+            raise ValueError(f"n_group/topk_group: expected n_group dividing {e} (<= 32) and 1 <= topk_group <= n_group, "
+                             f"got {r.n_group}/{r.topk_group}")
+        if r.top_k > r.topk_group * (e // r.n_group):
+            raise ValueError(f"top_k: {r.top_k} exceeds the experts of the {r.topk_group} kept groups")
+
+
+def _concat_experts(w1: ExpertStack, w3: ExpertStack) -> tuple[list[Nvfp4Tensor], list]:
+    """Per-expert ``[gate | up]`` weights ``[2I, H]`` for the reference of the unfused path, with one
+    decode factor per row (gate and up keep their own global scales)."""
+    tensors, row_decode = [], []
+    for i in range(w1.shape[0]):
+        g, u = w1.expert(i), w3.expert(i)
+        tensors.append(Nvfp4Tensor(np.concatenate([g.packed, u.packed]), np.concatenate([g.block_scales, u.block_scales]),
+                                   g.global_scale, "linear", (2 * g.shape[0], g.shape[1])))
+        row_decode.append(np.concatenate([np.full(g.shape[0], w1.decode[i], np.float32),
+                                          np.full(u.shape[0], w3.decode[i], np.float32)]))
+    return tensors, row_decode

@@ -1,0 +1,300 @@
+// Mixture-of-Experts kernels: DeepSeek routing, dispatch without the host, grouped NVFP4 expert
+// GEMMs, and the weighted combine. fp4kit/reference/moe.py is the specification.
+//
+//   moe_router_*   grid T (one block per token), 256 threads. x [T, H] (bf16 or fp32), gate weight
+//                  [E, H] (bf16 or fp32), bias [E] (selection only, optional), hash routing
+//                  (tid2eid [V, top_k], token_ids [T]) optional. Writes ids [T, top_k] (int32),
+//                  weights [T, top_k] (fp32), and for each (token, slot) a ticket: its position
+//                  among the pairs routed to the same expert, from an atomic increment of
+//                  counts [E] (zero on entry).
+//   moe_dispatch   one block of 1024 threads. Exclusive scan of counts into offsets [E + 1],
+//                  the active experts in id order (active [E], num_active [1]), each pair's row in
+//                  expert-sorted order (slot_row [T * top_k]), the token and weight of every sorted
+//                  row (row_token, row_weight); then zeroes counts for the next call.
+//   moe_gemm_*     grid (ceil(N / 16), min(E, T * top_k)): block (i, s) computes weight rows
+//                  16i .. 16i+15 of active expert active[s] for all its rows, in groups of up to
+//                  8 * kTokenTiles; blocks with s >= num_active exit at once. The weights are stacked
+//                  [E, N, K/2] and [E, N, K/16] with a decode factor per expert [E] (or per row
+//                  [E, N]); the activation rows are gathered through row_token (L1, from the token
+//                  order) or taken in sorted order (L2); the output is written in sorted order.
+//   moe_combine    grid T, 256 threads: out[t] = sum over slots of y[slot_row] (times the routing
+//                  weight unless it was applied before the down projection) + shared[t], in slot order.
+//
+// Every grid is sized for the worst case and exits early, so nothing depends on a count read back.
+#include "common/gemm_decode.cuh"
+
+constexpr int kRouterThreads = 256;
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 16;
+#define FP4_INF __int_as_float(0x7F800000)
+
+enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
+
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// Larger value first; equal values: lower index first.
+__device__ __forceinline__ bool better(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float w = __shfl_xor_sync(0xFFFFFFFFu, v, off);
+        const int j = __shfl_xor_sync(0xFFFFFFFFu, i, off);
+        if (better(w, j, v, i)) v = w, i = j;
+    }
+}
+
+// Block-wide argmax of vals[0, n); all threads get (value, index).
+__device__ void block_argmax(const float* vals, int n, float& best_v, int& best_i) {
+    __shared__ float wv[kRouterThreads / 32];
+    __shared__ int wi[kRouterThreads / 32];
+    float v = -FP4_INF;
+    int i = 0x7FFFFFFF;
+    for (int e = threadIdx.x; e < n; e += blockDim.x)
+        if (better(vals[e], e, v, i)) v = vals[e], i = e;
+    warp_argmax(v, i);
+    if ((threadIdx.x & 31) == 0) wv[threadIdx.x >> 5] = v, wi[threadIdx.x >> 5] = i;
+    __syncthreads();
+    v = -FP4_INF, i = 0x7FFFFFFF;
+    for (int w = 0; w < kRouterThreads / 32; ++w)
+        if (better(wv[w], wi[w], v, i)) v = wv[w], i = wi[w];
+    __syncthreads();
+    best_v = v, best_i = i;
+}
+
+__device__ float block_sum(float v) {
+    __shared__ float ws[kRouterThreads / 32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    if ((threadIdx.x & 31) == 0) ws[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < kRouterThreads / 32; ++w) s += ws[w];
+    __syncthreads();
+    return s;
+}
+
+template <typename XT, typename WT>
+__device__ void router(const XT* x, const WT* gate_w, const float* bias, const int* token_ids, const int* tid2eid,
+                       unsigned E, unsigned H, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
+                       int renormalize, float routed_scale, int* ids, float* weights, unsigned* counts,
+                       unsigned* tickets) {
+    __shared__ float score[kMaxExperts];
+    __shared__ float select[kMaxExperts];
+    __shared__ int chosen[kMaxTopK];
+    const unsigned t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const XT* xt = x + (size_t)t * H;
+    // logits: one warp per expert, lanes stride over H, a fixed-order warp reduction
+    for (unsigned e = warp; e < E; e += kRouterThreads / 32) {
+        const WT* we = gate_w + (size_t)e * H;
+        float acc = 0.0f;
+        for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+        if (lane == 0) score[e] = acc;
+    }
+    __syncthreads();
+    float mx = 0.0f, denom = 1.0f;
+    if (score_func == kSoftmax) {
+        float best;
+        int at;
+        block_argmax(score, E, best, at);
+        mx = best;
+        float part = 0.0f;
+        for (unsigned e = threadIdx.x; e < E; e += blockDim.x) part += expf(score[e] - mx);
+        denom = block_sum(part);
+    }
+    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) {
+        const float l = score[e];
+        float s;
+        if (score_func == kSqrtSoftplus) s = sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+        else if (score_func == kSigmoid) s = 1.0f / (1.0f + expf(-l));
+        else s = expf(l - mx) / denom;
+        score[e] = s;
+        select[e] = s + (bias ? bias[e] : 0.0f);
+    }
+    __syncthreads();
+    if (tid2eid) {
+        if (threadIdx.x < top_k) chosen[threadIdx.x] = tid2eid[(size_t)token_ids[t] * top_k + threadIdx.x];
+    } else {
+        if (n_group > 1) {  // V3: keep the topk_group groups with the best top-2 sums
+            __shared__ float group_score[32];
+            const unsigned per = E / n_group;
+            if (threadIdx.x < n_group) {
+                float a = -FP4_INF, b = -FP4_INF;
+                for (unsigned j = 0; j < per; ++j) {
+                    const float v = select[threadIdx.x * per + j];
+                    if (v > a) b = a, a = v;
+                    else if (v > b) b = v;
+                }
+                group_score[threadIdx.x] = a + b;
+            }
+            __syncthreads();
+            __shared__ int keep[32];
+            if (threadIdx.x == 0) {
+                for (unsigned g = 0; g < n_group; ++g) keep[g] = 0;
+                for (unsigned r = 0; r < topk_group; ++r) {
+                    int bi = -1;
+                    for (unsigned g = 0; g < n_group; ++g)
+                        if (!keep[g] && (bi < 0 || group_score[g] > group_score[bi])) bi = g;
+                    keep[bi] = 1;
+                }
+            }
+            __syncthreads();
+            for (unsigned e = threadIdx.x; e < E; e += blockDim.x)
+                if (!keep[e / per]) select[e] = -FP4_INF;
+            __syncthreads();
+        }
+        for (unsigned j = 0; j < top_k; ++j) {
+            float v;
+            int at;
+            block_argmax(select, E, v, at);
+            if (threadIdx.x == 0) chosen[j] = at, select[at] = -FP4_INF;
+            __syncthreads();
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (unsigned j = 0; j < top_k; ++j) sum += score[chosen[j]];
+        for (unsigned j = 0; j < top_k; ++j) {
+            const int e = chosen[j];
+            const float w = renormalize ? score[e] / sum : score[e];
+            ids[(size_t)t * top_k + j] = e;
+            weights[(size_t)t * top_k + j] = w * routed_scale;
+        }
+    }
+    if (threadIdx.x < top_k) tickets[(size_t)t * top_k + threadIdx.x] = atomicAdd(counts + chosen[threadIdx.x], 1u);
+}
+
+#define FP4_DEFINE_ROUTER(SUFFIX, XT, WT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router_##SUFFIX(                     \
+        const XT* x, const WT* gate_w, const float* bias, const int* token_ids, const int* tid2eid, unsigned E, \
+        unsigned H, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, \
+        float routed_scale, int* ids, float* weights, unsigned* counts, unsigned* tickets) {              \
+        router<XT, WT>(x, gate_w, bias, token_ids, tid2eid, E, H, top_k, score_func, n_group, topk_group, \
+                       renormalize, routed_scale, ids, weights, counts, tickets);                         \
+    }
+
+FP4_DEFINE_ROUTER(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+FP4_DEFINE_ROUTER(bf16_f32, __nv_bfloat16, float)
+FP4_DEFINE_ROUTER(f32_f32, float, float)
+FP4_DEFINE_ROUTER(f32_bf16, float, __nv_bfloat16)
+
+// Block-wide exclusive scan of one value per thread (blockDim.x == 1024); returns the total too.
+__device__ unsigned block_exclusive_scan(unsigned v, unsigned& total) {
+    __shared__ unsigned warp_sums[32];
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned inc = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned n = __shfl_up_sync(0xFFFFFFFFu, inc, off);
+        if (lane >= off) inc += n;
+    }
+    if (lane == 31) warp_sums[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned w = warp_sums[lane];
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const unsigned n = __shfl_up_sync(0xFFFFFFFFu, w, off);
+            if (lane >= off) w += n;
+        }
+        warp_sums[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const unsigned before = (warp ? warp_sums[warp - 1] : 0u) + inc - v;
+    total = warp_sums[31];
+    __syncthreads();
+    return before;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts, const unsigned* tickets, const int* ids,
+                                                               const float* weights, unsigned E, unsigned pairs,
+                                                               unsigned top_k, unsigned* offsets, unsigned* active,
+                                                               unsigned* num_active, unsigned* slot_row,
+                                                               unsigned* row_token, float* row_weight) {
+    const unsigned e = threadIdx.x;
+    const unsigned c = e < E ? counts[e] : 0u;
+    unsigned total, n_active;
+    const unsigned start = block_exclusive_scan(c, total);
+    const unsigned rank = block_exclusive_scan(c > 0 ? 1u : 0u, n_active);
+    if (e < E) {
+        offsets[e] = start;
+        if (c > 0) active[rank] = e;
+        counts[e] = 0;  // ready for the next call (every reader of counts ran before this kernel)
+    }
+    if (e == 0) offsets[E] = total, *num_active = n_active;
+    __syncthreads();
+    __shared__ unsigned sh_offsets[kMaxExperts];
+    if (e < E) sh_offsets[e] = start;
+    __syncthreads();
+    for (unsigned p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const unsigned row = sh_offsets[ids[p]] + tickets[p];
+        slot_row[p] = row;
+        row_token[row] = p / top_k;
+        row_weight[row] = weights[p];
+    }
+}
+
+// Grouped decode GEMM over the active experts (see the header). kAct: ActBf16 or ActNvfp4.
+template <int kTokenTiles, class Act>
+__device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
+                         const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
+                         void* out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned* offsets,
+                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
+    if (blockIdx.y >= *num_active) return;
+    const unsigned e = active[blockIdx.y];
+    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
+    const size_t expert_bytes = (size_t)N * (K / 2), expert_scales = (size_t)N * (K / 16);
+    for (unsigned m0 = 0; m0 < rows; m0 += 8 * kTokenTiles) {
+        act.row = RowMap{gather, row0 + m0};
+        Epilogue ep{nullptr, w_row_decode ? w_row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out, out_f32};
+        ep.w_decode = w_decode + e;
+        ep.out_ld = out_ld;
+        ep.out_row_base = row0 + m0;
+        ep.out_col = out_col;
+        gemm_decode<kTokenTiles>(w_packed + e * expert_bytes, w_scales + e * expert_scales, act, ep,
+                                 min(rows - m0, 8u * kTokenTiles), N, K);
+    }
+}
+
+#define FP4_MOE_GEMM_ARGS                                                                                 \
+    const unsigned char *w_packed, const unsigned char *w_scales, const float *w_decode, const float *w_row_decode, \
+        const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned *offsets, \
+        const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
+
+#define FP4_DEFINE_MOE_GEMM(TILES)                                                                        \
+    extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_bf16_##TILES(                     \
+        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
+        moe_gemm<TILES>(w_packed, w_scales, w_decode, w_row_decode, ActBf16{act, RowMap{nullptr, 0}}, gather, \
+                        nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);      \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_nvfp4_##TILES(                    \
+        const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
+        FP4_MOE_GEMM_ARGS) {                                                                              \
+        moe_gemm<TILES>(w_packed, w_scales, w_decode, w_row_decode,                                       \
+                        ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, gather, act_global, out, out_f32, \
+                        out_ld, out_col, offsets, active, num_active, N, K);                              \
+    }
+
+FP4_DEFINE_MOE_GEMM(1)
+FP4_DEFINE_MOE_GEMM(8)
+
+// out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, const unsigned* slot_row,
+                                                              const float* weights, int weighted,
+                                                              const __nv_bfloat16* shared, __nv_bfloat16* out,
+                                                              unsigned H, unsigned top_k) {
+    const unsigned t = blockIdx.x;
+    for (unsigned c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.0f;
+        for (unsigned j = 0; j < top_k; ++j) {
+            const float v = y[(size_t)slot_row[t * top_k + j] * H + c];
+            acc = weighted ? fmaf(v, weights[t * top_k + j], acc) : __fadd_rn(acc, v);
+        }
+        if (shared) acc = __fadd_rn(acc, __bfloat162float(shared[(size_t)t * H + c]));
+        out[(size_t)t * H + c] = __float2bfloat16_rn(acc);
+    }
+}

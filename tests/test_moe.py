@@ -1,0 +1,150 @@
+"""MoE: the routing reference on hand cases, the layer on the numpy backend (fused and unfused paths
+agree exactly), and every bad configuration getting a clear error."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
+from fp4kit.reference import moe as ref
+from fp4kit.reference import quant as qref
+
+BF16 = ml_dtypes.bfloat16
+
+
+def test_top_k_ties_go_to_the_lower_index():
+    v = np.array([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    assert ref.top_k_lowest_index_ties(v, 3).tolist() == [[1, 2, 4]]
+
+
+def test_score_functions():
+    z = np.array([[-2.0, 0.0, 3.0]])
+    assert np.allclose(ref.scores_from_logits(z, "sigmoid"), 1 / (1 + np.exp(-z)))
+    assert np.allclose(ref.scores_from_logits(z, "sqrtsoftplus"), np.sqrt(np.log1p(np.exp(z))))
+    assert np.allclose(ref.scores_from_logits(z, "softmax").sum(), 1.0)
+    with pytest.raises(ValueError, match="score_func"):
+        ref.scores_from_logits(z, "relu")
+
+
+def test_route_bias_selects_but_does_not_weigh():
+    x = np.eye(4, dtype=np.float32)[:1]  # logits = first column of the gate weight
+    gate = np.array([[2.0], [1.0], [0.5], [0.0]], np.float32) * np.array([[1, 0, 0, 0]], np.float32)
+    bias = np.array([0, 0, 10, 0], np.float32)
+    ids, w = ref.route(x, gate, top_k=2, score_func="sigmoid", bias=bias, renormalize=False)
+    assert ids.tolist() == [[2, 0]]
+    assert np.allclose(w, [[1 / (1 + np.exp(-0.5)), 1 / (1 + np.exp(-2.0))]])
+
+
+def test_route_groups_hash_and_scale():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    gate = rng.standard_normal((16, 16)).astype(np.float32)
+    ids, w = ref.route(x, gate, top_k=4, score_func="sigmoid", n_group=4, topk_group=2, routed_scale=2.5)
+    assert np.allclose(w.sum(-1), 2.5, rtol=1e-6)
+    assert all(len(set(row // 4)) <= 2 for row in ids)  # only two groups per token
+    tid2eid = rng.integers(0, 16, (10, 4)).astype(np.int32)
+    ids, _ = ref.route(x, gate, top_k=4, tid2eid=tid2eid, token_ids=np.array([7, 0, 7]))
+    assert np.array_equal(ids, tid2eid[[7, 0, 7]])
+
+
+def _weights(rng, e=8, h=64, i=32):
+    return (rng.standard_normal((e, h)).astype(np.float32), rng.standard_normal((e, i, h)).astype(np.float32),
+            rng.standard_normal((e, i, h)).astype(np.float32) * 0.1, rng.standard_normal((e, h, i)).astype(np.float32))
+
+
+def _stack(ws):
+    return ExpertStack.from_tensors([qref.quantize(w) for w in ws])
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_fused_and_unfused_paths_agree_exactly(rng, mode):
+    gate, w1, w3, w2 = _weights(rng)
+    s1, s3, s2 = _stack(w1), _stack(w3), _stack(w2)
+    assert not np.array_equal(s1.global_scale, s3.global_scale)
+    routing = RoutingConfig(top_k=2, score_func="sigmoid", routed_scale=1.5)
+    fused = MoE(gate, s2, routing, w13=ExpertStack.fuse_gate_up(s1, s3), limit=10.0, mode=mode)
+    unfused = MoE(gate, s2, routing, w1=s1, w3=s3, limit=10.0, mode=mode)
+    x = rng.standard_normal((6, 64)).astype(BF16)
+    assert np.array_equal(fused(x), unfused(x))
+
+
+def test_layer_matches_a_token_by_token_loop(rng):
+    """The reference MoE against a plain per-token loop of the same operations."""
+    gate, w1, w3, w2 = _weights(rng)
+    s1, s3, s2 = _stack(w1), _stack(w3), _stack(w2)
+    w13 = ExpertStack.fuse_gate_up(s1, s3)
+    routing = RoutingConfig(top_k=3, score_func="sqrtsoftplus", routed_scale=1.5)
+    for before in (True, False):
+        layer = MoE(gate, s2, routing, w13=w13, limit=5.0, weight_before_down=before, mode="w4a16")
+        x = rng.standard_normal((4, 64)).astype(BF16)
+        y = layer(x).astype(np.float32)
+        ids, weights = ref.route(x, gate, **vars(routing))
+        from fp4kit.reference.gemm import gemm
+
+        expect = np.zeros((4, 64), np.float32)
+        for t in range(4):
+            for j in range(3):
+                e, wt = ids[t, j], weights[t, j]
+                h = gemm(x[t : t + 1], w13.expert(e), None, w13.row_decode[e], BF16)
+                a = qref.swiglu(h, "interleaved", 5.0, np.array([wt], np.float32) if before else None).astype(BF16)
+                out = gemm(a, s2.expert(e), None, None, np.float32)[0]
+                expect[t] += out if before else out * wt
+        assert np.allclose(y, expect.astype(BF16).astype(np.float32), rtol=1e-2, atol=1e-2 * np.abs(expect).max())
+
+
+def test_shared_expert_is_added(rng):
+    gate, w1, w3, w2 = _weights(rng)
+    shared = SharedExpert.from_float(w1[0], w3[0], w2[0], mode="w4a16")
+    routing = RoutingConfig(top_k=2)
+    plain = MoE(gate, _stack(w2), routing, w13=ExpertStack.fuse_gate_up(_stack(w1), _stack(w3)), mode="w4a16")
+    with_shared = MoE(gate, plain.w2, routing, w13=plain.w13, mode="w4a16", shared=shared)
+    x = rng.standard_normal((3, 64)).astype(BF16)
+    diff = with_shared(x).astype(np.float32) - plain(x).astype(np.float32)
+    assert np.allclose(diff, shared(x).astype(np.float32), rtol=2e-2, atol=2e-2 * np.abs(diff).max())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(routing=RoutingConfig(top_k=9)), "top_k: expected 1..8 for 8 experts"),
+        (dict(routing=RoutingConfig(top_k=2, score_func="relu")), "score_func"),
+        (dict(routing=RoutingConfig(top_k=2, n_group=3, topk_group=1)), "n_group/topk_group"),
+        (dict(routing=RoutingConfig(top_k=8, n_group=4, topk_group=1)), "top_k: 8 exceeds the experts"),
+        (dict(bias=np.zeros(7, np.float32)), r"bias: expected float32 \[8\]"),
+        (dict(tid2eid=np.full((5, 2), 8, np.int32)), r"tid2eid: expert ids must lie in \[0, 8\)"),
+        (dict(tid2eid=np.zeros((5, 3), np.int32)), r"tid2eid: expected int32 \[vocab, 2\]"),
+        (dict(mode="w8a8"), "mode: expected"),
+    ],
+)
+def test_bad_configuration(rng, kwargs, message):
+    gate, w1, w3, w2 = _weights(rng)
+    args = dict(routing=RoutingConfig(top_k=2))
+    args.update(kwargs)
+    routing = args.pop("routing")
+    with pytest.raises(ValueError, match=message):
+        MoE(gate, _stack(w2), routing, w13=ExpertStack.fuse_gate_up(_stack(w1), _stack(w3)), **args)
+
+
+def test_bad_shapes_and_inputs(rng):
+    gate, w1, w3, w2 = _weights(rng)
+    s1, s3, s2 = _stack(w1), _stack(w3), _stack(w2)
+    with pytest.raises(ValueError, match=r"w2: expected shape \(8, 64, 32\)"):
+        MoE(gate, _stack(np.zeros((8, 48, 32), np.float32)), RoutingConfig(top_k=2), w13=ExpertStack.fuse_gate_up(s1, s3))
+    with pytest.raises(ValueError, match="w13: expected shape"):
+        MoE(gate, s1, RoutingConfig(top_k=2), w13=ExpertStack.fuse_gate_up(s1, s3))
+    with pytest.raises(ValueError, match="w13: pass either"):
+        MoE(gate, s2, RoutingConfig(top_k=2))
+    layer = MoE(gate, s2, RoutingConfig(top_k=2), w13=ExpertStack.fuse_gate_up(s1, s3))
+    with pytest.raises(ValueError, match=r"x: expected \[tokens, 64\]"):
+        layer(np.zeros((2, 48), BF16))
+    with pytest.raises(TypeError, match="x: expected bfloat16 or float32"):
+        layer(np.zeros((2, 64), np.float16))
+    hashed = MoE(gate, s2, RoutingConfig(top_k=2), w13=layer.w13, tid2eid=np.zeros((5, 2), np.int32))
+    with pytest.raises(ValueError, match="token_ids: hash routing needs"):
+        hashed(np.zeros((2, 64), BF16))
+    def raw(e, n, k):  # a stack whose K need not be a multiple of 16
+        return ExpertStack(np.zeros((e, n, k // 2), np.uint8), np.zeros((e, n, k // 16), np.uint8),
+                           np.ones(e, np.float32), np.ones(e, np.float32))
+
+    with pytest.raises(ValueError, match="hidden and inner sizes must be multiples of 16"):
+        MoE(np.zeros((8, 24), np.float32), raw(8, 24, 16), RoutingConfig(top_k=2), w13=raw(8, 32, 24))

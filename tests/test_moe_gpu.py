@@ -1,0 +1,134 @@
+"""The MoE layer on the GPU against the numpy reference: routing (ids exactly, weights to fp32
+rounding) for DeepSeek shapes, the whole layer (calc_diff), adversarial routing, hash routing, the
+fused and unfused paths, and the layer captured in a CUDA graph replayed with new inputs."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
+from fp4kit.reference import gemm as gref
+from fp4kit.reference import moe as ref
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+BF16 = ml_dtypes.bfloat16
+BOUND = 1e-4  # kernel vs reference differ by fp32 summation order, seen through two roundings
+
+
+def host_stack(s: ExpertStack) -> ExpertStack:
+    return ExpertStack(*(None if a is None else cp.asnumpy(a) for a in
+                         (s.packed, s.block_scales, s.global_scale, s.decode, s.row_decode)))
+
+
+def build(rng, e, h, i, routing, **kwargs):
+    gate = rng.standard_normal((e, h)).astype(np.float32) / np.sqrt(h)
+    w1 = cp.asarray(rng.standard_normal((e, i, h)).astype(np.float32) / np.sqrt(h))
+    w3 = cp.asarray(rng.standard_normal((e, i, h)).astype(np.float32) / np.sqrt(h))
+    w2 = cp.asarray(rng.standard_normal((e, h, i)).astype(np.float32) / np.sqrt(i))
+    dev_kwargs = {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    dev = MoE.from_float(cp.asarray(gate), w1, w3, w2, routing, **dev_kwargs)
+    host_kwargs = {k: (cp.asnumpy(v) if isinstance(v, cp.ndarray) else v) for k, v in kwargs.items()}
+    host = MoE(gate, host_stack(dev.w2), routing, w13=host_stack(dev.w13), **host_kwargs)
+    return dev, host
+
+
+V4 = RoutingConfig(top_k=6, score_func="sqrtsoftplus", routed_scale=1.5)
+V3 = RoutingConfig(top_k=8, score_func="sigmoid", n_group=8, topk_group=4, routed_scale=2.5)
+
+
+@pytest.mark.parametrize("routing", [V4, V3, RoutingConfig(top_k=6, score_func="softmax", renormalize=False)])
+@pytest.mark.parametrize("t", [1, 3, 64, 512])
+def test_routing_matches_reference(rng, routing, t):
+    for e, h in ((256, 4096), (8 * routing.n_group if routing.n_group > 1 else 8, 256)):
+        if routing.top_k > e:
+            continue
+        gate = rng.standard_normal((e, h)).astype(np.float32) / np.sqrt(h)
+        bias = rng.standard_normal(e).astype(np.float32) * 0.1
+        x = rng.standard_normal((t, h)).astype(BF16)
+        from fp4kit.ops import moe as moe_ops
+
+        ids = cp.empty((t, routing.top_k), cp.int32)
+        weights = cp.empty((t, routing.top_k), cp.float32)
+        counts = cp.zeros(e, cp.uint32)
+        tickets = cp.empty((t, routing.top_k), cp.uint32)
+        moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts, tickets)
+        ref_ids, ref_w = ref.route(x, gate, bias=bias, **vars(routing))
+        assert np.array_equal(cp.asnumpy(ids), ref_ids)
+        assert np.allclose(cp.asnumpy(weights), ref_w, rtol=1e-5, atol=1e-7)
+        assert int(counts.sum()) == t * routing.top_k
+
+
+@pytest.mark.parametrize("t", [1, 3, 64, 512])
+def test_layer_matches_reference_256_experts(rng, t):
+    dev, host = build(rng, 256, 256, 128, V4, limit=10.0)
+    x = rng.standard_normal((t, 256)).astype(BF16)
+    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
+    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("t", [1, 64])
+def test_layer_matches_reference_wide(rng, t, mode):
+    dev, host = build(rng, 8, 4096, 512, RoutingConfig(top_k=6, score_func="sigmoid"), limit=10.0,
+                      weight_before_down=False, mode=mode)
+    x = rng.standard_normal((t, 4096)).astype(BF16)
+    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
+    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+def test_adversarial_routing(rng):
+    e, h, i = 32, 256, 128
+    bias = np.zeros(e, np.float32)
+    bias[5] = 1e3  # every token picks expert 5 first; most experts get nothing
+    dev, host = build(rng, e, h, i, RoutingConfig(top_k=6, score_func="sigmoid"), bias=bias)
+    for t in (1, 300):
+        x = rng.standard_normal((t, h)).astype(BF16)
+        y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
+        assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+    # all experts hit, and hash routing
+    tid2eid = rng.integers(0, e, (1000, 6)).astype(np.int32)
+    dev_h, host_h = build(rng, e, h, i, RoutingConfig(top_k=6), tid2eid=cp.asarray(tid2eid))
+    tokens = rng.integers(0, 1000, 256).astype(np.int32)
+    x = rng.standard_normal((256, h)).astype(BF16)
+    ids, _ = dev_h.route(cp.asarray(x), cp.asarray(tokens))
+    assert np.array_equal(cp.asnumpy(ids), tid2eid[tokens])
+    y = cp.asnumpy(dev_h(cp.asarray(x), cp.asarray(tokens))).astype(np.float32)
+    assert gref.calc_diff(y, host_h(x, tokens).astype(np.float32)) < BOUND
+
+
+def test_fused_and_unfused_agree_on_device(rng):
+    e, h, i = 16, 512, 256
+    from fp4kit.ops.quant import quantize
+
+    w1 = ExpertStack.from_tensors([quantize(cp.asarray(rng.standard_normal((i, h)).astype(np.float32))) for _ in range(e)])
+    w3 = ExpertStack.from_tensors([quantize(cp.asarray(rng.standard_normal((i, h)).astype(np.float32) * 0.1)) for _ in range(e)])
+    w2 = ExpertStack.from_tensors([quantize(cp.asarray(rng.standard_normal((h, i)).astype(np.float32))) for _ in range(e)])
+    gate = cp.asarray(rng.standard_normal((e, h)).astype(np.float32))
+    fused = MoE(gate, w2, V4, w13=ExpertStack.fuse_gate_up(w1, w3), limit=10.0)
+    unfused = MoE(gate, w2, V4, w1=w1, w3=w3, limit=10.0)
+    x = cp.asarray(rng.standard_normal((40, h)).astype(BF16))
+    assert cp.array_equal(fused(x).view(cp.uint16), unfused(x).view(cp.uint16))
+
+
+def test_layer_in_a_cuda_graph(rng):
+    e, h, i, t = 64, 512, 256, 16
+    shared = SharedExpert.from_float(*(cp.asarray(rng.standard_normal(s).astype(np.float32) / 16)
+                                       for s in ((i, h), (i, h), (h, i))), limit=10.0)
+    dev, _ = build(rng, e, h, i, V4, limit=10.0, shared=shared)
+    x = cp.zeros((t, h), BF16)
+    y = dev(x)  # eager first call: compiles, allocates the layer's buffers
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        dev(x)
+        graph = stream.end_capture()
+    for _ in range(3):
+        xn = rng.standard_normal((t, h)).astype(BF16)
+        x.set(xn, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        got = cp.asnumpy(y).astype(np.float32)
+        with cp.cuda.Stream(non_blocking=True):
+            expect = cp.asnumpy(dev(cp.asarray(xn)).copy()).astype(np.float32)
+        assert gref.calc_diff(got, expect) == 0  # replay = eager, bit for bit
