@@ -40,6 +40,7 @@ def build(cfg, seed=0):
     gate = rs.standard_normal((e, h), dtype=cp.float32) / np.float32(np.sqrt(h))
     shared = SharedExpert.from_float(*(rs.standard_normal(s, dtype=cp.float32) / np.float32(np.sqrt(s[1]))
                                        for s in ((i, h), (i, h), (h, i))), limit=10.0)
+    shared.gate_up.decode_max_m = shared.down.decode_max_m = 1 << 30  # keep T = 512 capturable
 
     class Lazy:  # per-expert matrices generated on demand, one at a time
         def __init__(self, rows, cols, seed):

@@ -48,6 +48,9 @@ class Linear:
         self.weight, self.bias, self.mode = weight, bias, mode
         self.input_scale, self.w_row_decode = input_scale, w_row_decode
         self._buffers: dict[tuple, tuple] = {}
+        #: rows up to which the graph-capturable decode GEMM is used (above: cuBLAS prefill); raise
+        #: it to capture large-M calls in a CUDA graph
+        self.decode_max_m = gemm_ops.DECODE_MAX_M
 
     @property
     def out_features(self) -> int:
@@ -103,7 +106,8 @@ class Linear:
         data = a.packed if isinstance(a, Nvfp4Tensor) else a
         if out is None and arrays.is_device_array(data):
             out = self._output_buffer(tuple(a.shape[:-1]))
-        return gemm_ops.gemm(a, self.weight, bias=self.bias, w_row_decode=self.w_row_decode, out=out)
+        return gemm_ops.gemm(a, self.weight, bias=self.bias, w_row_decode=self.w_row_decode, out=out,
+                             decode_max_m=self.decode_max_m)
 
     def __call__(self, x, *, out=None):
         """``y[..., N]`` for ``x[..., K]``.

@@ -106,7 +106,8 @@ def gemm(
     out : bf16 or fp32 array ``[..., N]``, optional
     out_dtype : bf16 (default) or fp32, when ``out`` is not given
     decode_max_m : int
-        Largest row count that takes the decode kernel (at most 64).
+        Largest row count that takes the decode kernel. Above 64 rows the decode kernel re-reads
+        the weight per 64 rows (slower than the cuBLAS prefill path, but capturable in a graph).
 
     ``alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -124,8 +125,8 @@ def gemm(
         raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
     if out is not None:
         arrays.check_out("out", out, (*lead, n), out_dtype, w.packed)
-    if not 0 <= decode_max_m <= 8 * _TOKEN_TILES[-1]:
-        raise ValueError(f"decode_max_m: expected 0..{8 * _TOKEN_TILES[-1]}, got {decode_max_m}")
+    if not isinstance(decode_max_m, (int, np.integer)) or decode_max_m < 0:
+        raise ValueError(f"decode_max_m: expected a non-negative int, got {decode_max_m!r}")
     if n * k // 2 >= 2**31 or m * k >= 2**31 or m * n >= 2**31:
         raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
 
@@ -144,7 +145,7 @@ def gemm(
     epilogue = (w.global_scale, _ptr(w_row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32), _U32(m), _U32(n), _U32(k))
     if m <= decode_max_m:
-        tiles = next(t for t in _TOKEN_TILES if 8 * t >= m)
+        tiles = next((t for t in _TOKEN_TILES if 8 * t >= m), _TOKEN_TILES[-1])
         grid = -(-n // 16)
         if isinstance(a, Nvfp4Tensor):
             kernel = loader.get_kernel(_MODULE, f"gemm_decode_nvfp4_{tiles}")

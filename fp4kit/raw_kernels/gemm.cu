@@ -11,7 +11,7 @@
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
 //   alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
-// gemm_decode_*: small M (<= 8 * kTokenTiles). "Swap AB": weight rows are the MMA's M dimension (16
+// gemm_decode_*: small M; larger M loops over groups of 8 * kTokenTiles tokens, re-reading the weight. "Swap AB": weight rows are the MMA's M dimension (16
 // per block), tokens its N dimension (8 per tile), so one pass streams the weight once. Launch: grid
 // ceil(N/16) blocks of 8 warps; warp w takes the 128-wide K chunks w, w+8, ...; partial sums are
 // reduced across warps in shared memory (deterministic). The dot product does not depend on the
@@ -35,14 +35,21 @@
     extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_bf16_##TILES(                   \
         const unsigned char* w_packed, const unsigned char* w_scales, const __nv_bfloat16* act,           \
         FP4_GEMM_EPILOGUE_ARGS) {                                                                         \
-        const Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};               \
-        gemm_decode<TILES>(w_packed, w_scales, ActBf16{act, RowMap{nullptr, 0}}, ep, M, N, K);                                \
+        for (unsigned m0 = 0; m0 < M; m0 += 8 * TILES) {                                                 \
+            Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};                  \
+            ep.out_row_base = m0;                                                                         \
+            gemm_decode<TILES>(w_packed, w_scales, ActBf16{act, RowMap{nullptr, m0}}, ep, min(M - m0, 8u * TILES), N, K); \
+        }                                                                                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_nvfp4_##TILES(                  \
         const unsigned char* w_packed, const unsigned char* w_scales, const unsigned char* act_packed,    \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS) {               \
-        const Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};            \
-        gemm_decode<TILES>(w_packed, w_scales, ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, K);            \
+        for (unsigned m0 = 0; m0 < M; m0 += 8 * TILES) {                                                 \
+            Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};               \
+            ep.out_row_base = m0;                                                                         \
+            gemm_decode<TILES>(w_packed, w_scales, ActNvfp4{act_packed, act_scales, RowMap{nullptr, m0}}, ep, \
+                               min(M - m0, 8u * TILES), N, K);                                            \
+        }                                                                                                 \
     }
 
 FP4_DEFINE_GEMM_DECODE(1)
