@@ -22,10 +22,10 @@ def host_stack(s: ExpertStack) -> ExpertStack:
 
 
 def build(rng, e, h, i, routing, **kwargs):
-    gate = rng.standard_normal((e, h)).astype(np.float32) / np.sqrt(h)
-    w1 = cp.asarray(rng.standard_normal((e, i, h)).astype(np.float32) / np.sqrt(h))
-    w3 = cp.asarray(rng.standard_normal((e, i, h)).astype(np.float32) / np.sqrt(h))
-    w2 = cp.asarray(rng.standard_normal((e, h, i)).astype(np.float32) / np.sqrt(i))
+    gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
+    w1 = cp.asarray((rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32))
+    w3 = cp.asarray((rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32))
+    w2 = cp.asarray((rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32))
     dev_kwargs = {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     dev = MoE.from_float(cp.asarray(gate), w1, w3, w2, routing, **dev_kwargs)
     host_kwargs = {k: (cp.asnumpy(v) if isinstance(v, cp.ndarray) else v) for k, v in kwargs.items()}
@@ -43,7 +43,7 @@ def test_routing_matches_reference(rng, routing, t):
     for e, h in ((256, 4096), (8 * routing.n_group if routing.n_group > 1 else 8, 256)):
         if routing.top_k > e:
             continue
-        gate = rng.standard_normal((e, h)).astype(np.float32) / np.sqrt(h)
+        gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
         bias = rng.standard_normal(e).astype(np.float32) * 0.1
         x = rng.standard_normal((t, h)).astype(BF16)
         from fp4kit.ops import moe as moe_ops
@@ -113,7 +113,7 @@ def test_fused_and_unfused_agree_on_device(rng):
 
 def test_layer_in_a_cuda_graph(rng):
     e, h, i, t = 64, 512, 256, 16
-    shared = SharedExpert.from_float(*(cp.asarray(rng.standard_normal(s).astype(np.float32) / 16)
+    shared = SharedExpert.from_float(*(cp.asarray((rng.standard_normal(s) / 16).astype(np.float32))
                                        for s in ((i, h), (i, h), (h, i))), limit=10.0)
     dev, _ = build(rng, e, h, i, V4, limit=10.0, shared=shared)
     x = cp.zeros((t, h), BF16)

@@ -1,0 +1,52 @@
+"""Device time of each stage of one MoE layer call (V4-Flash shape), with CUDA events.
+
+    PYTHONPATH=. python scripts/profile_moe.py
+"""
+
+import statistics
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+from benchmarks.bench_moe import CONFIGS, build
+from fp4kit.ops import moe as moe_ops
+from fp4kit.ops import quant as quant_ops
+
+
+def timed(fn, iters=10):
+    fn()
+    times = []
+    for _ in range(iters):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
+    return statistics.median(times)
+
+
+cfg = CONFIGS["V4-Flash"]
+layer, _ = build(cfg)
+rng = np.random.default_rng(0)
+for t in (1, 64):
+    x = cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16))
+    layer(x)
+    plan = layer._plan(x)
+    k = cfg["routing"].top_k
+    stages = {
+        "router+dispatch": lambda: layer._route_device(x, None, plan),
+        "quantize x": lambda: quant_ops.quantize(x, out=plan.x_act),
+        "L1 grouped GEMM": lambda: moe_ops.grouped_gemm(plan.x_act, layer.w13, plan.h, plan=plan, gather=True,
+                                                        max_rows_per_expert=t),
+        "swiglu+quantize": lambda: quant_ops.swiglu_quantize(plan.h, limit=10.0, row_scale=plan.row_weight,
+                                                             out=plan.h_act),
+        "L2 grouped GEMM": lambda: moe_ops.grouped_gemm(plan.h_act, layer.w2, plan.y, plan=plan, gather=False,
+                                                        max_rows_per_expert=t),
+        "shared expert": lambda: layer.shared(x),
+        "combine": lambda: moe_ops.combine(plan.y, plan.slot_row, plan.weights, False, None, plan.out),
+        "whole layer": lambda: layer(x),
+    }
+    for name, fn in stages.items():
+        print(f"T={t:4d} {name:18s} {timed(fn):9.1f} us")
