@@ -52,7 +52,9 @@ def test_routing_matches_reference(rng, routing, t):
         weights = cp.empty((t, routing.top_k), cp.float32)
         counts = cp.zeros(e, cp.uint32)
         tickets = cp.empty((t, routing.top_k), cp.uint32)
-        moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts, tickets)
+        logits = cp.empty((t, e), cp.float32)
+        moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
+                      tickets, logits)
         ref_ids, ref_w = ref.route(x, gate, bias=bias, **vars(routing))
         assert np.array_equal(cp.asnumpy(ids), ref_ids)
         assert np.allclose(cp.asnumpy(weights), ref_w, rtol=1e-5, atol=1e-7)

@@ -114,6 +114,7 @@ class RoutingConfig:
 class _Plan:
     """Device buffers of one forward pass for T tokens."""
 
+    logits: object
     ids: object
     weights: object
     tickets: object
@@ -275,7 +276,8 @@ class MoE:
                                cupy.empty((), np.float32), "linear", (rows, cols))
 
         plan = _Plan(
-            ids=cupy.empty((t, k), np.int32), weights=cupy.empty((t, k), np.float32),
+            logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
+            weights=cupy.empty((t, k), np.float32),
             tickets=cupy.empty((t, k), np.uint32), offsets=cupy.empty(e + 1, np.uint32),
             active=cupy.empty(e, np.uint32), num_active=cupy.empty(1, np.uint32),
             slot_row=cupy.empty(pairs, np.uint32), row_token=cupy.empty(pairs, np.uint32),
@@ -289,12 +291,11 @@ class MoE:
 
     def _route_device(self, x, token_ids, plan: _Plan) -> None:
         moe_ops.route(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids, plan.weights,
-                      self._counts, plan.tickets)
+                      self._counts, plan.tickets, plan.logits)
         moe_ops.dispatch(self._counts, plan.tickets, plan.ids, plan.weights, self.routing.top_k, plan)
 
     def _forward_device(self, x, token_ids):
         plan = self._plan(x)
-        t = x.shape[0]
         self._route_device(x, token_ids, plan)
         if self.mode == "w4a4":
             act = quant_ops.quantize(x, out=plan.x_act)
@@ -302,14 +303,12 @@ class MoE:
             act = x if x.dtype == arrays.BF16 else None
             if act is None:
                 raise TypeError("x: mode 'w4a16' takes bfloat16 input")
-        rows_per_expert = t  # a token picks an expert at most once
         if self.fused:
-            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert)
+            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True)
             layout = "interleaved"
         else:
-            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert)
-            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, max_rows_per_expert=rows_per_expert,
-                                 out_col=self.inner)
+            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True)
+            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner)
             layout = "concatenated"
         row_scale = plan.row_weight if self.weight_before_down else None
         if self.mode == "w4a4":
@@ -317,7 +316,7 @@ class MoE:
                                               out=plan.h_act)
         else:
             h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
-        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows_per_expert=rows_per_expert)
+        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False)
         shared = self.shared(x) if self.shared is not None else None
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
         return plan.out

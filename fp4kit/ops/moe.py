@@ -22,16 +22,21 @@ def _suffix(dtype) -> str:
     return "bf16" if np.dtype(dtype) == arrays.BF16 else "f32"
 
 
-def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets) -> None:
-    """One block per token: logits, scores, (grouped) top-k or hash ids, weights; dispatch tickets.
-    ``counts`` must be zero on entry (`dispatch` leaves it zero)."""
+def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
+    """Logits (one warp per token and expert), then one block per token: scores, (grouped) top-k or
+    hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
+    zero); ``logits`` is fp32 ``[T, E]`` scratch."""
     t, h = x.shape
     e = gate_weight.shape[0]
-    name = f"moe_router_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
-    kernel = loader.get_kernel(_MODULE, name)
-    kernel(t, 256, (x, gate_weight, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(e), _U32(h), _U32(cfg.top_k),
-                    _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group),
-                    _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, counts, tickets))
+    for name, a in (("x", x), ("gate_weight", gate_weight)):
+        if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
+            raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
+    name = f"moe_router_logits_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
+    loader.get_kernel(_MODULE, name).function((-(-e // 8), t), (256,), (x, gate_weight, _U32(e), _U32(h), logits))
+    loader.get_kernel(_MODULE, "moe_router")(
+        t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(e), _U32(cfg.top_k),
+                 _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group),
+                 _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, counts, tickets))
 
 
 def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
@@ -43,22 +48,21 @@ def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
                   plan.num_active, plan.slot_row, plan.row_token, plan.row_weight))
 
 
-def grouped_gemm(act, stack, out, *, plan, gather: bool, max_rows_per_expert: int, out_col: int = 0) -> None:
+def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
     every active expert ``e``; ``act`` an `Nvfp4Tensor` or bf16, gathered through the sorted rows'
     tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input)."""
     n, k = stack.shape[1:]
-    tiles = 1 if max_rows_per_expert <= 8 else 8
     slots = min(stack.shape[0], plan.slot_row.size)
     grid = (-(-n // 16), slots)
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
               plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
     if isinstance(act, Nvfp4Tensor):
-        kernel = loader.get_kernel(_MODULE, f"moe_gemm_nvfp4_{tiles}")
+        kernel = loader.get_kernel(_MODULE, "moe_gemm_nvfp4")
         args = (act.packed, act.block_scales, act.global_scale, *common)
     else:
-        kernel = loader.get_kernel(_MODULE, f"moe_gemm_bf16_{tiles}")
+        kernel = loader.get_kernel(_MODULE, "moe_gemm_bf16")
         args = (act, *common)
     kernel.function(grid, (256,), args)
 

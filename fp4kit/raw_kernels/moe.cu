@@ -1,8 +1,10 @@
 // Mixture-of-Experts kernels: DeepSeek routing, dispatch without the host, grouped NVFP4 expert
 // GEMMs, and the weighted combine. fp4kit/reference/moe.py is the specification.
 //
-//   moe_router_*   grid T (one block per token), 256 threads. x [T, H] (bf16 or fp32), gate weight
-//                  [E, H] (bf16 or fp32), bias [E] (selection only, optional), hash routing
+//   moe_router_logits_*  grid (ceil(E / 8), T), 256 threads: logits [T, E] fp32 = x [T, H] (bf16 or
+//                  fp32) . gate weight [E, H] (bf16 or fp32), one warp per (token, expert).
+//   moe_router     grid T (one block per token), 256 threads: from the logits, bias [E] (selection
+//                  only, optional), hash routing
 //                  (tid2eid [V, top_k], token_ids [T]) optional. Writes ids [T, top_k] (int32),
 //                  weights [T, top_k] (fp32), and for each (token, slot) a ticket: its position
 //                  among the pairs routed to the same expert, from an atomic increment of
@@ -12,8 +14,8 @@
 //                  expert-sorted order (slot_row [T * top_k]), the token and weight of every sorted
 //                  row (row_token, row_weight); then zeroes counts for the next call.
 //   moe_gemm_*     grid (ceil(N / 16), min(E, T * top_k)): block (i, s) computes weight rows
-//                  16i .. 16i+15 of active expert active[s] for all its rows, in groups of up to
-//                  8 * kTokenTiles; blocks with s >= num_active exit at once. The weights are stacked
+//                  16i .. 16i+15 of active expert active[s] for all its rows (one 8-token tile when
+//                  it has at most 8, else groups of 64); blocks with s >= num_active exit at once. The weights are stacked
 //                  [E, N, K/2] and [E, N, K/16] with a decode factor per expert [E] (or per row
 //                  [E, N]); the activation rows are gathered through row_token (L1, from the token
 //                  order) or taken in sorted order (L2); the output is written in sorted order.
@@ -75,25 +77,32 @@ __device__ float block_sum(float v) {
     return s;
 }
 
+// logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / 8), T), one warp per expert, lanes
+// stride over H, a fixed-order warp reduction. Spread over many blocks so that even one token
+// reads the gate weight at full bandwidth.
 template <typename XT, typename WT>
-__device__ void router(const XT* x, const WT* gate_w, const float* bias, const int* token_ids, const int* tid2eid,
-                       unsigned E, unsigned H, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
+__device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) {
+    const unsigned t = blockIdx.y, lane = threadIdx.x & 31;
+    const unsigned e = blockIdx.x * (kRouterThreads / 32) + (threadIdx.x >> 5);
+    if (e >= E) return;
+    const XT* xt = x + (size_t)t * H;
+    const WT* we = gate_w + (size_t)e * H;
+    float acc = 0.0f;
+    for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+    if (lane == 0) logits[(size_t)t * E + e] = acc;
+}
+
+__device__ void router(const float* logits, const float* bias, const int* token_ids, const int* tid2eid,
+                       unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
                        int renormalize, float routed_scale, int* ids, float* weights, unsigned* counts,
                        unsigned* tickets) {
     __shared__ float score[kMaxExperts];
     __shared__ float select[kMaxExperts];
     __shared__ int chosen[kMaxTopK];
-    const unsigned t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const XT* xt = x + (size_t)t * H;
-    // logits: one warp per expert, lanes stride over H, a fixed-order warp reduction
-    for (unsigned e = warp; e < E; e += kRouterThreads / 32) {
-        const WT* we = gate_w + (size_t)e * H;
-        float acc = 0.0f;
-        for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-        if (lane == 0) score[e] = acc;
-    }
+    const unsigned t = blockIdx.x;
+    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = logits[(size_t)t * E + e];
     __syncthreads();
     float mx = 0.0f, denom = 1.0f;
     if (score_func == kSoftmax) {
@@ -168,19 +177,24 @@ __device__ void router(const XT* x, const WT* gate_w, const float* bias, const i
     if (threadIdx.x < top_k) tickets[(size_t)t * top_k + threadIdx.x] = atomicAdd(counts + chosen[threadIdx.x], 1u);
 }
 
-#define FP4_DEFINE_ROUTER(SUFFIX, XT, WT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router_##SUFFIX(                     \
-        const XT* x, const WT* gate_w, const float* bias, const int* token_ids, const int* tid2eid, unsigned E, \
-        unsigned H, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, \
-        float routed_scale, int* ids, float* weights, unsigned* counts, unsigned* tickets) {              \
-        router<XT, WT>(x, gate_w, bias, token_ids, tid2eid, E, H, top_k, score_func, n_group, topk_group, \
-                       renormalize, routed_scale, ids, weights, counts, tickets);                         \
+#define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
+    extern "C" __global__ void __launch_bounds__(kRouterThreads)                                          \
+        moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) { \
+        router_logits<XT, WT>(x, gate_w, E, H, logits);                                                   \
     }
 
-FP4_DEFINE_ROUTER(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
-FP4_DEFINE_ROUTER(bf16_f32, __nv_bfloat16, float)
-FP4_DEFINE_ROUTER(f32_f32, float, float)
-FP4_DEFINE_ROUTER(f32_bf16, float, __nv_bfloat16)
+FP4_DEFINE_ROUTER_LOGITS(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+FP4_DEFINE_ROUTER_LOGITS(bf16_f32, __nv_bfloat16, float)
+FP4_DEFINE_ROUTER_LOGITS(f32_f32, float, float)
+FP4_DEFINE_ROUTER_LOGITS(f32_bf16, float, __nv_bfloat16)
+
+extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
+    const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned E, unsigned top_k,
+    int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
+    float* weights, unsigned* counts, unsigned* tickets) {
+    router(logits, bias, token_ids, tid2eid, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
+           ids, weights, counts, tickets);
+}
 
 // Block-wide exclusive scan of one value per thread (blockDim.x == 1024); returns the total too.
 __device__ unsigned block_exclusive_scan(unsigned v, unsigned& total) {
@@ -238,16 +252,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
     }
 }
 
-// Grouped decode GEMM over the active experts (see the header). kAct: ActBf16 or ActNvfp4.
+// All rows of expert e in groups of 8 * kTokenTiles (the weight tile is re-read per group).
 template <int kTokenTiles, class Act>
-__device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
-                         const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
-                         void* out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned* offsets,
-                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
-    if (blockIdx.y >= *num_active) return;
-    const unsigned e = active[blockIdx.y];
-    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
-    const size_t expert_bytes = (size_t)N * (K / 2), expert_scales = (size_t)N * (K / 16);
+__device__ void moe_gemm_rows(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
+                              const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
+                              void* out, int out_f32, unsigned out_ld, unsigned out_col, unsigned e, unsigned row0,
+                              unsigned rows, unsigned N, unsigned K) {
     for (unsigned m0 = 0; m0 < rows; m0 += 8 * kTokenTiles) {
         act.row = RowMap{gather, row0 + m0};
         Epilogue ep{nullptr, w_row_decode ? w_row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out, out_f32};
@@ -255,9 +265,28 @@ __device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_s
         ep.out_ld = out_ld;
         ep.out_row_base = row0 + m0;
         ep.out_col = out_col;
-        gemm_decode<kTokenTiles>(w_packed + e * expert_bytes, w_scales + e * expert_scales, act, ep,
-                                 min(rows - m0, 8u * kTokenTiles), N, K);
+        gemm_decode<kTokenTiles>(w_packed, w_scales, act, ep, min(rows - m0, 8u * kTokenTiles), N, K);
     }
+}
+
+// Grouped decode GEMM over the active experts (see the header): one 8-token tile for experts with
+// at most 8 rows (the common case at decode), 64-token groups otherwise.
+template <class Act>
+__device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
+                         const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
+                         void* out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned* offsets,
+                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
+    if (blockIdx.y >= *num_active) return;
+    const unsigned e = active[blockIdx.y];
+    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
+    const unsigned char* wp = w_packed + e * ((size_t)N * (K / 2));
+    const unsigned char* ws = w_scales + e * ((size_t)N * (K / 16));
+    if (rows <= 8)
+        moe_gemm_rows<1>(wp, ws, w_decode, w_row_decode, act, gather, act_global, out, out_f32, out_ld, out_col, e,
+                         row0, rows, N, K);
+    else
+        moe_gemm_rows<8>(wp, ws, w_decode, w_row_decode, act, gather, act_global, out, out_f32, out_ld, out_col, e,
+                         row0, rows, N, K);
 }
 
 #define FP4_MOE_GEMM_ARGS                                                                                 \
@@ -265,22 +294,17 @@ __device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_s
         const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned *offsets, \
         const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
 
-#define FP4_DEFINE_MOE_GEMM(TILES)                                                                        \
-    extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_bf16_##TILES(                     \
-        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
-        moe_gemm<TILES>(w_packed, w_scales, w_decode, w_row_decode, ActBf16{act, RowMap{nullptr, 0}}, gather, \
-                        nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);      \
-    }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_nvfp4_##TILES(                    \
-        const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
-        FP4_MOE_GEMM_ARGS) {                                                                              \
-        moe_gemm<TILES>(w_packed, w_scales, w_decode, w_row_decode,                                       \
-                        ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, gather, act_global, out, out_f32, \
-                        out_ld, out_col, offsets, active, num_active, N, K);                              \
-    }
+extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_bf16(const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {
+    moe_gemm(w_packed, w_scales, w_decode, w_row_decode, ActBf16{act, RowMap{nullptr, 0}}, gather, nullptr, out,
+             out_f32, out_ld, out_col, offsets, active, num_active, N, K);
+}
 
-FP4_DEFINE_MOE_GEMM(1)
-FP4_DEFINE_MOE_GEMM(8)
+extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_nvfp4(const unsigned char* act_packed,
+                                                                         const unsigned char* act_scales,
+                                                                         const float* act_global, FP4_MOE_GEMM_ARGS) {
+    moe_gemm(w_packed, w_scales, w_decode, w_row_decode, ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, gather,
+             act_global, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);
+}
 
 // out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, const unsigned* slot_row,

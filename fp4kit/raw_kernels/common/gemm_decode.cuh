@@ -26,13 +26,17 @@ __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     return d;
 }
 
-// (s, s) as bf16x2 with s = fp32(E4M3 byte) * 2^100, exact. A normal E4M3 byte maps straight to
-// bf16 bits (exponent + 120 + 100, mantissa shifted up 4); subnormal bytes and NaN (rare: a block
-// 2^14 times smaller than the tensor's largest, or a corrupt scale) take the float path.
+// (s, s) as bf16x2 with s = fp32(E4M3 byte) * 2^100, exact, without branches. A normal E4M3 byte
+// maps straight to bf16 bits (exponent + 120 + 100, mantissa shifted up 4). A subnormal one,
+// m * 2^-9 with m = 1..7, becomes m * 2^91: exponent 218 + p and mantissa m << (7 - p), p the
+// position of m's leading one. 0 stays 0 and the NaN byte 0x7F (never written by fp4kit, refused
+// by the checkpoint loader) becomes a bf16 NaN.
 __device__ __forceinline__ unsigned scale_pair_bf16(unsigned byte) {
-    unsigned h = ((byte & 0x7Fu) << 4) + (220u << 7);
-    if ((byte & 0x78u) == 0u || (byte & 0x7Fu) == 0x7Fu)
-        h = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(fp4_e4m3_value(byte), kScaleBias)));
+    const unsigned b = byte & 0x7Fu, m = b & 7u;
+    const unsigned p = 31u - __clz(m | 1u);
+    const unsigned subnormal = m ? (((218u + p) << 7) | ((m << (7u - p)) & 0x7Fu)) : 0u;
+    unsigned h = (b & 0x78u) ? (b << 4) + (220u << 7) : subnormal;
+    h = b == 0x7Fu ? 0x7FC0u : h;
     return h | (h << 16);
 }
 
@@ -50,12 +54,13 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Four 32-bit words (32 nibbles, k = kbase .. kbase+31) of a packed row; zero past K or when !valid.
-__device__ __forceinline__ uint4 load_nibble_words(const unsigned char* row, unsigned kbase, unsigned K, bool valid,
-                                                   bool aligned16) {
+// Four 32-bit words (32 nibbles, k = kbase .. kbase+31) of a packed row. kFull: the whole range
+// lies inside K and the row is 16-byte aligned (K % 128 == 0), one 16-byte load; otherwise words
+// past K are zero.
+template <bool kFull>
+__device__ __forceinline__ uint4 load_nibble_words(const unsigned char* row, unsigned kbase, unsigned K) {
+    if (kFull) return *reinterpret_cast<const uint4*>(row + kbase / 2);
     uint4 r = make_uint4(0u, 0u, 0u, 0u);
-    if (!valid) return r;
-    if (aligned16 && kbase + 32 <= K) return *reinterpret_cast<const uint4*>(row + kbase / 2);
     unsigned* words = reinterpret_cast<unsigned*>(&r);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -96,9 +101,10 @@ struct RowMap {
 struct ActBf16 {
     const __nv_bfloat16* x;  // [rows, K]
     RowMap row;
+    // valid: the token exists and k .. k+7 lie inside K
     __device__ __forceinline__ void frags(unsigned token, bool valid, unsigned k, unsigned K, unsigned b[2][2]) const {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (valid && k + 8 <= K) v = *reinterpret_cast<const uint4*>(x + row(token) * K + k);
+        if (valid) v = *reinterpret_cast<const uint4*>(x + row(token) * K + k);
         b[0][0] = prmt(v.y, v.w, 0x7632u);  // elements (3, 7)
         b[0][1] = prmt(v.y, v.w, 0x5410u);  // (2, 6)
         b[1][0] = prmt(v.x, v.z, 0x7632u);  // (1, 5)
@@ -113,7 +119,7 @@ struct ActNvfp4 {
     RowMap row;
     __device__ __forceinline__ void frags(unsigned token, bool valid, unsigned k, unsigned K, unsigned b[2][2]) const {
         unsigned q = 0u, s = 0u;
-        if (valid && k + 8 <= K) {
+        if (valid) {
             const size_t r = row(token);
             q = *reinterpret_cast<const unsigned*>(packed + r * (K / 2) + k / 2);
             s = scale_pair_bf16(scales[r * (K / 16) + k / 16]);
@@ -162,39 +168,32 @@ struct Epilogue {
     }
 };
 
-template <int kTokenTiles, class Act>
-__device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* w_scales, const Act act,
-                            Epilogue ep, unsigned M, unsigned N, unsigned K) {
-    __shared__ float partial[kWarps][16][kTokenTiles * 8];
+// Partial sums of 16 weight rows x 8 * kTokenTiles tokens over this warp's K chunks (warp w takes
+// chunks w, w + 8, ...). A software pipeline keeps the next chunk's weight words and scale bytes
+// in flight while the current one is dequantized and multiplied.
+template <bool kFull, int kTokenTiles, class Act>
+__device__ __forceinline__ void gemm_decode_chunks(const unsigned char* row0, const unsigned char* row1,
+                                                   const unsigned char* srow0, const unsigned char* srow1,
+                                                   const Act& act, unsigned M, unsigned K,
+                                                   float acc[kTokenTiles][4]) {
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const unsigned n0 = blockIdx.x * 16;
-    const bool valid0 = n0 + g < N, valid1 = n0 + g + 8 < N;
-    const unsigned char* row0 = w_packed + (size_t)(n0 + g) * (K / 2);
-    const unsigned char* row1 = w_packed + (size_t)(n0 + g + 8) * (K / 2);
-    const unsigned char* srow0 = w_scales + (size_t)(n0 + g) * (K / 16);
-    const unsigned char* srow1 = w_scales + (size_t)(n0 + g + 8) * (K / 16);
-    const bool aligned16 = (K % 32) == 0;
-
-    float acc[kTokenTiles][4];
-#pragma unroll
-    for (int i = 0; i < kTokenTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-    // Software pipeline over this warp's K chunks: the weight words and scale bytes of the next
-    // chunk are in flight while the current one is dequantized and multiplied.
     struct Chunk {
         uint4 w0, w1;
-        unsigned sb[2][2];
+        unsigned sb0, sb1;  // the two block-scale bytes of row g and of row g + 8
     };
     auto fetch = [&](unsigned c) {
         const unsigned kbase = c * kChunk + 32 * t;
-        const bool in0 = kbase < K, in1 = kbase + 16 < K;
         Chunk ch;
-        ch.w0 = load_nibble_words(row0, kbase, K, valid0, aligned16);
-        ch.w1 = load_nibble_words(row1, kbase, K, valid1, aligned16);
-        ch.sb[0][0] = load_byte(srow0 + kbase / 16, valid0 && in0);
-        ch.sb[0][1] = load_byte(srow0 + kbase / 16 + 1, valid0 && in1);
-        ch.sb[1][0] = load_byte(srow1 + kbase / 16, valid1 && in0);
-        ch.sb[1][1] = load_byte(srow1 + kbase / 16 + 1, valid1 && in1);
+        ch.w0 = load_nibble_words<kFull>(row0, kbase, K);
+        ch.w1 = load_nibble_words<kFull>(row1, kbase, K);
+        if (kFull) {  // K % 128 == 0: the row's scales start at an even byte
+            ch.sb0 = *reinterpret_cast<const unsigned short*>(srow0 + kbase / 16);
+            ch.sb1 = *reinterpret_cast<const unsigned short*>(srow1 + kbase / 16);
+        } else {
+            const bool in0 = kbase < K, in1 = kbase + 16 < K;
+            ch.sb0 = load_byte(srow0 + kbase / 16, in0) | (load_byte(srow0 + kbase / 16 + 1, in1) << 8);
+            ch.sb1 = load_byte(srow1 + kbase / 16, in0) | (load_byte(srow1 + kbase / 16 + 1, in1) << 8);
+        }
         return ch;
     };
     const unsigned chunks = (K + kChunk - 1) / kChunk;
@@ -206,20 +205,43 @@ __device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* 
         const unsigned kbase = c * kChunk + 32 * t;
         const unsigned* q0 = reinterpret_cast<const unsigned*>(&cur.w0);
         const unsigned* q1 = reinterpret_cast<const unsigned*>(&cur.w1);
+        const unsigned s00 = scale_pair_bf16(cur.sb0 & 0xFFu), s01 = scale_pair_bf16(cur.sb0 >> 8);
+        const unsigned s10 = scale_pair_bf16(cur.sb1 & 0xFFu), s11 = scale_pair_bf16(cur.sb1 >> 8);
 #pragma unroll
         for (int word = 0; word < 4; ++word) {
-            const WeightFrags wf = weight_frags(q0[word], q1[word], scale_pair_bf16(cur.sb[0][word / 2]),
-                                                scale_pair_bf16(cur.sb[1][word / 2]));
+            const WeightFrags wf = weight_frags(q0[word], q1[word], word < 2 ? s00 : s01, word < 2 ? s10 : s11);
+            const unsigned k = kbase + 8 * word;
+            const bool in_k = kFull || k + 8 <= K;
 #pragma unroll
             for (int tile = 0; tile < kTokenTiles; ++tile) {
                 const unsigned token = tile * 8 + g;
                 unsigned b[2][2];
-                act.frags(token, token < M, kbase + 8 * word, K, b);
+                act.frags(token, in_k && token < M, k, K, b);
                 mma_bf16(acc[tile], wf.a[0][0], wf.a[0][1], wf.a[0][2], wf.a[0][3], b[0][0], b[0][1]);
                 mma_bf16(acc[tile], wf.a[1][0], wf.a[1][1], wf.a[1][2], wf.a[1][3], b[1][0], b[1][1]);
             }
         }
     }
+}
+
+template <int kTokenTiles, class Act>
+__device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* w_scales, const Act act,
+                            Epilogue ep, unsigned M, unsigned N, unsigned K) {
+    __shared__ float partial[kWarps][16][kTokenTiles * 8];
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned n0 = blockIdx.x * 16;
+    // rows past N read row N - 1 (their sums are never stored), so the loads need no guard
+    const size_t r0 = min(n0 + g, N - 1), r1 = min(n0 + g + 8, N - 1);
+    const unsigned char* row0 = w_packed + r0 * (K / 2);
+    const unsigned char* row1 = w_packed + r1 * (K / 2);
+    const unsigned char* srow0 = w_scales + r0 * (K / 16);
+    const unsigned char* srow1 = w_scales + r1 * (K / 16);
+
+    float acc[kTokenTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTokenTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    if (K % kChunk == 0) gemm_decode_chunks<true, kTokenTiles>(row0, row1, srow0, srow1, act, M, K, acc);
+    else gemm_decode_chunks<false, kTokenTiles>(row0, row1, srow0, srow1, act, M, K, acc);
 
     // D fragment: (row g, tokens 2t, 2t+1) and (row g+8, the same tokens)
 #pragma unroll
@@ -242,4 +264,3 @@ __device__ void gemm_decode(const unsigned char* w_packed, const unsigned char* 
     }
     __syncthreads();  // partial is reused when a caller loops over token groups
 }
-
