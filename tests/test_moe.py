@@ -148,3 +148,28 @@ def test_bad_shapes_and_inputs(rng):
 
     with pytest.raises(ValueError, match="hidden and inner sizes must be multiples of 16"):
         MoE(np.zeros((8, 24), np.float32), raw(8, 24, 16), RoutingConfig(top_k=2), w13=raw(8, 32, 24))
+
+
+def test_from_checkpoint_equals_the_same_tensors(tmp_path, rng):
+    from fp4kit.checkpoint import load_nvfp4, save_nvfp4
+
+    gate, w1, w3, w2 = _weights(rng)
+    weights = {}
+    for i in range(8):
+        weights[f"mlp.experts.{i}.gate_proj"] = qref.quantize(w1[i])
+        weights[f"mlp.experts.{i}.up_proj"] = qref.quantize(w3[i])
+        weights[f"mlp.experts.{i}.down_proj"] = qref.quantize(w2[i])
+    bias = rng.standard_normal(8).astype(np.float32)
+    save_nvfp4(tmp_path / "model.safetensors", weights, extra={"mlp.gate.weight": gate.astype(BF16),
+                                                               "mlp.e_score_correction_bias": bias})
+    ckpt = load_nvfp4(tmp_path)
+    routing = RoutingConfig(top_k=2, score_func="sigmoid")
+    loaded = MoE.from_checkpoint(ckpt, "mlp", routing, num_experts=8, bias="e_score_correction_bias", limit=10.0)
+    stacks = [ExpertStack.from_tensors([weights[f"mlp.experts.{i}.{n}"] for i in range(8)])
+              for n in ("gate_proj", "up_proj", "down_proj")]
+    direct = MoE(gate.astype(BF16), stacks[2], routing, w13=ExpertStack.fuse_gate_up(stacks[0], stacks[1]),
+                 bias=bias, limit=10.0)
+    x = rng.standard_normal((5, 64)).astype(BF16)
+    assert np.array_equal(loaded(x), direct(x))
+    with pytest.raises(KeyError, match="mlp.experts.0.w1"):
+        MoE.from_checkpoint(ckpt, "mlp", routing, num_experts=8, names=("w1", "w3", "w2"))

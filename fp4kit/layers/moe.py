@@ -210,6 +210,38 @@ class MoE:
         w2s = ExpertStack.from_tensors([quant_ops.quantize(w2[i]) for i in range(e)])
         return cls(gate_weight, w2s, routing, **parts, **kwargs)
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint, prefix: str, routing: RoutingConfig, *, num_experts: int,
+                        gate: str = "gate.weight", bias: str | None = None,
+                        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), fused: bool = True,
+                        **kwargs) -> "MoE":
+        """The MoE ``prefix`` of a loaded `fp4kit.checkpoint.Checkpoint` (host or device).
+
+        Experts are ``{prefix}.experts.{i}.{gate|up|down}`` (``names``; the official DeepSeek
+        names are ``("w1", "w3", "w2")``) in the ModelOpt NVFP4 layout, each with its own global
+        scale; they are stacked into the layer's buffers, and gate and up are fused exactly (a
+        decode factor per row, no re-quantization). The router weight ``{prefix}.{gate}`` and the
+        optional selection bias ``{prefix}.{bias}`` are unquantized tensors of the checkpoint.
+        """
+        def stack(which: str) -> ExpertStack:
+            missing = [f"{prefix}.experts.{i}.{which}" for i in range(num_experts)
+                       if f"{prefix}.experts.{i}.{which}" not in checkpoint.weights]
+            if missing:
+                raise KeyError(f"checkpoint: no quantized weight {missing[0]!r} ({len(missing)} experts missing)")
+            return ExpertStack.from_tensors([checkpoint.weights[f"{prefix}.experts.{i}.{which}"]
+                                             for i in range(num_experts)])
+
+        for name in [gate] + ([bias] if bias else []):
+            if f"{prefix}.{name}" not in checkpoint.extra:
+                raise KeyError(f"checkpoint: no tensor {prefix}.{name!s}")
+        w1, w3, w2 = (stack(n) for n in names)
+        parts = {"w13": ExpertStack.fuse_gate_up(w1, w3)} if fused else {"w1": w1, "w3": w3}
+        gate_weight = checkpoint.extra[f"{prefix}.{gate}"]
+        if gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
+            gate_weight = gate_weight.astype(np.float32)
+        sel_bias = None if bias is None else checkpoint.extra[f"{prefix}.{bias}"].astype(np.float32)
+        return cls(gate_weight, w2, routing, bias=sel_bias, **parts, **kwargs)
+
     def route(self, x, token_ids=None):
         """Expert ids ``[T, top_k]`` and routing weights ``[T, top_k]`` (numpy inputs: the reference)."""
         x = arrays.as_array(x, "x")
