@@ -13,8 +13,13 @@ from .workspace import zeros_outside_capture
 
 #: a NaN or ±Inf reached an NVFP4 encoder (quantize, amax, swiglu_quantize)
 NONFINITE_INPUT = 1
+#: a compressed-KV entry was dropped because its sequence's buffer was full (KVCache max_comp)
+KV_COMP_OVERFLOW = 4
 
-FLAG_NAMES = {NONFINITE_INPUT: "non-finite input to an NVFP4 encoder"}
+FLAG_NAMES = {
+    NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
+    KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
+}
 
 _lock = threading.Lock()
 _host_word = 0

@@ -1,0 +1,33 @@
+"""KV-cache launchers for ``raw_kernels/kv_cache.cu``; `fp4kit.layers.KVCache` validates shapes
+once and owns the buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime import arrays, loader, status
+
+_MODULE = "kv_cache"
+_U32 = np.uint32
+
+
+def append_swa(swa, pos, kv, counts) -> None:
+    b, t, d = kv.shape
+    loader.get_kernel(_MODULE, "kv_append_swa", block=64).function(
+        (t, b), (64,), (kv, 0 if counts is None else counts, swa, pos, _U32(t), _U32(swa.shape[1]), _U32(d)))
+
+
+def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, *, ratio, eps, rope_dim,
+             theta) -> None:
+    b, t, _ = c.shape
+    d = comp.shape[2]
+    suffix = "bf16" if c.dtype == arrays.BF16 else "f32"
+    loader.get_kernel(_MODULE, f"kv_compress_{suffix}")(
+        b, 256, (c, z, 0 if counts is None else counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos,
+                 _U32(t), _U32(d), _U32(ratio), _U32(comp.shape[1]), np.float32(eps), _U32(rope_dim),
+                 np.float32(theta), status.device_word()))
+
+
+def advance(pos, counts, t: int) -> None:
+    loader.get_kernel(_MODULE, "kv_advance", block=256)(1, 256, (pos, 0 if counts is None else counts,
+                                                                   _U32(pos.shape[0]), _U32(t)))

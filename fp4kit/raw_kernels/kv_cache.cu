@@ -1,0 +1,139 @@
+// KV cache kernels: the sliding-window append, the compressor with its preallocated compressed-KV
+// buffer, and the device position counters. fp4kit/reference/kv_cache.py is the specification.
+// Every position is read on the device, so a decode step's appends can be captured in a CUDA graph
+// and replayed while the positions advance.
+//
+//   kv_append_swa   grid (T, B), 64 threads. kv bf16 [B, T, D] -> swa bf16 [B, W, D] at slot
+//                   (pos[b] + i) % W for i < counts[b] (all T when counts is null); when more than W
+//                   tokens arrive only the last W are written (no two writes race for a slot).
+//   kv_compress     grid B, 256 threads, one block per sequence walking its new tokens in order:
+//                   c, z fp32 or bf16 [B, T, coff*D] go into the fp32 state ring [B, coff*R, coff*D]
+//                   at slot p % (coff*R); a token that completes a block emits one entry: per
+//                   channel a softmax over the block's slots (and the previous block's for R = 4)
+//                   of z + ape, weighted sum of c, RMSNorm, RoPE, stored at comp[b, comp_len[b]]
+//                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_OVERFLOW instead.
+//   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
+#include "common/fp32.cuh"
+
+#define FP4_STATUS_KV_OVERFLOW 4u
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat16* kv, const int* counts,
+                                                              __nv_bfloat16* swa, const int* pos, unsigned T,
+                                                              unsigned W, unsigned D) {
+    const unsigned i = blockIdx.x, b = blockIdx.y;
+    const unsigned n = counts ? (unsigned)counts[b] : T;
+    if (i >= n || i + W < n) return;  // not this sequence's token, or overwritten later in this call
+    const unsigned slot = ((unsigned)pos[b] + i) % W;
+    const uint4* src = reinterpret_cast<const uint4*>(kv + ((size_t)b * T + i) * D);
+    uint4* dst = reinterpret_cast<uint4*>(swa + ((size_t)b * W + slot) * D);
+    for (unsigned c = threadIdx.x; c < D / 8; c += blockDim.x) dst[c] = src[c];
+}
+
+extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T) {
+    for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += counts ? counts[b] : (int)T;
+}
+
+__device__ float block_sum(float v, float* scratch) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) s += scratch[w];
+    __syncthreads();
+    return s;
+}
+
+// Pooled channel d of the block [first, p]: one softmax over its slots (and, for R = 4 after the
+// first block, the previous block's slots on the first half of the channels) of z + ape, weighted
+// sum of c. The state rows are fp32 [slots, width].
+__device__ float pooled_channel(const float* ks, const float* ss, const float* ape, unsigned d, unsigned D,
+                                unsigned cf, unsigned ratio, unsigned slots, unsigned first, unsigned p, bool previous) {
+    const unsigned width = cf * D, ch = cf == 2 ? D + d : d;
+    const unsigned lo = previous ? first - ratio : first;
+    float m = -3.402823466e+38f;
+    for (unsigned q = lo; q <= p; ++q) {
+        const unsigned k = q < first ? d : ch;
+        m = fmaxf(m, ss[(size_t)(q % slots) * width + k] + ape[(q % ratio) * width + k]);
+    }
+    float num = 0.0f, den = 0.0f;
+    for (unsigned q = lo; q <= p; ++q) {
+        const unsigned k = q < first ? d : ch;
+        const float e = expf(ss[(size_t)(q % slots) * width + k] + ape[(q % ratio) * width + k] - m);
+        den += e;
+        num = fmaf(e, ks[(size_t)(q % slots) * width + k], num);
+    }
+    return num / den;
+}
+
+template <typename T>
+__device__ void compress(const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight,
+                         float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, const int* pos,
+                         unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
+                         float theta, unsigned* status) {
+    __shared__ float scratch[32];
+    const unsigned b = blockIdx.x;
+    const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
+    const unsigned n = counts ? (unsigned)counts[b] : Tn;
+    float* ks = kv_state + (size_t)b * slots * width;
+    float* ss = score_state + (size_t)b * slots * width;
+    unsigned len = (unsigned)comp_len[b];
+    for (unsigned i = 0; i < n; ++i) {
+        const unsigned p = (unsigned)pos[b] + i;
+        const T* ci = c + ((size_t)b * Tn + i) * width;
+        const T* zi = z + ((size_t)b * Tn + i) * width;
+        for (unsigned ch = threadIdx.x; ch < width; ch += blockDim.x) {
+            ks[(size_t)(p % slots) * width + ch] = to_f32(ci[ch]);
+            ss[(size_t)(p % slots) * width + ch] = to_f32(zi[ch]);
+        }
+        __syncthreads();
+        if ((p + 1) % ratio != 0) continue;
+        if (len >= capacity) {  // full: record it, never overwrite
+            if (threadIdx.x == 0) atomicOr(status, FP4_STATUS_KV_OVERFLOW);
+            continue;
+        }
+        const unsigned first = p + 1 - ratio;
+        const bool previous = cf == 2 && p + 1 >= 2 * ratio;
+        // RMS of the pooled entry, then each pair recomputed, normalised, rotated and stored
+        float sq = 0.0f;
+        for (unsigned d = threadIdx.x; d < D; d += blockDim.x) {
+            const float v = pooled_channel(ks, ss, ape, d, D, cf, ratio, slots, first, p, previous);
+            sq = fmaf(v, v, sq);
+        }
+        const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)D + eps);
+        __nv_bfloat16* out = comp + ((size_t)b * capacity + len) * D;
+        for (unsigned d0 = 2 * threadIdx.x; d0 < D; d0 += 2 * blockDim.x) {
+            float a = pooled_channel(ks, ss, ape, d0, D, cf, ratio, slots, first, p, previous) * inv_rms * norm_weight[d0];
+            float bb = pooled_channel(ks, ss, ape, d0 + 1, D, cf, ratio, slots, first, p, previous) * inv_rms *
+                       norm_weight[d0 + 1];
+            if (d0 >= D - rope_dim) {  // adjacent pairs, angle = block start * theta^(-2i / rope_dim)
+                // in double: the angle of a late position needs more than fp32's 24 bits
+                const double angle = (double)first * pow((double)theta, -2.0 * (double)((d0 - (D - rope_dim)) / 2) / rope_dim);
+                double sn, cs;
+                sincos(angle, &sn, &cs);
+                const float ra = a * (float)cs - bb * (float)sn, rb = a * (float)sn + bb * (float)cs;
+                a = ra, bb = rb;
+            }
+            out[d0] = __float2bfloat16_rn(a);
+            out[d0 + 1] = __float2bfloat16_rn(bb);
+        }
+        ++len;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) comp_len[b] = (int)len;
+}
+
+#define FP4_DEFINE_COMPRESS(SUFFIX, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) kv_compress_##SUFFIX(                               \
+        const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight, float* kv_state, \
+        float* score_state, __nv_bfloat16* comp, int* comp_len, const int* pos, unsigned Tn, unsigned D,   \
+        unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status) {  \
+        compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
+                    capacity, eps, rope_dim, theta, status);                                              \
+    }
+
+FP4_DEFINE_COMPRESS(f32, float)
+FP4_DEFINE_COMPRESS(bf16, __nv_bfloat16)

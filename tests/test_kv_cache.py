@@ -1,0 +1,124 @@
+"""KVCache on the numpy backend: ring contents across wrap-around, compressed entries at exactly
+the right positions (ratios 4 and 128) against an independent computation from the full token
+history, per-sequence counts, reset, overflow, and bad inputs."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4kit
+from fp4kit.layers.kv_cache import KVCache
+from fp4kit.reference import kv_cache as ref
+
+BF16 = ml_dtypes.bfloat16
+
+
+def expected_entry(hist_c, hist_z, ape, block, ratio, norm_weight, eps, rope_dim, theta):
+    """Entry `block` straight from the whole history (no ring buffer), float64."""
+    d = norm_weight.shape[0]
+    cur = range(block * ratio, (block + 1) * ratio)
+    if ratio == 4:
+        zs = [hist_z[p, d:] + ape[p % 4, d:] for p in cur]
+        cs = [hist_c[p, d:] for p in cur]
+        if block > 0:
+            prev = range((block - 1) * 4, block * 4)
+            zs += [hist_z[p, :d] + ape[p % 4, :d] for p in prev]
+            cs += [hist_c[p, :d] for p in prev]
+    else:
+        zs = [hist_z[p] + ape[p % ratio] for p in cur]
+        cs = [hist_c[p] for p in cur]
+    z, c = np.array(zs, np.float64), np.array(cs, np.float64)
+    w = np.exp(z - z.max(0))
+    e = (w / w.sum(0) * c).sum(0)
+    e = e / np.sqrt((e**2).mean() + eps) * norm_weight
+    return ref.rope(e, block * ratio, rope_dim, theta)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("steps", [[1] * 140, [5] * 60, [300, 1, 1, 300]])
+def test_appends_match_the_history(rng, ratio, steps):
+    b, w, d = 2, 16 if ratio != 128 else 32, 32
+    cf = ref.coff(ratio) if ratio else 0
+    ape = rng.standard_normal((ratio, cf * d)).astype(np.float32) if ratio else None
+    nw = rng.uniform(0.5, 1.5, d).astype(np.float32) if ratio else None
+    cache = KVCache(b, window=w, head_dim=d, ratio=ratio, max_comp=64, ape=ape, norm_weight=nw, rope_dim=8,
+                    device=False)
+    hist = [[] for _ in range(b)]
+    hc = [[] for _ in range(b)]
+    hz = [[] for _ in range(b)]
+    for t in steps:
+        kv = rng.standard_normal((b, t, d)).astype(BF16)
+        kw = {}
+        if ratio:
+            kw = dict(comp_kv=rng.standard_normal((b, t, cf * d)).astype(np.float32),
+                      comp_score=rng.standard_normal((b, t, cf * d)).astype(np.float32))
+        cache.append(kv, **kw)
+        for s in range(b):
+            hist[s].extend(kv[s])
+            if ratio:
+                hc[s].extend(kw["comp_kv"][s])
+                hz[s].extend(kw["comp_score"][s])
+            n = len(hist[s])
+            assert cache.pos[s] == n
+            for p in range(max(0, n - w), n):  # the ring holds the last W tokens
+                assert np.array_equal(cache.swa[s, p % w], hist[s][p])
+    if ratio:
+        for s in range(b):
+            n = len(hist[s])
+            assert cache.comp_len[s] == min(n // ratio, 64)
+            for blk in range(int(cache.comp_len[s])):
+                e = expected_entry(np.array(hc[s]), np.array(hz[s]), ape, blk, ratio, nw, 1e-6, 8, 10000.0)
+                assert np.allclose(cache.comp[s, blk].astype(np.float64), e, rtol=1e-2, atol=1e-2)
+
+
+def test_counts_reset_and_overflow(rng):
+    fp4kit.clear_status()
+    d = 16
+    cache = KVCache(3, window=8, head_dim=d, ratio=4, max_comp=2, rope_dim=0, device=False)
+    kv = rng.standard_normal((3, 9, d)).astype(BF16)
+    c = rng.standard_normal((3, 9, 2 * d)).astype(np.float32)
+    counts = np.array([9, 4, 0], np.int32)
+    cache.append(kv, comp_kv=c, comp_score=c, counts=counts)
+    assert cache.pos.tolist() == [9, 4, 0] and cache.comp_len.tolist() == [2, 1, 0]
+    assert not cache.overflowed()
+    first = cache.comp[0].copy()
+    cache.append(kv, comp_kv=c, comp_score=c, counts=np.array([4, 0, 0], np.int32))  # block 3 does not fit
+    assert cache.comp_len[0] == 2 and np.array_equal(cache.comp[0], first)
+    assert cache.overflowed()
+    cache.reset(0)
+    assert cache.pos[0] == 0 and cache.comp_len[0] == 0
+    fp4kit.clear_status()
+
+
+def test_window_slots():
+    cache = KVCache(2, window=4, head_dim=16, rope_dim=0, device=False)
+    cache.pos[:] = [2, 7]
+    assert cache.window_slots().tolist() == [[0, 1, -1, -1], [3, 0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "make, call, exc, message",
+    [
+        (dict(ratio=3), None, ValueError, "ratio: expected one of"),
+        (dict(head_dim=24), None, ValueError, "head_dim: expected a positive multiple of 16"),
+        (dict(rope_dim=3), None, ValueError, "rope_dim: expected an even number"),
+        (dict(ratio=4, ape=np.zeros((4, 16), np.float32)), None, ValueError, r"ape: expected float32 \(4, 64\)"),
+        (dict(), lambda c: c.append(np.zeros((2, 1, 16), BF16)), ValueError, r"kv: expected shape \(1, T, 32\)"),
+        (dict(), lambda c: c.append(np.zeros((1, 1, 32), np.float32)), TypeError, "kv: expected dtype bfloat16"),
+        (dict(ratio=4), lambda c: c.append(np.zeros((1, 1, 32), BF16)), ValueError, "comp_kv, comp_score: a compressing cache"),
+        (dict(), lambda c: c.append(np.zeros((1, 1, 32), BF16), comp_kv=np.zeros((1, 1, 64), np.float32)), ValueError, "this cache does not compress"),
+        (dict(ratio=4), lambda c: c.append(np.zeros((1, 2, 32), BF16), comp_kv=np.zeros((1, 1, 64), np.float32), comp_score=np.zeros((1, 1, 64), np.float32)), ValueError, r"comp_kv: expected shape \(1, 2, 64\)"),
+        (dict(), lambda c: c.append(np.zeros((1, 1, 32), BF16), counts=np.zeros(1, np.int64)), TypeError, "counts: expected dtype int32"),
+        (dict(), lambda c: c.reset(3), IndexError, "seq: expected 0..0"),
+    ],
+)
+def test_bad_input(make, call, exc, message):
+    kwargs = dict(head_dim=32, window=8, max_comp=4, rope_dim=8, device=False)
+    kwargs.update(make)
+    if call is None:
+        with pytest.raises(exc, match=message):
+            KVCache(1, **kwargs)
+        return
+    cache = KVCache(1, **kwargs)
+    with pytest.raises(exc, match=message):
+        call(cache)

@@ -1,0 +1,93 @@
+"""KVCache on the GPU against the numpy cache, step by step: ring rows bit for bit, positions and
+compressed lengths exactly, compressed entries to bf16 rounding; the decode append captured once in
+a CUDA graph and replayed many times, advancing the positions on the device."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4kit
+from fp4kit.layers.kv_cache import KVCache
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+BF16 = ml_dtypes.bfloat16
+
+
+def pair(b, ratio, rng, **kw):
+    d = kw.get("head_dim", 512)
+    cf = 2 if ratio == 4 else 1
+    ape = rng.standard_normal((ratio, cf * d)).astype(np.float32) if ratio else None
+    nw = rng.uniform(0.5, 1.5, d).astype(np.float32) if ratio else None
+    host = KVCache(b, ratio=ratio, ape=ape, norm_weight=nw, device=False, **kw)
+    dev = KVCache(b, ratio=ratio, ape=None if ape is None else cp.asarray(ape),
+                  norm_weight=None if nw is None else cp.asarray(nw), **kw)
+    return host, dev
+
+
+def inputs(rng, b, t, cache):
+    kv = rng.standard_normal((b, t, cache.head_dim)).astype(BF16)
+    if not cache.ratio:
+        return kv, {}
+    w = cache.compress_width
+    return kv, dict(comp_kv=rng.standard_normal((b, t, w)).astype(np.float32),
+                    comp_score=rng.standard_normal((b, t, w)).astype(np.float32))
+
+
+def assert_same(host, dev):
+    assert np.array_equal(cp.asnumpy(dev.pos), host.pos)
+    assert np.array_equal(cp.asnumpy(dev.swa).view(np.uint16), host.swa.view(np.uint16))
+    if host.ratio:
+        assert np.array_equal(cp.asnumpy(dev.comp_len), host.comp_len)
+        n = int(host.comp_len.max())
+        got = cp.asnumpy(dev.comp[:, :n]).astype(np.float32)
+        want = host.comp[:, :n].astype(np.float32)
+        assert np.allclose(got, want, rtol=2e-2, atol=2e-2), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("steps", [[1] * 200, [5] * 40, [300, 1, 300]])
+def test_device_cache_equals_reference(rng, ratio, steps):
+    host, dev = pair(2, ratio, rng, max_comp=128)
+    for t in steps:
+        kv, kw = inputs(rng, 2, t, host)
+        host.append(kv, **kw)
+        dev.append(cp.asarray(kv), **{k: cp.asarray(v) for k, v in kw.items()})
+    assert_same(host, dev)
+
+
+def test_counts_and_overflow_on_device(rng):
+    fp4kit.clear_status()
+    host, dev = pair(3, 4, rng, max_comp=3, head_dim=64, rope_dim=16)
+    for counts in ([9, 4, 0], [8, 1, 12]):
+        kv, kw = inputs(rng, 3, 12, host)
+        c = np.array(counts, np.int32)
+        host.append(kv, counts=c, **kw)
+        dev.append(cp.asarray(kv), counts=cp.asarray(c), **{k: cp.asarray(v) for k, v in kw.items()})
+        assert_same(host, dev)
+    assert dev.overflowed()  # sequence 0 reached 17 tokens: block 4 did not fit in 3 entries
+    fp4kit.clear_status()
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_decode_append_in_a_cuda_graph(rng, ratio):
+    host, dev = pair(2, ratio, rng, max_comp=64)
+    kv, kw = inputs(rng, 2, 1, host)
+    kv_d = cp.asarray(kv)
+    kw_d = {k: cp.asarray(v) for k, v in kw.items()}
+    dev.append(kv_d, **kw_d)  # eager first use: compiles
+    host.append(kv, **kw)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        dev.append(kv_d, **kw_d)
+        graph = stream.end_capture()
+    for _ in range(300):  # 300 replays: positions advance on the device, entries emitted on time
+        kv, kw = inputs(rng, 2, 1, host)
+        kv_d.set(kv, stream=stream)
+        for k, v in kw.items():
+            kw_d[k].set(v, stream=stream)
+        graph.launch(stream)
+        host.append(kv, **kw)
+    stream.synchronize()
+    assert_same(host, dev)
