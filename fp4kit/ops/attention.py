@@ -1,0 +1,296 @@
+"""DeepSeek-V4 sparse decode attention: validate inputs, pick the backend, launch
+``raw_kernels/attention.cu``.
+
+`sparse_decode_attention` takes numpy arrays (runs `fp4kit.reference.attention`, the
+specification) or device arrays (CuPy, or any CUDA DLPack producer: runs the kernels on CuPy's
+current stream and returns CuPy arrays). Every input is validated before anything launches. The
+device path reads no device value on the host (positions, lengths and indices are read by the
+kernel; the grid is sized from shapes only), so it can be captured in a CUDA graph: run it once
+eagerly first (the first call compiles), and give it preallocated ``out=`` and ``workspace=``
+buffers (or use `fp4kit.layers.attention.SparseAttention`, which owns them).
+
+Launch plan. Blocks own 16 query heads and a contiguous split of the ``W + N`` candidates. When
+the batch alone does not fill the GPU (e.g. batch 1: 4 blocks of 16 heads for 64 heads), the
+candidates are cut into ``num_splits`` splits whose partial results (fp32, in ``workspace``) a
+second small kernel merges with the sink; with one split the first kernel writes the output
+itself. `default_num_splits` picks the count from the shapes and the SM count. Results are
+deterministic for a given count; different counts differ by rounding only (fp32 sums, bf16
+probabilities).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from ..reference import attention as ref
+from ..runtime import arrays, loader
+from ..runtime import workspace as scratch
+
+_MODULE = "attention"
+_THREADS = 256
+_COMBINE_THREADS = 128
+_WARPS = _THREADS // 32
+HEADS_PER_BLOCK = 16
+_TILE_ROWS = 32
+_SCORE_LD = _TILE_ROWS + 8
+_PROB_LD = _TILE_ROWS + 8
+#: the kernels' head-dimension limit (8 warps x 4 chunks of 16 columns)
+MAX_HEAD_DIM = 512
+#: candidates compacted by one block (its shared-memory list); more candidates need more splits
+MAX_CANDIDATES_PER_SPLIT = 2048
+#: the smallest split `default_num_splits` makes (two 32-row tiles)
+MIN_CANDIDATES_PER_SPLIT = 64
+_MAX_BATCH = 65535  # gridDim.z
+_I32_MAX = 2**31 - 1
+_I32 = np.int32
+_F32 = np.float32
+OUT_DTYPES = (arrays.BF16, np.dtype(np.float32))
+
+
+def smem_bytes(head_dim: int, chunk: int) -> int:
+    """Dynamic shared memory of one attention block (``attn_smem_bytes`` in attention.cu)."""
+    return (2 * _TILE_ROWS * (head_dim + 8) * 2 + _WARPS * HEADS_PER_BLOCK * _SCORE_LD * 4
+            + HEADS_PER_BLOCK * _PROB_LD * 2 + HEADS_PER_BLOCK * 4 + _WARPS * 4 + chunk * 4)
+
+
+def min_num_splits(candidates: int) -> int:
+    """The fewest splits for ``candidates = W + N`` (one block compacts at most 2048)."""
+    return max(1, -(-candidates // MAX_CANDIDATES_PER_SPLIT))
+
+
+def default_num_splits(batch: int, heads: int, candidates: int, sm_count: int) -> int:
+    """Splits of the ``W + N`` candidates so that the grid covers about one wave of ``sm_count`` SMs.
+
+    One split when ``batch x ceil(heads / 16)`` blocks already fill three quarters of the SMs
+    (e.g. batch 32 with 64 heads on 132 SMs); otherwise enough splits for one wave, each of at
+    least 64 candidates (batch 1, 640 candidates: 10 splits of 64).
+    """
+    low = min_num_splits(candidates)
+    blocks = max(1, batch * -(-heads // HEADS_PER_BLOCK))
+    if candidates == 0 or 4 * blocks >= 3 * sm_count:
+        return low
+    want = -(-sm_count // blocks)
+    return max(low, min(want, -(-candidates // MIN_CANDIDATES_PER_SPLIT)))
+
+
+def workspace_size(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of scratch needed for ``num_splits`` splits (0 for one split): the partial
+    outputs ``[B, S, Hq, D]`` and their running max and sum ``[B, S, Hq, 2]``."""
+    if num_splits <= 1:
+        return 0
+    return batch * num_splits * heads * (head_dim + 2)
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def num_splits_for(q, candidates: int) -> int:
+    """`default_num_splits` for a device array ``q [B, Hq, D]`` on its device's SM count."""
+    return default_num_splits(q.shape[0], q.shape[1], candidates, _sm_count(arrays.device_id(q)))
+
+
+def _take(name: str, x, dtype, layout: str, shape: tuple):
+    """``x`` as an array of ``dtype`` whose shape matches ``shape`` (None entries free)."""
+    x = arrays.as_array(x, name)
+    dtype = np.dtype(dtype)
+    if x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype.name} {layout}, got {arrays.describe(x)}")
+    if x.ndim != len(shape) or any(want is not None and have != want for have, want in zip(x.shape, shape)):
+        raise ValueError(f"{name}: expected {dtype.name} {layout}, got {arrays.describe(x)}")
+    arrays.check_contiguous(name, x)
+    return x
+
+
+def _scale_value(scale, head_dim: int) -> float:
+    if scale is None:
+        return ref.default_scale(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a positive finite Python or numpy number (or None), got {type(scale).__name__}")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale: expected a positive finite number, got {value!r}")
+    return value
+
+
+def _out_dtype(out, out_dtype) -> np.dtype:
+    if out_dtype is not None:
+        dtype = np.dtype(out_dtype)
+        if dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype: expected bfloat16 or float32, got {dtype}")
+        if out is not None and getattr(out, "dtype", dtype) != dtype:
+            raise ValueError(f"out: expected dtype {dtype.name} (out_dtype), got {out.dtype}")
+        return dtype
+    if out is not None and getattr(out, "dtype", None) in OUT_DTYPES:
+        return np.dtype(out.dtype)
+    if out is not None and hasattr(out, "dtype"):
+        raise ValueError(f"out: expected dtype bfloat16 or float32, got {out.dtype}")
+    return arrays.BF16
+
+
+def _splits_value(num_splits, candidates: int) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits: expected a positive int or None, got {type(num_splits).__name__}")
+    num_splits = int(num_splits)
+    low, high = min_num_splits(candidates), max(1, candidates)
+    if not low <= num_splits <= high:
+        raise ValueError(
+            f"num_splits: expected {low} <= num_splits <= {high} for W + N = {candidates} candidates "
+            f"(a split compacts at most {MAX_CANDIDATES_PER_SPLIT}), got {num_splits}"
+        )
+    return num_splits
+
+
+def _validate(q, swa, pos, comp, comp_len, indices, sink):
+    q = arrays.as_array(q, "q")
+    if q.dtype != arrays.BF16:
+        raise TypeError(f"q: expected dtype bfloat16 [B, Hq, D], got {arrays.describe(q)}")
+    if q.ndim != 3:
+        raise ValueError(f"q: expected bfloat16 [B, Hq, D] (one decode token per sequence), got {arrays.describe(q)}")
+    batch, heads, head_dim = q.shape
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dimension D must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got shape {tuple(q.shape)}")
+    if batch > _MAX_BATCH:
+        raise ValueError(f"q: at most {_MAX_BATCH} sequences per call, got shape {tuple(q.shape)}")
+    arrays.check_contiguous("q", q)
+    b, d = f"B={batch}", f"D={head_dim}"
+    swa = _take("swa", swa, arrays.BF16, f"[{b}, W, {d}]", (batch, None, head_dim))
+    pos = _take("pos", pos, np.int32, f"[{b}]", (batch,))
+    comp = _take("comp", comp, arrays.BF16, f"[{b}, C, {d}]", (batch, None, head_dim))
+    comp_len = _take("comp_len", comp_len, np.int32, f"[{b}]", (batch,))
+    indices = _take("indices", indices, np.int32, f"[{b}, N]", (batch, None))
+    sink = _take("sink", sink, np.float32, f"[Hq={heads}]", (heads,))
+    window, capacity, selected = swa.shape[1], comp.shape[1], indices.shape[1]
+    if window + selected > _I32_MAX or capacity > _I32_MAX:
+        raise ValueError(f"swa, comp, indices: W + N and C must be below 2**31, got W={window}, N={selected}, C={capacity}")
+    arrays.check_same_device(q=q, swa=swa, pos=pos, comp=comp, comp_len=comp_len, indices=indices, sink=sink)
+    for name, x in (("q", q), ("swa", swa), ("comp", comp)):
+        arrays.check_aligned(name, x, 16)
+    for name, x in (("pos", pos), ("comp_len", comp_len), ("indices", indices), ("sink", sink)):
+        arrays.check_aligned(name, x, 4)
+    return q, swa, pos, comp, comp_len, indices, sink
+
+
+def _check_workspace(ws, needed: int, like):
+    ws = arrays.as_array(ws, "workspace")
+    if ws.dtype != np.float32 or ws.ndim != 1 or ws.size < needed:
+        raise ValueError(f"workspace: expected a 1-D float32 array of at least {needed} elements, got {arrays.describe(ws)}")
+    arrays.check_contiguous("workspace", ws)
+    arrays.check_aligned("workspace", ws, 16)
+    if arrays.device_id(ws) != arrays.device_id(like):
+        raise ValueError(f"workspace: expected an array on the same device as q, got one {arrays.describe(ws)}")
+    return ws
+
+
+def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale: float | None = None, out=None,
+                            out_dtype=None, num_splits: int | None = None, workspace=None):
+    """One decode step of DeepSeek-V4 sparse attention (MQA over a shared latent, K = V).
+
+    For each sequence ``b`` and head ``h``: one softmax over the valid window slots and the valid
+    selected compressed entries, with the sink logit ``sink[h]`` in the normaliser only
+    (`fp4kit.reference.attention` is the specification; fp32 accumulation on the device).
+
+    Parameters
+    ----------
+    q : bf16 ``[B, Hq, D]``
+        Query heads of the one decode token of each sequence; D a multiple of 16, at most 512.
+    swa : bf16 ``[B, W, D]``
+        Sliding-window ring buffer: token ``t`` at slot ``t % W``.
+    pos : int32 ``[B]``
+        Tokens written per sequence (device memory on the device path); the valid slots are
+        ``0 .. min(pos, W) - 1``, all of them once the ring has wrapped.
+    comp : bf16 ``[B, C, D]``
+        Compressed cache of capacity ``C``.
+    comp_len : int32 ``[B]``
+        Live compressed length; entries at or beyond ``min(comp_len, C)`` are ignored.
+    indices : int32 ``[B, N]``
+        Selected compressed entries; ``-1`` (and any index outside ``[0, comp_len)``) is ignored,
+        an index given twice counts twice.
+    sink : fp32 ``[Hq]``
+        Attention-sink logit per head (``-inf``: none). It adds ``exp(sink - m)`` to the
+        normaliser and has no value vector.
+    scale : float, optional
+        Softmax scale (a static hyperparameter), default ``D ** -0.5``.
+    out : bf16 or fp32 ``[B, Hq, D]``, optional
+        Written in place and returned; on the device every element is written.
+    out_dtype : bfloat16 (default) or float32
+        The result dtype when ``out`` is not given.
+    num_splits : int, optional
+        Device path: splits of the ``W + N`` candidates (default `default_num_splits`).
+    workspace : fp32 1-D array of at least `workspace_size` elements, optional
+        Device path, ``num_splits > 1``: scratch for the partial results. Without it a per-stream
+        buffer of `fp4kit.runtime.workspace` is used, which a later, larger call may replace:
+        pass one explicitly for a call captured in a CUDA graph.
+
+    Returns
+    -------
+    ``[B, Hq, D]`` in ``out_dtype``: ``sum_j p_j v_j``; a head of a sequence with no valid row gets 0.
+
+    All inputs live in one place (host, or one CUDA device); device work runs on CuPy's current
+    stream without a host synchronisation.
+    """
+    q, swa, pos, comp, comp_len, indices, sink = _validate(q, swa, pos, comp, comp_len, indices, sink)
+    batch, heads, head_dim = q.shape
+    candidates = swa.shape[1] + indices.shape[1]
+    scale = _scale_value(scale, head_dim)
+    dtype = _out_dtype(out, out_dtype)
+    if out is not None:
+        arrays.check_out("out", out, q.shape, dtype, q)
+    splits = _splits_value(num_splits, candidates)
+
+    if not arrays.is_device_array(q):
+        if workspace is not None:
+            _check_workspace(workspace, 0, q)
+        result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale).astype(dtype)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    import cupy
+
+    if splits is None:
+        splits = num_splits_for(q, candidates)
+    needed = workspace_size(batch, heads, head_dim, splits)
+    if workspace is not None:
+        workspace = _check_workspace(workspace, needed, q)
+    out = cupy.empty(q.shape, dtype=dtype) if out is None else out
+    if q.size == 0:
+        return out
+    if splits > 1 and workspace is None:
+        workspace = _shared_workspace(needed)
+    chunk = -(-candidates // splits)
+    shared = smem_bytes(head_dim, chunk)
+    kernel = loader.get_kernel(_MODULE, "sparse_decode_attention", block=_THREADS).function
+    if kernel.max_dynamic_shared_size_bytes < shared:  # a query, not a stream operation: fine under capture
+        kernel.max_dynamic_shared_size_bytes = shared
+    if splits > 1:
+        partial_rows = batch * splits * heads
+        part_o = workspace[: partial_rows * head_dim]
+        part_ml = workspace[partial_rows * head_dim: partial_rows * (head_dim + 2)]
+    else:
+        part_o = part_ml = 0  # null: the single split writes the output directly
+    out_f32 = _I32(dtype == np.float32)
+    scale_log2 = _F32(scale * math.log2(math.e))
+    grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
+    kernel(grid, (_THREADS,), (q, swa, pos, comp, comp_len, indices, sink, out, part_o, part_ml, _I32(heads),
+                              _I32(head_dim), _I32(swa.shape[1]), _I32(comp.shape[1]), _I32(indices.shape[1]),
+                              _I32(chunk), scale_log2, out_f32), shared_mem=shared)
+    if splits > 1:
+        combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS).function
+        combine((heads, batch), (_COMBINE_THREADS,), (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
+                                                      _I32(splits), out_f32))
+    return out
+
+
+def _shared_workspace(elements: int):
+    return scratch.device_buffer("sparse_decode_attention", elements * 4)[: elements * 4].view(np.float32)

@@ -1,0 +1,400 @@
+// DeepSeek-V4 sparse decode attention: MQA over one shared bf16 latent (K = V), one query token
+// per sequence, one softmax over the valid sliding-window slots and the valid selected compressed
+// entries plus a per-head attention sink that adds to the normaliser only. The specification is
+// fp4kit/reference/attention.py; fp32 accumulation, bf16 tensor cores (mma.sync m16n8k16).
+//
+// Arguments (row-major, contiguous; bf16 arrays 16-byte aligned):
+//   q         bf16  [B, Hq, D]   query heads, D a multiple of 16, 16 <= D <= 512
+//   swa       bf16  [B, W, D]    ring buffer: token t at slot t % W
+//   pos       int32 [B]          tokens written; valid slots are 0 .. min(max(pos, 0), W) - 1
+//   comp      bf16  [B, C, D]    compressed cache, capacity C
+//   comp_len  int32 [B]          live compressed length; entry i is valid iff 0 <= i < min(comp_len, C)
+//   indices   int32 [B, N]       selected entries; -1 / out of range ignored, duplicates count twice
+//   sink      fp32  [Hq]         attention-sink logit per head (-inf: no sink)
+//   out       bf16 or fp32 [B, Hq, D] (out_f32 selects)
+//   part_o    fp32  [B, S, Hq, D]  unnormalised partial outputs of the S candidate splits (S > 1)
+//   part_ml   fp32  [B, S, Hq, 2]  their running max (log2 domain) and probability sum
+// Positions, lengths and indices are read on the device only; the grid is sized from shapes.
+//
+// Launch geometry of sparse_decode_attention: grid (S, ceil(Hq / 16), B), 256 threads (8 warps;
+// heads past Hq in the last group are zero queries whose results are not written),
+// attn_smem_bytes(D, chunk) bytes of dynamic shared memory (ops/attention.py mirrors the formula;
+// a block given less writes NaN instead of running). Split s owns the candidates
+// [s * chunk, min((s + 1) * chunk, W + N)) of the list "window slots 0..W-1, then indices[b]".
+//   1. Compaction: the block tests its candidates 256 at a time and writes the valid ones, in
+//      order, as row codes (slot >= 0, or ~entry for the compressed cache) to shared memory, so
+//      invalid candidates cost no loads and no math.
+//   2. Rows are streamed 32 per tile into a two-stage cp.async pipeline (16-byte loads, rows
+//      padded by 16 bytes so ldmatrix is conflict-free; the rows past the end are zero-filled, so
+//      a zero probability never meets stale data). Each row is read from memory once per block
+//      and used from shared memory for all 16 heads, for the scores and for the values.
+//   3. Scores: D is cut into 16-column chunks, chunk c to warp c % 8; each warp keeps its query
+//      fragments in registers and computes partial scores [16 heads x 32 rows] over its columns;
+//      the partials are summed in a fixed order through shared memory (deterministic).
+//   4. Online softmax in the log2 domain (running max m, running sum l, accumulator rescaled by
+//      exp2(m_old - m_new)); the probabilities are rounded to bf16 for the value MMA and l sums the
+//      rounded values, so numerator and denominator weigh each row identically.
+//   5. Values: each warp accumulates o[16 heads x its D columns] += P[16 x 32] V[32 x cols], V
+//      fragments by ldmatrix.trans from the same tile.
+//   S == 1: the block folds the sink in (M = max(m, sink), L = l e^(m-M) + e^(sink-M)) and writes
+//   o e^(m-M) / L; no valid row gives 0. S > 1: it writes (o, m, l) and sparse_decode_combine,
+//   grid (Hq, B), 128 threads, merges the splits and the sink in split order.
+#include <cuda_bf16.h>
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kHeads = 16;           // query heads per block: the M of one m16n8k16 tile
+constexpr int kTileRows = 32;        // candidate rows per pipeline stage
+constexpr int kMaxChunksPerWarp = 4; // 16-column chunks of D per warp: D <= 8 * 4 * 16 = 512
+constexpr int kScoreLd = kTileRows + 8;  // fp32 per head row of a warp's partial scores (no bank conflicts)
+constexpr int kProbLd = kTileRows + 8;   // bf16 per head row of the probabilities (80-byte rows: conflict-free ldmatrix)
+constexpr int kCombineThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+#define ATTN_NEG_INF __int_as_float(0xFF800000)  // NVRTC has no math.h INFINITY
+
+// Dynamic shared memory of one block; the host computes the same number.
+__host__ __device__ constexpr unsigned attn_smem_bytes(unsigned D, unsigned chunk) {
+    return 2u * kTileRows * (D + 8u) * 2u       // two stages of rows (bf16, rows padded by 16 bytes)
+           + kWarps * kHeads * kScoreLd * 4u    // partial scores
+           + kHeads * kProbLd * 2u              // probabilities (bf16)
+           + kHeads * 4u                        // per-head factor
+           + kWarps * 4u                        // compaction counts
+           + chunk * 4u;                        // compacted row codes
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, asynchronously; bytes = 0 zero-fills the destination without reading.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// d += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulation.
+__device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned load_pair(const __nv_bfloat16* p, bool valid) {
+    return valid ? *reinterpret_cast<const unsigned*>(p) : 0u;
+}
+
+__device__ __forceinline__ void store_pair(void* out, size_t offset, float x, float y, int out_f32) {
+    if (out_f32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(out) + offset) = make_float2(x, y);
+    } else {
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + offset) = __floats2bfloat162_rn(x, y);
+    }
+}
+
+// The global row of a compacted code: a window slot (>= 0) or ~entry of the compressed cache.
+__device__ __forceinline__ const __nv_bfloat16* row_of(int code, const __nv_bfloat16* swa_b,
+                                                      const __nv_bfloat16* comp_b, int D) {
+    return code >= 0 ? swa_b + (size_t)code * D : comp_b + (size_t)(~code) * D;
+}
+
+// Issue the cp.async loads of rows first .. first+31 of the compacted list (count rows in all;
+// at least one exists, its address stands in for the zero-filled rows).
+__device__ __forceinline__ void issue_tile(__nv_bfloat16* stage, const int* codes, int first, int count,
+                                           const __nv_bfloat16* swa_b, const __nv_bfloat16* comp_b, int D) {
+    const int pieces_per_row = D / 8;
+    const __nv_bfloat16* fallback = row_of(codes[first], swa_b, comp_b, D);
+    for (int p = threadIdx.x; p < kTileRows * pieces_per_row; p += kThreads) {
+        const int r = p / pieces_per_row, c8 = p - r * pieces_per_row;
+        const bool live = first + r < count;
+        const __nv_bfloat16* src = (live ? row_of(codes[first + r], swa_b, comp_b, D) : fallback) + c8 * 8;
+        cp_async16(stage + r * (D + 8) + c8 * 8, src, live ? 16u : 0u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2)
+sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ swa,
+                        const int* __restrict__ pos, const __nv_bfloat16* __restrict__ comp,
+                        const int* __restrict__ comp_len, const int* __restrict__ indices,
+                        const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ part_o,
+                        float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
+                        float scale_log2, int out_f32) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int ld = D + 8;
+    __nv_bfloat16* stages = reinterpret_cast<__nv_bfloat16*>(smem);
+    float* spart = reinterpret_cast<float*>(smem + 2u * kTileRows * ld * 2u);
+    __nv_bfloat16* prob = reinterpret_cast<__nv_bfloat16*>(spart + kWarps * kHeads * kScoreLd);
+    float* factor = reinterpret_cast<float*>(prob + kHeads * kProbLd);
+    int* warp_counts = reinterpret_cast<int*>(factor + kHeads);
+    int* codes = warp_counts + kWarps;
+
+    const int split = blockIdx.x, splits = gridDim.x, h0 = blockIdx.y * kHeads, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int dchunks = D / 16;
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    // a host/device disagreement on the layout must not write out of bounds: the block writes NaN
+    const bool bad = dyn_smem < attn_smem_bytes((unsigned)D, (unsigned)chunk);
+
+    // ---- 1. compaction of this split's valid candidates
+    const int total = W + N;
+    const int begin = min(split * chunk, total), end = bad ? begin : min(begin + chunk, total);
+    const int window_live = min(max(pos[b], 0), W);
+    const int comp_live = min(max(comp_len[b], 0), C);
+    int count = 0;
+    for (int base = begin; base < end; base += kThreads) {
+        const int c = base + tid;
+        bool valid = false;
+        int code = 0;
+        if (c < end) {
+            if (c < W) {
+                valid = c < window_live;
+                code = c;
+            } else {
+                const int entry = indices[(size_t)b * N + (c - W)];
+                valid = entry >= 0 && entry < comp_live;
+                code = ~entry;
+            }
+        }
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, valid);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, pass = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const int n = warp_counts[w];
+            before += w < warp ? n : 0;
+            pass += n;
+        }
+        if (valid) codes[count + before + __popc(ballot & ((1u << lane) - 1u))] = code;
+        count += pass;
+        __syncthreads();  // warp_counts is rewritten by the next pass; codes are read below
+    }
+
+    const __nv_bfloat16* swa_b = swa + (size_t)b * W * D;
+    const __nv_bfloat16* comp_b = comp + (size_t)b * C * D;
+    const int ntiles = (count + kTileRows - 1) / kTileRows;
+    if (ntiles > 0) issue_tile(stages, codes, 0, count, swa_b, comp_b, D);
+    cp_async_commit();
+
+    // ---- query fragments of this warp's D chunks (A operand, rows = heads g and g + 8)
+    const __nv_bfloat16* qb = q + (size_t)b * Hq * D;
+    const bool head_lo = h0 + g < Hq, head_hi = h0 + g + 8 < Hq;
+    unsigned qa[kMaxChunksPerWarp][4];
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+        const int c = warp + kWarps * i;
+        const bool active = c < dchunks;
+        const __nv_bfloat16* lo = qb + (size_t)(h0 + g) * D + c * 16 + 2 * t;
+        const __nv_bfloat16* hi = lo + 8 * (size_t)D;
+        qa[i][0] = load_pair(lo, active && head_lo);
+        qa[i][1] = load_pair(hi, active && head_hi);
+        qa[i][2] = load_pair(lo + 8, active && head_lo);
+        qa[i][3] = load_pair(hi + 8, active && head_hi);
+    }
+
+    float oacc[kMaxChunksPerWarp][2][4];
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerWarp; ++i)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) oacc[i][n][e] = 0.0f;
+
+    // softmax state of head (tid >> 4), rows 2 * (tid & 15) and +1 of each tile; the 16 threads of a
+    // head hold identical copies (xor-butterfly reductions give every lane the same bits)
+    const int sh = tid >> 4, sr = 2 * (tid & 15);
+    float m_run = ATTN_NEG_INF, l_run = 0.0f;
+
+    for (int tile = 0; tile < ntiles; ++tile) {
+        const __nv_bfloat16* stage = stages + (tile & 1) * kTileRows * ld;
+        if (tile + 1 < ntiles)
+            issue_tile(stages + ((tile + 1) & 1) * kTileRows * ld, codes, (tile + 1) * kTileRows, count, swa_b, comp_b, D);
+        cp_async_commit();
+        cp_async_wait_one();
+        __syncthreads();
+
+        // ---- 3. partial scores over this warp's columns: 4 n-tiles of 8 rows
+        float sacc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[n][e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+            const int c = warp + kWarps * i;
+            if (c < dchunks) {
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    unsigned kb[4];  // b0, b1 of rows np*16 + 0..7, then of rows np*16 + 8..15
+                    ldmatrix_x4(kb, stage + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * ld + c * 16 + (((lane >> 3) & 1) << 3));
+                    mma_16816(sacc[2 * np], qa[i], kb[0], kb[1]);
+                    mma_16816(sacc[2 * np + 1], qa[i], kb[2], kb[3]);
+                }
+            }
+        }
+        float* mine = spart + warp * kHeads * kScoreLd;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            *reinterpret_cast<float2*>(mine + g * kScoreLd + n * 8 + 2 * t) = make_float2(sacc[n][0], sacc[n][1]);
+            *reinterpret_cast<float2*>(mine + (g + 8) * kScoreLd + n * 8 + 2 * t) = make_float2(sacc[n][2], sacc[n][3]);
+        }
+        __syncthreads();
+
+        // ---- 4. online softmax
+        {
+            float2 s = make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) {
+                const float2 v = *reinterpret_cast<const float2*>(spart + (w * kHeads + sh) * kScoreLd + sr);
+                s.x += v.x;
+                s.y += v.y;
+            }
+            const int rows_here = count - tile * kTileRows;
+            const float x0 = sr < rows_here ? s.x * scale_log2 : ATTN_NEG_INF;
+            const float x1 = sr + 1 < rows_here ? s.y * scale_log2 : ATTN_NEG_INF;
+            float tile_max = fmaxf(x0, x1);
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, off));
+            const float m_new = fmaxf(m_run, tile_max);
+            const float m_use = m_new == ATTN_NEG_INF ? 0.0f : m_new;  // all -inf so far: avoid (-inf) - (-inf)
+            const float alpha = exp2f(m_run - m_use);
+            const __nv_bfloat162 p = __floats2bfloat162_rn(exp2f(x0 - m_use), exp2f(x1 - m_use));
+            const float2 pf = __bfloat1622float2(p);
+            float tile_sum = pf.x + pf.y;
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) tile_sum += __shfl_xor_sync(0xFFFFFFFFu, tile_sum, off);
+            l_run = l_run * alpha + tile_sum;
+            m_run = m_new;
+            *reinterpret_cast<__nv_bfloat162*>(prob + sh * kProbLd + sr) = p;
+            if ((tid & 15) == 0) factor[sh] = alpha;
+        }
+        __syncthreads();
+
+        // ---- 5. o = o * alpha + P V over this warp's columns
+        {
+            const float a_lo = factor[g], a_hi = factor[g + 8];
+#pragma unroll
+            for (int i = 0; i < kMaxChunksPerWarp; ++i)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    oacc[i][n][0] *= a_lo;
+                    oacc[i][n][1] *= a_lo;
+                    oacc[i][n][2] *= a_hi;
+                    oacc[i][n][3] *= a_hi;
+                }
+#pragma unroll
+            for (int ks = 0; ks < kTileRows / 16; ++ks) {
+                unsigned pa[4];  // P rows 0-7 / 8-15 at columns ks*16 + 0..7, then + 8..15
+                ldmatrix_x4(pa, prob + ((lane & 7) + (((lane >> 3) & 1) << 3)) * kProbLd + ks * 16 + ((lane >> 4) << 3));
+#pragma unroll
+                for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+                    const int c = warp + kWarps * i;
+                    if (c < dchunks) {
+                        unsigned vb[4];  // b0, b1 of columns c*16 + 0..7, then of c*16 + 8..15
+                        ldmatrix_x4_trans(vb, stage + (ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + c * 16 + ((lane >> 4) << 3));
+                        mma_16816(oacc[i][0], pa, vb[0], vb[1]);
+                        mma_16816(oacc[i][1], pa, vb[2], vb[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the stage, the scores, P and the factors are rewritten next tile
+    }
+
+    // ---- epilogue: per-head factor (S == 1) or the split's (m, l)
+    const float poison = bad ? __int_as_float(0x7FC00000) : 1.0f;
+    if ((tid & 15) == 0) {
+        const int head = h0 + sh;
+        if (splits == 1) {
+            float f = 0.0f;
+            const float s2 = head < Hq ? sink[head] * kLog2e : ATTN_NEG_INF;
+            const float M = s2 > m_run ? s2 : m_run;  // a NaN sink is kept out of M and poisons L
+            if (M != ATTN_NEG_INF) {
+                const float w = exp2f(m_run - M);
+                const float L = l_run * w + exp2f(s2 - M);
+                f = w / L;
+            }
+            factor[sh] = f * poison;
+        } else if (head < Hq) {
+            float* ml = part_ml + (((size_t)b * splits + split) * Hq + head) * 2;
+            ml[0] = m_run * poison;
+            ml[1] = l_run * poison;
+        }
+    }
+    __syncthreads();
+    const int head_g = h0 + g;
+    const float f_lo = splits == 1 ? factor[g] : poison, f_hi = splits == 1 ? factor[g + 8] : poison;
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+        const int c = warp + kWarps * i;
+        if (c >= dchunks) continue;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const int d = c * 16 + n * 8 + 2 * t;
+            if (splits == 1) {
+                const size_t row = (size_t)b * Hq + head_g;
+                if (head_lo) store_pair(out, row * D + d, oacc[i][n][0] * f_lo, oacc[i][n][1] * f_lo, out_f32);
+                if (head_hi) store_pair(out, (row + 8) * D + d, oacc[i][n][2] * f_hi, oacc[i][n][3] * f_hi, out_f32);
+            } else {
+                const size_t row = ((size_t)b * splits + split) * Hq + head_g;
+                if (head_lo) store_pair(part_o, row * D + d, oacc[i][n][0] * f_lo, oacc[i][n][1] * f_lo, 1);
+                if (head_hi) store_pair(part_o, (row + 8) * D + d, oacc[i][n][2] * f_hi, oacc[i][n][3] * f_hi, 1);
+            }
+        }
+    }
+}
+
+// Merge the S splits of one (sequence, head) and fold in the sink: grid (Hq, B), 128 threads, each
+// thread 4 columns per step. Splits are summed in order (deterministic).
+extern "C" __global__ void __launch_bounds__(kCombineThreads)
+sparse_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                      const float* __restrict__ sink, void* __restrict__ out, int Hq, int D, int splits, int out_f32) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    const size_t split_stride = (size_t)Hq;  // rows of [B, S, Hq, *] between consecutive splits
+    const size_t first = (size_t)b * splits * Hq + h;
+    const float s2 = sink[h] * kLog2e;
+    float M = ATTN_NEG_INF;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[(first + s * split_stride) * 2]);
+    M = s2 > M ? s2 : M;
+    float inv = 0.0f;  // no valid row anywhere and no sink: the output is 0
+    if (M != ATTN_NEG_INF) {
+        float L = exp2f(s2 - M);
+        for (int s = 0; s < splits; ++s) {
+            const float* ml = part_ml + (first + s * split_stride) * 2;
+            L += ml[1] * exp2f(ml[0] - M);
+        }
+        inv = 1.0f / L;
+    }
+    const size_t out_row = (size_t)b * Hq + h;
+    for (int d = threadIdx.x * 4; d < D; d += kCombineThreads * 4) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (M != ATTN_NEG_INF) {
+            for (int s = 0; s < splits; ++s) {
+                const size_t row = first + s * split_stride;
+                const float w = exp2f(part_ml[row * 2] - M) * inv;
+                const float4 v = *reinterpret_cast<const float4*>(part_o + row * D + d);
+                acc.x += w * v.x;
+                acc.y += w * v.y;
+                acc.z += w * v.z;
+                acc.w += w * v.w;
+            }
+        }
+        store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
+        store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+    }
+}
