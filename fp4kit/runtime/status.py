@@ -13,11 +13,14 @@ from .workspace import zeros_outside_capture
 
 #: a NaN or ±Inf reached an NVFP4 encoder (quantize, amax, swiglu_quantize)
 NONFINITE_INPUT = 1
+#: the indexer met a NaN score (ranked as -inf) or a live length outside [0, capacity] (clamped)
+INDEXER_INPUT = 2
 #: a compressed-KV entry was dropped because its sequence's buffer was full (KVCache max_comp)
 KV_COMP_OVERFLOW = 4
 
 FLAG_NAMES = {
     NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
+    INDEXER_INPUT: "indexer: a NaN score or a length outside [0, capacity]",
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
 }
 

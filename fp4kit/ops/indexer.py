@@ -1,0 +1,177 @@
+"""Lightning indexer: validate inputs, pick the backend, launch ``raw_kernels/indexer.cu``.
+
+`score_topk` scores every live compressed key of each sequence for one decode token,
+``score[b, t] = sum_h w[b, h] * ReLU(q[b, h] . keys[b, t])`` for ``t < lengths[b]``, and selects the
+``k`` best (see `fp4kit.reference.indexer` for the exact rules: ties to the lower index, NaN as
+-inf, indices ascending, ``-1`` padding).
+
+numpy inputs run the reference; CuPy (or CUDA DLPack) inputs run two kernels on CuPy's current
+stream: the tensor-core scoring kernel (grid sized for the capacity, blocks past the live length
+exit at once) and the radix-select top-k (one block per sequence). ``lengths`` stays on the device
+and is never read by the host, so the call can be captured in a CUDA graph and replayed while the
+lengths grow; with ``out_indices``, ``out_scores`` and ``workspace`` given nothing is allocated.
+
+Status word: a NaN live score, or a length outside ``[0, capacity]`` (clamped), or-s
+`STATUS_INDEXER` (bit value 2) into the device status word (`fp4kit.runtime.status`); the numpy
+backend records the same value in the host word.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..reference import indexer as ref
+from ..runtime import arrays, loader, status
+
+_MODULE = "indexer"
+_SCORE_THREADS = 128
+_KEYS_PER_BLOCK = 128
+_TOPK_THREADS = 1024
+_REGISTER_CAPACITY = 32 * _TOPK_THREADS  # indexer_topk_registers holds up to 32 scores per thread
+_U32 = np.uint32
+_I32 = np.int32
+
+#: or-ed into the status word: a NaN live score (taken as -inf) or a length outside [0, capacity]
+STATUS_INDEXER = status.INDEXER_INPUT
+MAX_K = 4096
+MAX_HEADS = 64
+MAX_HEAD_DIM = 128
+MAX_BATCH = 65535  # gridDim.y of the scoring kernel
+MAX_CAPACITY = 2**31 - 1  # int32 indices
+
+
+def check_k(k) -> int:
+    """``k`` as a Python int; an integer in [1, `MAX_K`] (bool is refused)."""
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"k: expected an integer, got {type(k).__name__}")
+    if not 1 <= int(k) <= MAX_K:
+        raise ValueError(f"k: expected 1 <= k <= {MAX_K}, got {int(k)}")
+    return int(k)
+
+
+def _intake(x, name: str, dtype, ndim: int):
+    x = arrays.as_array(x, name)
+    if x.dtype != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got {arrays.describe(x)}")
+    arrays.check_contiguous(name, x)
+    arrays.check_aligned(name, x)
+    return x
+
+
+def check_inputs(q, w, keys, lengths, k):
+    """Validated ``(q, w, keys, lengths, k)``; raises with the argument's name on any mismatch.
+
+    q : bf16 ``[B, H, D]``, H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
+    w : fp32 ``[B, H]``
+    keys : bf16 ``[B, C, D]``, C >= 1
+    lengths : int32 ``[B]``
+    k : int in [1, 4096]
+    All C-contiguous, in one memory (host or one device), device arrays 16-byte aligned.
+    """
+    q = _intake(q, "q", arrays.BF16, 3)
+    w = _intake(w, "w", np.float32, 2)
+    keys = _intake(keys, "keys", arrays.BF16, 3)
+    lengths = _intake(lengths, "lengths", np.int32, 1)
+    k = check_k(k)
+    bsz, heads, dim = q.shape
+    if heads % 8 or not 8 <= heads <= MAX_HEADS:
+        raise ValueError(f"q: expected a multiple of 8 in [8, {MAX_HEADS}] heads, got shape {tuple(q.shape)}")
+    if dim % 32 or not 32 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: expected a head dimension that is a multiple of 32 in [32, {MAX_HEAD_DIM}], "
+                         f"got shape {tuple(q.shape)}")
+    if bsz > MAX_BATCH:
+        raise ValueError(f"q: at most {MAX_BATCH} sequences per call, got shape {tuple(q.shape)}")
+    if tuple(w.shape) != (bsz, heads):
+        raise ValueError(f"w: expected shape {(bsz, heads)} to match q {tuple(q.shape)}, got {arrays.describe(w)}")
+    if keys.shape[0] != bsz or keys.shape[2] != dim:
+        raise ValueError(f"keys: expected shape ({bsz}, C, {dim}) to match q {tuple(q.shape)}, got {arrays.describe(keys)}")
+    if not 1 <= keys.shape[1] <= MAX_CAPACITY:
+        raise ValueError(f"keys: expected a capacity C in [1, {MAX_CAPACITY}], got shape {tuple(keys.shape)}")
+    if tuple(lengths.shape) != (bsz,):
+        raise ValueError(f"lengths: expected shape ({bsz},) to match q {tuple(q.shape)}, got {arrays.describe(lengths)}")
+    arrays.check_same_device(q=q, w=w, keys=keys, lengths=lengths)
+    return q, w, keys, lengths, k
+
+
+def _outputs(out_indices, out_scores, workspace, bsz: int, capacity: int, k: int, like):
+    xp = arrays.array_module(like)
+    if out_indices is None:
+        out_indices = xp.empty((bsz, k), np.int32)
+    else:
+        arrays.check_out("out_indices", out_indices, (bsz, k), np.int32, like)
+    if out_scores is None:
+        out_scores = xp.empty((bsz, k), np.float32)
+    else:
+        arrays.check_out("out_scores", out_scores, (bsz, k), np.float32, like)
+    if workspace is None:
+        workspace = xp.empty((bsz, capacity), np.float32)
+    else:
+        arrays.check_out("workspace", workspace, (bsz, capacity), np.float32, like)
+    return out_indices, out_scores, workspace
+
+
+def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None, workspace=None):
+    """Indices and scores of the ``k`` highest-scoring live keys of each sequence.
+
+    Parameters
+    ----------
+    q : bf16 ``[B, H, D]``
+        Index queries of the decode token (H a multiple of 8 up to 64, D a multiple of 32 up to 128).
+    w : fp32 ``[B, H]``
+        Per-head weights.
+    keys : bf16 ``[B, C, D]``
+        The preallocated compressed-key cache; only entries ``t < lengths[b]`` are read.
+    lengths : int32 ``[B]``
+        Live entries per sequence, in the same memory as the other inputs (on the device for
+        device inputs: read by the kernels, never by the host). Clamped to ``[0, C]``; a length
+        outside that range is recorded in the status word.
+    k : int in [1, 4096]
+    out_indices : int32 ``[B, k]``, optional
+        Receives the selected indices in **ascending index order**, then ``-1`` in the slots past
+        ``min(k, lengths[b])``.
+    out_scores : fp32 ``[B, k]``, optional
+        Receives the score of each selected index (NaN reported as ``-inf``), ``-inf`` in padding.
+    workspace : fp32 ``[B, C]``, optional
+        Scratch for the scores; after the call ``workspace[b, :lengths[b]]`` holds every live score
+        (the rest is left as it was). Allocated per call when not given.
+
+    Returns
+    -------
+    (indices, scores)
+        ``out_indices`` and ``out_scores`` (or new arrays in the memory of the inputs).
+
+    All arguments are validated before anything runs. On the device the two launches go to
+    CuPy's current stream with no host synchronisation; with every output given the call
+    allocates nothing and can be captured in a CUDA graph (call it once eagerly first: the first
+    call compiles the kernels).
+    """
+    q, w, keys, lengths, k = check_inputs(q, w, keys, lengths, k)
+    bsz, capacity = keys.shape[0], keys.shape[1]
+    out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
+    if not arrays.is_device_array(q):
+        s = ref.scores(q, w, keys, lengths)
+        n = ref.live_lengths(lengths, capacity)
+        for b in range(bsz):
+            workspace[b, : n[b]] = s[b, : n[b]]
+        if ref.has_nan(s, lengths) or ref.lengths_out_of_range(lengths, capacity):
+            status.record_host(STATUS_INDEXER)
+        indices, values = ref.topk(s, lengths, k)
+        out_indices[...] = indices
+        out_scores[...] = values
+        return out_indices, out_scores
+    if bsz == 0:
+        return out_indices, out_scores
+    heads, dim = q.shape[1], q.shape[2]
+    scores_kernel = loader.get_kernel(_MODULE, "indexer_scores", block=_SCORE_THREADS)
+    grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
+    scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, keys, lengths, workspace, _U32(heads), _U32(dim),
+                                                     _U32(capacity)))
+    name = "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
+    topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)
+    topk_kernel(bsz, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
+                                     out_indices, out_scores, status.device_word()))
+    return out_indices, out_scores

@@ -1,0 +1,350 @@
+// Lightning indexer (DeepSeek-V4 CSA layers), one decode token per sequence: score every live
+// compressed key, score[b, t] = sum_h w[b, h] * ReLU(q[b, h] . keys[b, t]), and select the top k.
+// fp4kit/reference/indexer.py is the specification.
+//
+// Arguments (row-major, contiguous, 16-byte aligned):
+//   q        bf16  [B, H, D]   index queries; H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
+//   w        fp32  [B, H]      per-head weights
+//   keys     bf16  [B, C, D]   the compressed-key cache, capacity C
+//   lengths  int32 [B]         live entries of each row, read on the device; n_b = clamp(lengths[b], 0, C)
+//   scores   fp32  [B, C]      scratch written by indexer_scores for t < n_b (the rest is left as it was)
+//   indices  int32 [B, k]      the selected indices in ascending order, then -1
+//   values   fp32  [B, k]      their canonical scores (NaN -> -inf, -0 -> +0), then -inf
+//   status   uint32 [1]        IDX_STATUS_INDEXER (2) is or-ed in when a live score is NaN or a length
+//                              lies outside [0, C]
+//
+// indexer_scores: grid (ceil(C / 128), B), 128 threads (4 warps). Block (x, b) scores keys
+//   128x .. 128x+127 of row b and returns at once when 128x >= n_b, so the grid is sized for the
+//   capacity but only live tiles load anything. The 64 x 128 query block and the weights are staged
+//   in shared memory in MMA fragment order; each warp computes 32 keys x H heads with
+//   mma.m16n8k16 bf16 -> fp32 (keys are the A operand, 16-byte loads, one row per lane group;
+//   queries the B operand), then ReLU, times w, summed over heads in a fixed order (per thread,
+//   then across the 4 threads of a row by shuffles): deterministic, fp32 throughout.
+// indexer_topk_registers (C <= 32768) / indexer_topk_global (any C): grid B, 1024 threads, one
+//   block per row. Thread i owns a contiguous range of the live scores (in registers, 32 at most,
+//   or re-read from global memory). The scores map to order-preserving unsigned keys; a radix
+//   select (digits of 11, 11 and 10 bits, a shared 2048-bin histogram per pass, a block scan to
+//   find the bin holding the k-th largest key) fixes the threshold key T and how many entries
+//   equal to T are taken; it stops early once the threshold bin is taken whole. A block scan of
+//   (greater, equal) counts then gives every thread its output position: entries above T, and the
+//   first ones equal to T in index order (the tie rule: larger score first, equal scores lower
+//   index first), are written in ascending index order. No sort, one read of the scores (registers).
+#include <cuda_bf16.h>
+
+#define IDX_STATUS_INDEXER 2u  // a NaN live score, or a length outside [0, C]
+#define IDX_NEG_INF __int_as_float(0xFF800000)
+
+constexpr int kScoreWarps = 4;
+constexpr int kScoreThreads = 32 * kScoreWarps;
+constexpr unsigned kKeysPerWarp = 32;  // two m16 tiles
+constexpr unsigned kKeysPerBlock = kScoreWarps * kKeysPerWarp;
+constexpr int kMaxHeadTiles = 8;  // 64 heads, 8 per n8 tile
+constexpr int kMaxChunks = 4;     // 128 dims, 32 per chunk
+
+constexpr int kTopkThreads = 1024;
+constexpr int kRegisterItems = 32;  // scores per thread in registers: C <= 32 * 1024
+constexpr unsigned kBins = 2048;
+
+__device__ __forceinline__ unsigned live_length(const int* lengths, unsigned b, unsigned C) {
+    const int len = lengths[b];
+    return len < 0 ? 0u : ((unsigned)len > C ? C : (unsigned)len);
+}
+
+// D += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void idx_mma(float d[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                        unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ReLU that keeps a NaN a NaN (fmaxf would drop it and hide a broken input).
+__device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
+
+// The MMA's k order is a permutation of the head dimension, the same for both operands, so the
+// dot products are unchanged: in a 32-wide chunk, lane group member t (lane & 3) holds elements
+// 8t .. 8t+7 of its row as one 16-byte word (x, y, z, w). MMA step 0 takes (x, y), step 1 (z, w):
+// the A registers (a0 | a2) of row g and the B registers (b0 | b1) of head g cover the same
+// element pairs.
+extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
+    const __nv_bfloat16* __restrict__ q, const float* __restrict__ w, const __nv_bfloat16* __restrict__ keys,
+    const int* __restrict__ lengths, float* __restrict__ scores, unsigned H, unsigned D, unsigned C) {
+    const unsigned b = blockIdx.y;
+    const unsigned n = live_length(lengths, b, C);
+    const unsigned tile = blockIdx.x * kKeysPerBlock;
+    if (tile >= n) return;  // past the live length: nothing to load
+
+    __shared__ uint4 sq[kMaxChunks * kMaxHeadTiles * 32];  // query B fragments, [chunk][head tile][lane]
+    __shared__ float sw[kMaxHeadTiles * 8];
+    const unsigned head_tiles = H / 8, chunks = D / 32;
+    const __nv_bfloat16* qb = q + (size_t)b * H * D;
+    for (unsigned e = threadIdx.x; e < chunks * head_tiles * 32; e += kScoreThreads) {
+        const unsigned lane = e & 31, tile_id = e >> 5;  // tile_id = chunk * head_tiles + head tile
+        const unsigned h = (tile_id % head_tiles) * 8 + (lane >> 2);
+        const unsigned d = (tile_id / head_tiles) * 32 + 8 * (lane & 3);
+        sq[e] = *reinterpret_cast<const uint4*>(qb + (size_t)h * D + d);
+    }
+    for (unsigned h = threadIdx.x; h < H; h += kScoreThreads) sw[h] = w[(size_t)b * H + h];
+    __syncthreads();
+
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned first = tile + warp * kKeysPerWarp;
+    if (first >= n) return;  // no barrier below
+
+    // A operand: key rows first + 16 mt + 8 half + g; rows past the live length read as zero.
+    const __nv_bfloat16* kb = keys + (size_t)b * C * D;
+    uint4 a[kMaxChunks][2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const unsigned row = first + 16 * mt + 8 * half + g;
+            const bool live = row < n;
+            const uint4* src = reinterpret_cast<const uint4*>(kb + (size_t)(live ? row : 0u) * D + 8 * t);
+#pragma unroll
+            for (int c = 0; c < kMaxChunks; ++c)
+                a[c][mt][half] = (live && (unsigned)c < chunks) ? src[4 * c] : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+
+    float acc[2][kMaxHeadTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kMaxHeadTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+        if ((unsigned)c >= chunks) break;
+#pragma unroll
+        for (int nt = 0; nt < kMaxHeadTiles; ++nt) {
+            if ((unsigned)nt >= head_tiles) break;
+            const uint4 bq = sq[((unsigned)c * head_tiles + nt) * 32 + lane];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                idx_mma(acc[mt][nt], a[c][mt][0].x, a[c][mt][1].x, a[c][mt][0].y, a[c][mt][1].y, bq.x, bq.y);
+                idx_mma(acc[mt][nt], a[c][mt][0].z, a[c][mt][1].z, a[c][mt][0].w, a[c][mt][1].w, bq.z, bq.w);
+            }
+        }
+    }
+
+    // C fragment: acc[mt][nt][0..1] = row g, heads 8nt + 2t, +1; acc[mt][nt][2..3] = row g + 8.
+    float* out = scores + (size_t)b * C;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        float s_lo = 0.0f, s_hi = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kMaxHeadTiles; ++nt) {
+            if ((unsigned)nt >= head_tiles) break;
+            const float w0 = sw[8 * nt + 2 * t], w1 = sw[8 * nt + 2 * t + 1];
+            s_lo = __fmaf_rn(w0, relu_keep_nan(acc[mt][nt][0]), s_lo);
+            s_lo = __fmaf_rn(w1, relu_keep_nan(acc[mt][nt][1]), s_lo);
+            s_hi = __fmaf_rn(w0, relu_keep_nan(acc[mt][nt][2]), s_hi);
+            s_hi = __fmaf_rn(w1, relu_keep_nan(acc[mt][nt][3]), s_hi);
+        }
+        s_lo = __fadd_rn(s_lo, __shfl_xor_sync(0xFFFFFFFFu, s_lo, 1));
+        s_lo = __fadd_rn(s_lo, __shfl_xor_sync(0xFFFFFFFFu, s_lo, 2));
+        s_hi = __fadd_rn(s_hi, __shfl_xor_sync(0xFFFFFFFFu, s_hi, 1));
+        s_hi = __fadd_rn(s_hi, __shfl_xor_sync(0xFFFFFFFFu, s_hi, 2));
+        const unsigned row = first + 16 * mt + g;
+        if (t == 0 && row < n) out[row] = s_lo;
+        if (t == 0 && row + 8 < n) out[row + 8] = s_hi;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// top-k
+
+// Order-preserving map of the canonical score (NaN -> -inf; zero and subnormals -> +0, as -ftz
+// arithmetic would see them) to an unsigned key: a larger score gives a larger key.
+__device__ __forceinline__ unsigned score_key(float s) {
+    unsigned u = isnan(s) ? 0xFF800000u : __float_as_uint(s);
+    if ((u & 0x7F800000u) == 0u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_score(unsigned key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// Inclusive scan over the 1024 threads of the block. `warp_totals` ([32] in shared memory) must not
+// be written again before a barrier that follows this call.
+template <typename T>
+__device__ __forceinline__ T block_inclusive_scan(T v, T* warp_totals) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const T x = __shfl_up_sync(0xFFFFFFFFu, v, off);
+        if (lane >= (unsigned)off) v += x;
+    }
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T x = warp_totals[lane];
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const T y = __shfl_up_sync(0xFFFFFFFFu, x, off);
+            if (lane >= (unsigned)off) x += y;
+        }
+        warp_totals[lane] = x;
+    }
+    __syncthreads();
+    return warp ? v + warp_totals[warp - 1] : v;
+}
+
+// This thread's share of a row's live scores: the contiguous range [begin, begin + count), as keys.
+// Contiguous ranges make the output positions one block scan; per is a multiple of 4 so that the
+// range starts on a 16-byte boundary for float4 loads.
+template <int kItems>
+struct RegisterKeys {
+    unsigned key[kItems];
+    unsigned begin, count;
+
+    // Returns true if a live score is NaN.
+    __device__ __forceinline__ bool load(const float* row, unsigned n, bool vec4) {
+        const unsigned per = ((n + kTopkThreads - 1) / kTopkThreads + 3u) & ~3u;  // <= kItems for n <= 32768
+        begin = threadIdx.x * per;
+        count = begin < n ? min(per, n - begin) : 0u;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < kItems; i += 4) {
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if ((unsigned)i < count) {
+                if (vec4) {  // begin + i < n <= C and C % 4 == 0: the whole float4 lies inside the row
+                    const float4 f = *reinterpret_cast<const float4*>(row + begin + i);
+                    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if ((unsigned)(i + j) < count) v[j] = row[begin + i + j];
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool live = (unsigned)(i + j) < count;
+                nan |= live && isnan(v[j]);
+                key[i + j] = live ? score_key(v[j]) : 0u;
+            }
+        }
+        return nan;
+    }
+
+    template <class F>
+    __device__ __forceinline__ void for_each(F&& f) const {
+#pragma unroll
+        for (int i = 0; i < kItems; ++i)
+            if ((unsigned)i < count) f(begin + i, key[i]);
+    }
+};
+
+struct GlobalKeys {
+    const float* row;
+    unsigned begin, count;
+
+    __device__ __forceinline__ bool load(const float* r, unsigned n, bool) {
+        row = r;
+        const unsigned per = (n + kTopkThreads - 1) / kTopkThreads;
+        begin = threadIdx.x * per;
+        count = begin < n ? min(per, n - begin) : 0u;
+        bool nan = false;
+        for (unsigned i = 0; i < count; ++i) nan |= isnan(row[begin + i]);
+        return nan;
+    }
+
+    template <class F>
+    __device__ __forceinline__ void for_each(F&& f) const {
+        for (unsigned i = 0; i < count; ++i) f(begin + i, score_key(row[begin + i]));
+    }
+};
+
+template <class Keys>
+__device__ __forceinline__ void topk_row(const float* __restrict__ scores, const int* __restrict__ lengths,
+                                         unsigned C, unsigned k, int vec4, int* __restrict__ indices,
+                                         float* __restrict__ values, unsigned* __restrict__ status) {
+    __shared__ unsigned hist[kBins];
+    __shared__ unsigned scan32[32];
+    __shared__ unsigned long long scan64[32];
+    __shared__ unsigned s_digit, s_need, s_count;
+
+    const unsigned b = blockIdx.x, tid = threadIdx.x;
+    const unsigned n = live_length(lengths, b, C);
+    Keys keys;
+    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0);
+    if (tid == 0) {
+        const int len = lengths[b];
+        flag |= len < 0 || (unsigned)len > C;
+    }
+    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, IDX_STATUS_INDEXER);
+
+    // The threshold: the key bits under resolved_mask (top bits) equal resolved_bits. Entries whose
+    // top bits are larger are all taken; of those equal, the first `need` in index order. Before
+    // any pass (n <= k: everything is taken) the mask is empty and every entry is "equal".
+    unsigned resolved_mask = 0u, resolved_bits = 0u, need = k;
+    if (n > k) {
+#pragma unroll 1
+        for (int pass = 0; pass < 3; ++pass) {
+            const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+            const unsigned digit_mask = pass == 2 ? 0x3FFu : 0x7FFu;
+            hist[tid] = 0u;
+            hist[tid + kTopkThreads] = 0u;
+            __syncthreads();
+            keys.for_each([&](unsigned, unsigned key) {
+                if ((key & resolved_mask) == resolved_bits) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+            });
+            __syncthreads();
+            // thread j holds bins 2047 - 2j and 2046 - 2j: the scan counts entries in larger bins
+            const unsigned d_hi = kBins - 1 - 2 * tid, d_lo = d_hi - 1;
+            const unsigned c_hi = hist[d_hi], c_lo = hist[d_lo];
+            const unsigned above_hi = block_inclusive_scan(c_hi + c_lo, scan32) - c_hi - c_lo;
+            const unsigned above_lo = above_hi + c_hi;
+            if (above_hi < need && need <= above_hi + c_hi) s_digit = d_hi, s_need = need - above_hi, s_count = c_hi;
+            if (above_lo < need && need <= above_lo + c_lo) s_digit = d_lo, s_need = need - above_lo, s_count = c_lo;
+            __syncthreads();
+            resolved_bits |= s_digit << shift;
+            resolved_mask |= digit_mask << shift;
+            const unsigned in_bin = s_count;
+            need = s_need;
+            if (in_bin == need) break;  // the threshold bin is taken whole: no tie left to resolve
+        }
+    }
+
+    unsigned greater = 0u, equal = 0u;
+    keys.for_each([&](unsigned, unsigned key) {
+        const unsigned top = key & resolved_mask;
+        greater += top > resolved_bits;
+        equal += top == resolved_bits;
+    });
+    const unsigned long long mine = greater | ((unsigned long long)equal << 32);
+    const unsigned long long before = block_inclusive_scan(mine, scan64) - mine;
+    unsigned eq_rank = (unsigned)(before >> 32);
+    unsigned pos = (unsigned)before + min(eq_rank, need);
+    int* out_idx = indices + (size_t)b * k;
+    float* out_val = values + (size_t)b * k;
+    keys.for_each([&](unsigned i, unsigned key) {
+        const unsigned top = key & resolved_mask;
+        const bool take = top > resolved_bits || (top == resolved_bits && eq_rank++ < need);
+        if (take) {
+            out_idx[pos] = (int)i;
+            out_val[pos] = key_score(key);
+            ++pos;
+        }
+    });
+    for (unsigned j = min(n, k) + tid; j < k; j += kTopkThreads) {
+        out_idx[j] = -1;
+        out_val[j] = IDX_NEG_INF;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_registers(
+    const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    topk_row<RegisterKeys<kRegisterItems>>(scores, lengths, C, k, vec4, indices, values, status);
+}
+
+extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_global(
+    const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    topk_row<GlobalKeys>(scores, lengths, C, k, vec4, indices, values, status);
+}

@@ -1,0 +1,303 @@
+"""Lightning indexer kernels on the GPU against the numpy reference.
+
+Two kinds of data:
+
+* exact data (small integers, weights m/16): every score is exact in fp32 whatever the summation
+  order, so the scores must equal the reference bit for bit and the selection (with its many
+  ties) must equal the reference's full stable sort exactly, indices, order and values;
+* random normal data (the realistic case): the scores must lie within a rounding bound of the
+  float64 reference, the selection must be exactly the top-k of the kernel's own scores, and it
+  may differ from the reference's only by entries within that bound of the boundary.
+
+Outputs are poisoned before every launch; lengths stay on the device (a graph replay after
+changing them on the device gives the new result).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4kit
+from fp4kit.layers.indexer import Indexer
+from fp4kit.ops import indexer as ops
+from fp4kit.reference import indexer as ref
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+BF16 = ml_dtypes.bfloat16
+C = 32768
+H, D = 64, 128
+POISON_INDEX = -7
+FLAG = ops.STATUS_INDEXER
+
+
+def exact_inputs(rng, bsz, capacity, heads=H, dim=D):
+    """|q . k| <= 2048 and weights m/16 with |m| <= 8: every partial sum is a multiple of 1/16
+    below 2**17, exact in fp32 (and in the tensor cores' fp32 accumulation)."""
+    q = rng.integers(-4, 5, (bsz, heads, dim), dtype=np.int8).astype(BF16)
+    keys = rng.integers(-4, 5, (bsz, capacity, dim), dtype=np.int8).astype(BF16)
+    w = (rng.integers(-8, 9, (bsz, heads)) / 16).astype(np.float32)
+    return q, w, keys
+
+
+def float_inputs(rng, bsz, capacity, heads=H, dim=D):
+    q = rng.standard_normal((bsz, heads, dim), dtype=np.float32).astype(BF16)
+    keys = rng.standard_normal((bsz, capacity, dim), dtype=np.float32).astype(BF16)
+    w = (rng.standard_normal((bsz, heads)) * (dim**-0.5 * heads**-0.5)).astype(np.float32)
+    return q, w, keys
+
+
+def run(q, w, keys, lengths, k):
+    """score_topk on the device into poisoned outputs; host copies of (indices, scores, workspace)."""
+    bsz, capacity = keys.shape[:2]
+    idx = cp.full((bsz, k), POISON_INDEX, cp.int32)
+    val = cp.full((bsz, k), np.nan, cp.float32)
+    work = cp.full((bsz, capacity), np.nan, cp.float32)
+    lengths_d = cp.asarray(np.asarray(lengths, np.int32))
+    got_i, got_v = ops.score_topk(cp.asarray(q), cp.asarray(w), cp.asarray(keys), lengths_d, k,
+                                  out_indices=idx, out_scores=val, workspace=work)
+    assert got_i is idx and got_v is val
+    return idx.get(), val.get(), work.get()
+
+
+def assert_live_scores(work, want, lengths):
+    """Every live score written and bit-equal to the reference (-0 and +0 are the same score)."""
+    n = ref.live_lengths(lengths, want.shape[1])
+    for b in range(want.shape[0]):
+        got, exp = work[b, : n[b]] + np.float32(0), want[b, : n[b]] + np.float32(0)
+        bad = np.nonzero(~((got == exp) | (np.isnan(got) & np.isnan(exp))))[0]
+        assert bad.size == 0, f"row {b}: {bad.size} scores differ, first at {bad[:5]}: {got[bad[:5]]} vs {exp[bad[:5]]}"
+
+
+def assert_exact(q, w, keys, lengths, k, got):
+    idx, val, work = got
+    want_s = ref.scores(q, w, keys, lengths)
+    assert_live_scores(work, want_s, lengths)
+    want_i, want_v = ref.topk(want_s, lengths, k)
+    for b in range(idx.shape[0]):
+        assert np.array_equal(idx[b], want_i[b]), (
+            f"row {b} (length {lengths[b]}): {np.count_nonzero(idx[b] != want_i[b])} indices differ")
+    assert val.tobytes() == want_v.tobytes()
+
+
+def mixed_lengths(rng, k, capacity, bsz=8):
+    """Lengths below, at and above k, empty, one entry, and the whole capacity."""
+    pool = [0, 1, k - 1, k, k + 1, int(rng.integers(k + 2, capacity - 1)), capacity - 1, capacity]
+    lengths = np.array([min(x, capacity) for x in pool[:bsz]], np.int32)
+    rng.shuffle(lengths)
+    return lengths
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_exact_batch1_lengths_below_at_above_k(rng, k):
+    fp4kit.clear_status()
+    q, w, keys = exact_inputs(rng, 1, C)
+    for n in [0, 1, k - 1, k, k + 1, int(rng.integers(k + 2, C)), C - 1, C]:
+        lengths = np.array([n], np.int32)
+        assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_exact_batch8_mixed_lengths(rng, k):
+    fp4kit.clear_status()
+    q, w, keys = exact_inputs(rng, 8, C)
+    lengths = mixed_lengths(rng, k, C)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+
+
+def rounding_bound(q, w, keys, lengths):
+    """|fp32 score - exact score| bound per entry, valid for any summation order (and generous for
+    the tensor cores' accumulation): (2(D + H) + 8) u * sum_h |w_h| |q_h| . |k_t|."""
+    bsz, heads, dim = q.shape
+    n = ref.live_lengths(lengths, keys.shape[1])
+    out = np.zeros(keys.shape[:2], np.float64)
+    for b in range(bsz):
+        absdot = np.abs(q[b].astype(np.float64)) @ np.abs(keys[b, : n[b]].astype(np.float64)).T
+        out[b, : n[b]] = (np.abs(w[b].astype(np.float64))[:, None] * absdot).sum(0)
+    return (2 * (dim + heads) + 8) * 2.0**-24 * out
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_random_data_scores_and_top_k_sets(rng, k):
+    fp4kit.clear_status()
+    q, w, keys = float_inputs(rng, 8, C)
+    lengths = mixed_lengths(rng, k, C)
+    idx, val, work = run(q, w, keys, lengths, k)
+    want_s = ref.scores(q, w, keys, lengths)
+    bound = rounding_bound(q, w, keys, lengths)
+    n = ref.live_lengths(lengths, C)
+    for b in range(8):
+        err = np.abs(work[b, : n[b]].astype(np.float64) - want_s[b, : n[b]])
+        assert np.all(err <= bound[b, : n[b]]), f"row {b}: score error {err.max()} above the bound"
+    # the selection is exact with respect to the kernel's own scores
+    own_i, own_v = ref.topk(work, lengths, k)
+    assert np.array_equal(idx, own_i) and val.tobytes() == own_v.tobytes()
+    # and equals the reference's set up to entries within rounding of the boundary
+    want_i, want_v = ref.topk(want_s, lengths, k)
+    for b in range(8):
+        m = min(int(n[b]), k)
+        assert (idx[b, m:] == -1).all() and np.isneginf(val[b, m:]).all()
+        if n[b] <= k:
+            assert np.array_equal(idx[b], want_i[b])
+            continue
+        kth = want_v[b].min()  # the reference's k-th largest score
+        tol = 2 * bound[b, : n[b]].max()
+        diff = np.setxor1d(idx[b], want_i[b])
+        assert np.all(np.abs(want_s[b, diff] - kth) <= tol), f"row {b}: sets differ away from the boundary"
+        assert abs(float(val[b].min()) - float(kth)) <= tol  # the boundary value
+    assert fp4kit.read_status() & FLAG == 0
+
+
+def _pool_rows_by_score(rng, q, w, count=4):
+    """``count`` key rows with strictly decreasing scores for (q, w) (exact data)."""
+    while True:
+        rows = rng.integers(-4, 5, (count, q.shape[-1]), dtype=np.int8).astype(BF16)
+        s = ref.scores(q[None], w[None], rows[None], np.array([count]))[0]
+        order = np.argsort(-s.astype(np.float64), kind="stable")
+        if np.unique(s).size == count:
+            return rows[order]
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_ties_at_the_boundary_take_the_lowest_indices(rng, k):
+    q, w, _ = exact_inputs(rng, 2, 1)
+    keys = np.empty((2, C, D), BF16)
+    lengths = np.array([C, 20000], np.int32)
+    expected = []
+    for b in range(2):
+        pool = _pool_rows_by_score(rng, q[b], w[b])
+        choice = rng.integers(2, 4, C)
+        pos = rng.permutation(C)
+        choice[pos[: k // 2 + 37]] = 0  # the best score, fewer than k times
+        choice[pos[k // 2 + 37: k // 2 + 5037]] = 1  # the second best, straddling the boundary
+        keys[b] = pool[choice]
+        live = choice[: lengths[b]]
+        top, second = np.nonzero(live == 0)[0], np.nonzero(live == 1)[0]
+        assert top.size < k < top.size + second.size  # ties at the boundary by construction
+        expected.append(np.sort(np.concatenate([top, second[: k - top.size]])))
+    got = run(q, w, keys, lengths, k)
+    for b in range(2):
+        assert np.array_equal(got[0][b], expected[b])
+    assert_exact(q, w, keys, lengths, k, got)
+    # every score equal: the first k indices
+    keys[:] = keys[:, :1]
+    got = run(q, w, keys, lengths, k)
+    assert np.array_equal(got[0], np.broadcast_to(np.arange(k, dtype=np.int32), (2, k)))
+    assert_exact(q, w, keys, lengths, k, got)
+
+
+def test_nan_scores_and_bad_lengths_set_the_status_word(rng):
+    k, capacity = 512, 4096
+    q, w, keys = exact_inputs(rng, 3, capacity)
+    keys[0, 7, 3] = np.nan  # row 0: length 300 < k, the NaN entry is selected with score -inf
+    keys[1, 100, :] = np.nan  # row 1: length > k, never selected
+    lengths = np.array([300, capacity, 100], np.int32)
+    fp4kit.clear_status()
+    got = run(q, w, keys, lengths, k)
+    assert fp4kit.read_status() & FLAG
+    assert_exact(q, w, keys, lengths, k, got)
+    assert 7 in got[0][0].tolist() and got[1][0, 7] == -np.inf
+    assert 100 not in got[0][1].tolist()
+    # a NaN key past the live length is never read
+    fp4kit.clear_status()
+    lengths = np.array([7, 100, 100], np.int32)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+    # lengths outside [0, capacity] are clamped and recorded
+    for bad in ([-5, 10, 10], [10, capacity + 100, 10]):
+        fp4kit.clear_status()
+        lengths = np.array(bad, np.int32)
+        q2, w2, keys2 = exact_inputs(rng, 3, capacity)
+        got = run(q2, w2, keys2, lengths, k)
+        assert fp4kit.read_status() & FLAG
+        assert_exact(q2, w2, keys2, lengths, k, got)
+    fp4kit.clear_status()
+
+
+def test_deterministic_across_runs(rng):
+    q, w, keys = float_inputs(rng, 8, C)
+    lengths = mixed_lengths(rng, 2048, C)
+    a, b = run(q, w, keys, lengths, 2048), run(q, w, keys, lengths, 2048)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_capacity_above_the_register_path(rng):
+    capacity, k = 40000, 2048  # indexer_topk_global
+    q, w, keys = exact_inputs(rng, 2, capacity)
+    for lengths in ([capacity, 33001], [1500, capacity - 1], [k, k + 1]):
+        lengths = np.array(lengths, np.int32)
+        assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+
+
+@pytest.mark.parametrize("heads, dim, capacity, k", [(8, 32, 1001, 100), (16, 64, 1003, 512), (24, 96, 130, 1),
+                                                     (64, 128, 129, 4096), (56, 128, 4099, 2048)])
+def test_odd_shapes(rng, heads, dim, capacity, k):
+    q, w, keys = exact_inputs(rng, 3, capacity, heads, dim)
+    lengths = np.array([capacity, capacity // 2, 7], np.int32)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    q, w, keys = float_inputs(rng, 3, capacity, heads, dim)
+    idx, val, work = run(q, w, keys, lengths, k)
+    own_i, own_v = ref.topk(work, lengths, k)
+    assert np.array_equal(idx, own_i) and val.tobytes() == own_v.tobytes()
+
+
+def test_graph_replay_follows_lengths_and_keys_on_the_device(rng):
+    bsz, k = 4, 2048
+    layer = Indexer(k, capacity=C, heads=H, head_dim=D)
+    q, w, keys = exact_inputs(rng, bsz, C)
+    lengths = np.array([1000, 2046, 2048, 30000], np.int32)
+    qd, wd, keys_d, lengths_d = cp.asarray(q), cp.asarray(w), cp.asarray(keys), cp.asarray(lengths)
+    first = layer.score_topk(qd, wd, keys_d, lengths_d)  # eager: compiles, creates the buffers
+    assert first is layer.buffers(bsz).indices
+    assert np.array_equal(first.get(), ref.score_topk(q, w, keys, lengths, k)[0])
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        out = layer.score_topk(qd, wd, keys_d, lengths_d)
+        graph = stream.end_capture()
+    assert out is first
+    with stream:  # the replays run on this stream: poison on it too
+        layer.buffers(bsz).indices.fill(POISON_INDEX)
+        layer.buffers(bsz).scores.fill(np.nan)
+    for step in range(1, 4):
+        q, w, keys = exact_inputs(rng, bsz, C)
+        with stream:
+            lengths_d += 1  # on the device, outside the graph: the replay must see it
+            keys_d.set(keys, stream=stream)
+            qd.set(q, stream=stream)
+            wd.set(w, stream=stream)
+            graph.launch(stream)
+        stream.synchronize()
+        want_i, want_v = ref.score_topk(q, w, keys, lengths + step, k)
+        assert np.array_equal(out.get(), want_i), f"step {step}"
+        assert layer.buffers(bsz).scores.get().tobytes() == want_v.tobytes()
+
+
+def test_layer_reuses_its_buffers(rng):
+    layer = Indexer(512, capacity=4096, heads=H, head_dim=D)
+    q, w, keys = exact_inputs(rng, 2, 4096)
+    lengths = cp.asarray(np.array([4096, 300], np.int32))
+    a = layer.score_topk(cp.asarray(q), cp.asarray(w), cp.asarray(keys), lengths)
+    b, scores = layer.score_topk(cp.asarray(q), cp.asarray(w), cp.asarray(keys), lengths, return_scores=True)
+    assert a is b and scores is layer.buffers(2).scores
+    assert np.array_equal(a.get(), ref.score_topk(q, w, keys, [4096, 300], 512)[0])
+
+
+def test_device_bad_inputs():
+    q = cp.zeros((2, 8, 32), BF16)
+    w = cp.zeros((2, 8), cp.float32)
+    keys = cp.zeros((2, 16, 32), BF16)
+    lengths = cp.zeros(2, cp.int32)
+    with pytest.raises(ValueError, match="arrays must live on one device"):
+        ops.score_topk(q, w, keys, np.zeros(2, np.int32), 4)
+    with pytest.raises(ValueError, match="q: expected a 16-byte aligned device pointer"):
+        ops.score_topk(cp.zeros(2 * 8 * 32 + 1, BF16)[1:].reshape(2, 8, 32), w, keys, lengths, 4)
+    with pytest.raises(ValueError, match="out_indices: expected an array on the same device"):
+        ops.score_topk(q, w, keys, lengths, 4, out_indices=np.zeros((2, 4), np.int32))
+    with pytest.raises(ValueError, match="workspace: expected an array on the same device"):
+        ops.score_topk(q, w, keys, lengths, 4, workspace=np.zeros((2, 16), np.float32))
