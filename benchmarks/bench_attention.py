@@ -89,7 +89,7 @@ def main() -> None:
 
                     def torch_score_topk():
                         s = torch.einsum("bhd,btd->bht", qt.float(), kt[:, :live].float())
-                        return (torch.relu(s) * wt[..., None]).sum(1).topk(k, dim=-1)
+                        return (torch.relu(s) * wt[..., None]).sum(1).topk(min(k, live), dim=-1)
 
                     tt = torch_graph_us(torch, torch_score_topk)
                 table.add(op=f"score_topk k={k}", shape=f"B={b}, live={live}",
