@@ -19,33 +19,11 @@ import numpy as np
 from fp4kit.layers.kv_cache import KVCache
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, graph_us
+    from benchmarks.common import Table, copy_bandwidth, device_name, graph_us, torch_graph_us
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, graph_us
+    from common import Table, copy_bandwidth, device_name, graph_us, torch_graph_us
 
 BF16 = ml_dtypes.bfloat16
-
-
-def torch_graph_us(torch, fn, calls: int = 10, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -91,14 +69,14 @@ def main() -> None:
                         s = torch.einsum("bhd,btd->bht", qt.float(), kt[:, :live].float())
                         return (torch.relu(s) * wt[..., None]).sum(1).topk(min(k, live), dim=-1)
 
-                    tt = torch_graph_us(torch, torch_score_topk)
+                    tt = torch_graph_us(torch, lambda i: torch_score_topk())
                 table.add(op=f"score_topk k={k}", shape=f"B={b}, live={live}",
                           **{"µs": us, "GB/s": moved / us / 1e3, "% of copy BW": 100 * moved / us / 1e-6 / bw,
                              "target": target, "PyTorch µs": tt, "speedup": tt / us if tt else None})
                 if torch is not None and b == 1 and live == 32768 and k == 2048:
                     scores = torch.randn(1, live, device="cuda")
                     table.add(op="torch.topk alone k=2048", shape=f"B=1, live={live}",
-                              **{"µs": torch_graph_us(torch, lambda: scores.topk(k, dim=-1))})
+                              **{"µs": torch_graph_us(torch, lambda i: scores.topk(k, dim=-1))})
 
     from fp4kit.layers.attention import SparseAttention
 

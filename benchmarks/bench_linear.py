@@ -25,9 +25,9 @@ import fp4kit
 from fp4kit.ops.gemm import gemm
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
+    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes, torch_graph_us
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
+    from common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes, torch_graph_us
 
 BF16 = ml_dtypes.bfloat16
 SHAPES = [(2048, 4096), (4096, 2048), (4096, 4096), (1024, 4096), (32768, 1024), (2048, 7168), (7168, 2048),
@@ -37,28 +37,6 @@ MS = (1, 16, 64, 4096)
 
 def copies_for(nbytes: int) -> int:
     return max(1, -(-3 * l2_bytes() // nbytes))
-
-
-def torch_graph_us(torch, fn, calls: int, replays: int = 20) -> float:
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn(0)
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(calls):
-                fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / calls)
-    return float(np.median(times))
 
 
 def target(m: int, n: int, k: int, speedup: float, pct: float) -> str:

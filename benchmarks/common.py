@@ -3,6 +3,7 @@
 * `graph_us`: device time per call of a microsecond op, from CUDA-graph replays (the graph holds
   ``calls`` launches; each replay is timed with events; the median replay over ``calls``).
 * `events_us`: device time of eager calls with events (for baselines that cannot be captured).
+* `torch_graph_us`: the same as `graph_us` for PyTorch baselines (PyTorch can capture cuBLAS).
 * `copy_bandwidth`: the measured device-to-device copy bandwidth (bytes read + written) that
   every row is compared with.
 * `Table`: prints the rows and writes them as JSON for the runner.
@@ -55,6 +56,30 @@ def graph_us(fn, *, calls: int = 20, replays: int = 30) -> float:
             stop.record(stream)
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def torch_graph_us(torch, fn, *, calls: int = 10, replays: int = 20) -> float:
+    """Median device time in µs per ``fn(i)`` from PyTorch CUDA-graph replays (for baselines that
+    call cuBLAS or other libraries CuPy cannot capture)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn(0)
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / calls)
     return statistics.median(times)
 
 

@@ -3,28 +3,14 @@
     PYTHONPATH=. python scripts/profile_moe.py
 """
 
-import statistics
-
 import cupy as cp
 import ml_dtypes
 import numpy as np
 
 from benchmarks.bench_moe import CONFIGS, build
+from benchmarks.common import events_us
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import quant as quant_ops
-
-
-def timed(fn, iters=10):
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
-    return statistics.median(times)
 
 
 cfg = CONFIGS["V4-Flash"]
@@ -47,4 +33,4 @@ for t in (1, 64):
         "whole layer": lambda: layer(x),
     }
     for name, fn in stages.items():
-        print(f"T={t:4d} {name:18s} {timed(fn):9.1f} us")
+        print(f"T={t:4d} {name:18s} {events_us(fn, warmup=1, iters=10):9.1f} us")
