@@ -17,11 +17,14 @@ NONFINITE_INPUT = 1
 INDEXER_INPUT = 2
 #: a compressed-KV entry was dropped because its sequence's buffer was full (KVCache max_comp)
 KV_COMP_OVERFLOW = 4
+#: the sampler met a NaN or +Inf logit, a row without a finite logit, or an invalid per-row parameter
+SAMPLER_INPUT = 8
 
 FLAG_NAMES = {
     NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
     INDEXER_INPUT: "indexer: a NaN score or a length outside [0, capacity]",
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
+    SAMPLER_INPUT: "sampler: a NaN/+Inf logit, a row without a finite logit, or an invalid per-row parameter",
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,120 @@
+"""`Generator` and `Sampler`: token sampling with its random state kept in device memory.
+
+`Generator` owns the Philox key (``seed``) and counter (``offset``) as uint64 ``[1]`` arrays, on
+the device (``device=True``) or the host. Each `fp4kit.ops.sampling.sample` call reads them where
+they live and advances ``offset`` by one there, so a CUDA graph holding a sample call draws new
+tokens on every replay, and ``offset`` counts the calls. The same ``(seed, offset)`` gives the same
+tokens. Use one generator per stream.
+
+`Sampler` fixes the sampling parameters (scalars, or per-row arrays given per call) and owns its
+output buffer, one per batch size, so that after one eager call the same call can be captured.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..ops import sampling as sampling_ops
+
+
+def _seed_value(seed) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected an integer, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed: expected 0 <= seed < 2**64, got {int(seed)}")
+    return int(seed)
+
+
+class Generator:
+    """Philox4x32-10 state: ``seed`` (the key) and ``offset`` (the per-call counter), uint64 ``[1]``.
+
+    Parameters
+    ----------
+    seed : int in [0, 2**64)
+    device : bool
+        True: the state lives on the current CUDA device (for device logits); False: on the host.
+    offset : int, the starting counter (default 0)
+
+    ``arrivals`` (uint32 ``[1]``, zero between calls) is the kernel's scratch for advancing the
+    offset once per launch.
+    """
+
+    def __init__(self, seed: int, *, device: bool = True, offset: int = 0):
+        seed, offset = _seed_value(seed), _seed_value(offset)
+        self.device = bool(device)
+        if self.device:
+            import cupy
+
+            self.seed = cupy.asarray(np.array([seed], np.uint64))
+            self.offset = cupy.asarray(np.array([offset], np.uint64))
+            self.arrivals = cupy.zeros(1, np.uint32)
+        else:
+            self.seed = np.array([seed], np.uint64)
+            self.offset = np.array([offset], np.uint64)
+            self.arrivals = np.zeros(1, np.uint32)
+
+    def set_state(self, seed: int | None = None, offset: int = 0) -> None:
+        """Write a new seed (when given) and offset into the existing buffers (stream-ordered on the
+        device; a captured graph keeps pointing at them)."""
+        if seed is not None:
+            self.seed[...] = np.uint64(_seed_value(seed))
+        self.offset[...] = np.uint64(_seed_value(offset))
+
+    def get_state(self) -> tuple[int, int]:
+        """``(seed, offset)`` as Python ints (synchronises the host with the device)."""
+        seed = self.seed.get() if self.device else self.seed
+        offset = self.offset.get() if self.device else self.offset
+        return int(seed[0]), int(offset[0])
+
+
+class Sampler:
+    """Draws one token per row of ``[B, V]`` logits (see `fp4kit.ops.sampling.sample`).
+
+    Parameters
+    ----------
+    generator : Generator
+    temperature, top_k, top_p, min_p
+        Defaults for every call (scalars); a call may override any of them with a scalar or a
+        per-row array in the logits' memory.
+    """
+
+    def __init__(self, generator: Generator, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0):
+        if not isinstance(generator, Generator):
+            raise TypeError(f"generator: expected a fp4kit.layers.sampler.Generator, got {type(generator).__name__}")
+        self.generator = generator
+        self.defaults = {name: sampling_ops._check_scalar(name, value) for name, value in
+                         (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))}
+        self._buffers: dict[tuple[int | None, int], object] = {}
+
+    def buffers(self, batch: int, *, device: bool = True):
+        """The int32 ``[batch]`` output buffer (on the current device, or the host), made on first use."""
+        if device:
+            import cupy
+
+            key = (cupy.cuda.Device().id, int(batch))
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = cupy.empty(int(batch), np.int32)
+        else:
+            key = (None, int(batch))
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = np.empty(int(batch), np.int32)
+        return buf
+
+    def __call__(self, logits, **overrides):
+        """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call)."""
+        unknown = set(overrides) - set(self.defaults)
+        if unknown:
+            raise TypeError(f"Sampler: unknown parameter(s) {sorted(unknown)}; have {sorted(self.defaults)}")
+        params = {**self.defaults, **overrides}
+        from ..runtime import arrays
+
+        logits = arrays.as_array(logits, "logits")
+        if logits.ndim != 2:
+            raise ValueError(f"logits: expected a 2-D array [batch, vocab], got {arrays.describe(logits)}")
+        out = self.buffers(logits.shape[0], device=arrays.is_device_array(logits))
+        return sampling_ops.sample(logits, generator=self.generator, out=out, **params)

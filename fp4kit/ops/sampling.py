@@ -1,0 +1,203 @@
+"""Token sampling: validate inputs, pick the backend, launch ``raw_kernels/sampling.cu``.
+
+`sample` draws one token per row of ``[B, V]`` logits from ``softmax(logits / temperature)``
+truncated by top-k, then top-p (over the renormalised top-k survivors), then min-p, with an
+exponential race (Gumbel-max) on Philox4x32-10 numbers; ``temperature == 0`` is greedy (argmax,
+ties to the lower id). `fp4kit.reference.sampling` is the specification: filter order, tie rules,
+NaN / Inf rules, the Philox counter layout.
+
+numpy logits run the reference; CuPy (or CUDA DLPack) logits run one kernel launch (one block of
+1024 threads per row) on CuPy's current stream. The generator's ``seed`` and ``offset`` live in
+device memory: the kernel reads them and advances ``offset`` by one on the device, so the call
+can be captured in a CUDA graph and every replay draws fresh numbers.
+
+Status word: a NaN or ``+inf`` logit, a row with no finite logit, or an invalid value in a
+per-row device array (replaced as the reference says) or-s `STATUS_SAMPLER` (bit value 8) into the
+device status word; the numpy backend records the same value in the host word.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ..reference import sampling as ref
+from ..runtime import arrays, loader, status
+
+_MODULE = "sampling"
+_THREADS = 1024
+_U32 = np.uint32
+_I32 = np.int32
+_F32 = np.float32
+_NULL = np.uint64(0)
+
+#: or-ed into the status word: a NaN or +inf logit, a row without a finite logit, or an invalid
+#: per-row parameter found on the device
+STATUS_SAMPLER = status.SAMPLER_INPUT
+MAX_VOCAB = 1 << 24  # the kernel's fixed-point masses hold 2^24 tokens
+MAX_BATCH = 2**31 - 1
+_DTYPES = (arrays.BF16, np.dtype(np.float32))
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_scalar(name: str, value) -> float | int:
+    if name == "top_k":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"top_k: expected an integer or an int32 array, got {type(value).__name__}")
+        if int(value) < 0:
+            raise ValueError(f"top_k: expected top_k >= 0 (0: off), got {int(value)}")
+        return min(int(value), 2**31 - 1)
+    if not _is_number(value):
+        raise TypeError(f"{name}: expected a number or a float32 array, got {type(value).__name__}")
+    v = float(value)
+    if name == "temperature" and not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {v}")
+    if name == "top_p" and not 0 < v <= 1:
+        raise ValueError(f"top_p: expected 0 < top_p <= 1 (1: off), got {v}")
+    if name == "min_p" and not 0 <= v < 1:
+        raise ValueError(f"min_p: expected 0 <= min_p < 1 (0: off), got {v}")
+    return v
+
+
+def _check_rows(name: str, value, bsz: int, like):
+    """A per-row array: shape ``[B]``, fp32 (int32 for top_k), contiguous, in the logits' memory.
+
+    Host arrays are also checked value by value; device arrays are not read on the host (the
+    kernel replaces invalid values and records a status event).
+    """
+    a = arrays.as_array(value, name)
+    dtype = np.dtype(np.int32 if name == "top_k" else np.float32)
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected a per-row array of dtype {dtype.name}, got {arrays.describe(a)}")
+    if tuple(a.shape) != (bsz,):
+        raise ValueError(f"{name}: expected a scalar or a per-row array of shape ({bsz},), got {arrays.describe(a)}")
+    arrays.check_contiguous(name, a)
+    if arrays.device_id(a) != arrays.device_id(like):
+        raise ValueError(f"{name}: expected a per-row array in the same memory as logits "
+                         f"({arrays.describe(like)}), got {arrays.describe(a)}")
+    if not arrays.is_device_array(a):
+        bad = {
+            "temperature": lambda x: ~np.isfinite(x) | (x < 0),
+            "top_k": lambda x: x < 0,
+            "top_p": lambda x: np.isnan(x) | (x <= 0) | (x > 1),
+            "min_p": lambda x: np.isnan(x) | (x < 0) | (x >= 1),
+        }[name](a)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}: row {i} holds an invalid value {a[i]!r} (temperature finite >= 0, "
+                             f"top_k >= 0, 0 < top_p <= 1, 0 <= min_p < 1)")
+    return a
+
+
+def check_generator(generator, like):
+    """``(seed, offset, arrivals)`` of ``generator``: uint64 ``[1]``, uint64 ``[1]``, uint32 ``[1]`` in
+    the memory of ``like`` (e.g. `fp4kit.layers.sampler.Generator`)."""
+    if generator is None:
+        raise TypeError("generator: required (e.g. fp4kit.layers.sampler.Generator(seed))")
+    try:
+        parts = (generator.seed, generator.offset, generator.arrivals)
+    except AttributeError:
+        raise TypeError(f"generator: expected an object with seed, offset and arrivals arrays "
+                        f"(fp4kit.layers.sampler.Generator), got {type(generator).__name__}") from None
+    for part, name, dtype in zip(parts, ("seed", "offset", "arrivals"), (np.uint64, np.uint64, np.uint32)):
+        if not (isinstance(part, np.ndarray) or arrays.is_device_array(part)):
+            raise TypeError(f"generator.{name}: expected a numpy or CuPy array, got {type(part).__name__}")
+        if part.shape != (1,) or part.dtype != np.dtype(dtype):
+            raise ValueError(f"generator.{name}: expected shape (1,) and dtype {np.dtype(dtype).name}, "
+                             f"got {arrays.describe(part)}")
+        if arrays.device_id(part) != arrays.device_id(like):
+            where = "the host" if arrays.device_id(like) is None else f"cuda:{arrays.device_id(like)}"
+            raise ValueError(f"generator.{name}: expected a generator on {where} like logits, got {arrays.describe(part)}")
+    return parts
+
+
+def check_inputs(logits, temperature, top_k, top_p, min_p):
+    """Validated ``(logits, params)``; ``params`` maps each name to a Python scalar or a per-row array."""
+    logits = arrays.as_array(logits, "logits")
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected a 2-D array [batch, vocab], got {arrays.describe(logits)}")
+    if logits.dtype not in _DTYPES:
+        raise TypeError(f"logits: expected dtype bfloat16 or float32, got {logits.dtype}")
+    bsz, vocab = logits.shape
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"logits: expected a vocabulary of 1 to {MAX_VOCAB} tokens, got shape {tuple(logits.shape)}")
+    if bsz > MAX_BATCH:
+        raise ValueError(f"logits: at most {MAX_BATCH} rows, got shape {tuple(logits.shape)}")
+    arrays.check_contiguous("logits", logits)
+    params = {}
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if _is_number(value) or isinstance(value, (bool, np.bool_)) or not hasattr(value, "__dlpack__"):
+            params[name] = _check_scalar(name, value)
+        else:
+            params[name] = _check_rows(name, value, bsz, logits)
+    return logits, params
+
+
+def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator, out=None):
+    """One token per row, drawn from the truncated, renormalised softmax of ``logits / temperature``.
+
+    Parameters
+    ----------
+    logits : bf16 or fp32 ``[B, V]``, C-contiguous
+        V up to 2**24. NaN is read as ``-inf``; a ``+inf`` makes the lowest-id ``+inf`` token
+        certain; a row with no finite logit returns its greedy token (token 0 when all are
+        ``-inf`` / NaN). NaN, ``+inf`` and empty rows are recorded in the status word (bit 8).
+    temperature : float >= 0, or fp32 ``[B]``
+        0 is greedy (argmax, ties to the lower id); any value below 1.18e-38 counts as 0.
+    top_k : int >= 0, or int32 ``[B]``
+        Keep the k most probable tokens (ties: lower id first); 0 is off.
+    top_p : float in (0, 1], or fp32 ``[B]``
+        Then keep the shortest most-probable prefix of the top-k survivors holding at least
+        ``top_p`` of their mass (ties: lower id first); 1 is off.
+    min_p : float in [0, 1), or fp32 ``[B]``
+        Then keep the tokens with ``p >= min_p * p_max``; 0 is off.
+    generator : `fp4kit.layers.sampler.Generator` (or anything with ``seed`` uint64 ``[1]``,
+        ``offset`` uint64 ``[1]`` and ``arrivals`` uint32 ``[1]`` arrays) in the logits' memory.
+        Every call reads ``(seed, offset)`` and advances ``offset`` by one (on the device for device
+        logits); row ``b``, token ``i`` of a call use Philox counter ``(i // 4, b, offset)``.
+    out : int32 ``[B]``, optional
+        Receives the token ids (always in ``[0, V)``); allocated when not given.
+
+    Per-row arrays live in the logits' memory (device arrays are never read on the host: invalid
+    values found there are replaced as the reference says and recorded in the status word).
+    Everything is validated before launch. On the device the call is one launch on CuPy's current
+    stream; with ``out`` given it allocates nothing and can be captured in a CUDA graph (call it
+    once eagerly first: the first call compiles the kernel). One generator must not be used by
+    two streams at once. A call with B == 0 does nothing (the offset is not advanced).
+    """
+    logits, params = check_inputs(logits, temperature, top_k, top_p, min_p)
+    seed, offset, arrivals = check_generator(generator, logits)
+    bsz, vocab = logits.shape
+    if out is None:
+        out = arrays.array_module(logits).empty(bsz, np.int32)
+    else:
+        arrays.check_out("out", out, (bsz,), np.int32, logits)
+    if bsz == 0:
+        return out
+    if not arrays.is_device_array(logits):
+        p = {k: (np.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in params.items()}
+        if ref.row_events(logits, **p).any():
+            status.record_host(STATUS_SAMPLER)
+        out[...] = ref.sample(logits, int(seed[0]), int(offset[0]), **p)
+        offset[0] = np.uint64((int(offset[0]) + 1) % 2**64)
+        return out
+
+    pairs = []
+    for name, scalar_type in (("temperature", _F32), ("top_k", _I32), ("top_p", _F32), ("min_p", _F32)):
+        v = params[name]
+        if arrays.is_device_array(v):
+            pairs += [v, scalar_type(0)]
+        else:
+            pairs += [_NULL, scalar_type(v)]
+    vec = int(vocab % 4 == 0 and logits.data.ptr % 16 == 0)
+    name = "sample_bf16" if logits.dtype == arrays.BF16 else "sample_f32"
+    kernel = loader.get_kernel(_MODULE, name, block=_THREADS)
+    kernel(bsz, _THREADS, (logits, _U32(vocab), _I32(vec), *pairs, seed, offset, arrivals, out, status.device_word()))
+    return out

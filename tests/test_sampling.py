@@ -1,0 +1,249 @@
+"""Sampling on the numpy backend: Philox known-answer vectors, the reference distribution on
+hand-computed cases (each filter, their order, ties, greedy, NaN / Inf rules), the reference
+draw against the distribution, the op and layers (offset advance, reproducibility, status word),
+and every bad parameter getting a clear error before anything runs.
+(The kernel compiles for sm_90a and sm_100a in tests/test_compile.py.)"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit.layers.sampler import Generator, Sampler
+from fp4kit.ops import sampling as ops
+from fp4kit.reference import sampling as ref
+from fp4kit.runtime import status
+
+BF16 = ml_dtypes.bfloat16
+INF, NAN = np.inf, np.nan
+
+
+def host_flags() -> int:
+    return status.read(device=-1)
+
+
+# ---- Philox
+
+
+def test_philox_random123_known_answers():
+    got = ref.philox4x32_10([0, 0, 0, 0], [0, 0])
+    assert got.tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    got = ref.philox4x32_10([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2)
+    assert got.tolist() == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    got = ref.philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0])
+    assert got.tolist() == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_philox_words_counter_layout():
+    w = ref.philox_words(seed=(7 << 32) | 5, offset=(3 << 32) | 9, rows=2, vocab=6)
+    assert w.shape == (2, 6) and w.dtype == np.uint32
+    for b in range(2):
+        for i in range(6):
+            x = ref.philox4x32_10([i // 4, b, 9, 3], [5, 7])
+            assert w[b, i] == x[i % 4]
+    u = ref.uniforms(np.array([0, 0xFFFFFFFF, 0x100], np.uint32))
+    assert u.tolist() == [2.0**-24, 1 - 2.0**-24, 2.0**-24]
+    assert (ref.uniforms(w) > 0).all() and (ref.uniforms(w) < 1).all()
+
+
+# ---- reference distribution
+
+
+def logp(values):
+    return np.log(np.asarray(values, np.float64))[None, :]
+
+
+def test_probabilities_plain_softmax_and_temperature():
+    x = np.array([[1.0, 2.0, 3.0]])
+    e = np.exp(x[0] - 3)
+    assert np.allclose(ref.probabilities(x)[0], e / e.sum())
+    e2 = np.exp((x[0] - 3) / 0.5)
+    assert np.allclose(ref.probabilities(x, temperature=0.5)[0], e2 / e2.sum())
+
+
+def test_top_k_with_boundary_ties_takes_lower_ids():
+    x = logp([0.1, 0.3, 0.2, 0.3, 0.1])
+    p = ref.probabilities(x, top_k=1)
+    assert p[0].tolist() == [0, 1, 0, 0, 0]  # 0.3 at ids 1 and 3: lower id
+    p = ref.probabilities(x, top_k=3)
+    assert np.allclose(p[0], [0, 0.375, 0.25, 0.375, 0])
+    p = ref.probabilities(x, top_k=4)
+    assert np.allclose(p[0], np.array([0.1, 0.3, 0.2, 0.3, 0]) / 0.9)  # tie of 0.1: id 0
+    assert np.allclose(ref.probabilities(x, top_k=99)[0], [0.1, 0.3, 0.2, 0.3, 0.1])
+
+
+def test_top_p_smallest_prefix_reaching_the_mass():
+    x = logp([0.5, 0.25, 0.125, 0.125])
+    assert ref.kept_mask(x, top_p=0.5)[0].tolist() == [True, False, False, False]
+    assert ref.kept_mask(x, top_p=0.6)[0].tolist() == [True, True, False, False]
+    assert ref.kept_mask(x, top_p=0.76)[0].tolist() == [True, True, True, False]  # tie: lower id
+    assert np.allclose(ref.probabilities(x, top_p=0.76)[0], np.array([0.5, 0.25, 0.125, 0]) / 0.875)
+    assert ref.kept_mask(x, top_p=1.0)[0].all()
+
+
+def test_top_p_is_over_the_renormalised_top_k():
+    x = logp([0.4, 0.3, 0.2, 0.1])
+    # top-2 renormalised: 4/7, 3/7; top_p 0.6 needs both (4/7 = 0.571 < 0.6)
+    assert ref.kept_mask(x, top_k=2, top_p=0.6)[0].tolist() == [True, True, False, False]
+    assert ref.kept_mask(x, top_p=0.6)[0].tolist() == [True, True, False, False]
+    assert ref.kept_mask(x, top_k=2, top_p=0.5)[0].tolist() == [True, False, False, False]
+    # without top-k, 0.4 < 0.5 needs two tokens; over the top-2 (4/7 >= 0.5) one is enough
+    assert ref.kept_mask(x, top_p=0.5)[0].tolist() == [True, True, False, False]
+
+
+def test_min_p_relative_to_the_max():
+    x = logp([0.5, 0.25, 0.15, 0.1])
+    assert ref.kept_mask(x, min_p=0.5)[0].tolist() == [True, True, False, False]  # >= 0.25
+    assert ref.kept_mask(x, min_p=0.3)[0].tolist() == [True, True, True, False]
+    assert ref.kept_mask(x, min_p=0.3, top_k=2)[0].tolist() == [True, True, False, False]
+    assert ref.kept_mask(x, min_p=0.99)[0].tolist() == [True, False, False, False]
+
+
+def test_greedy_and_special_rows():
+    x = np.array([[1, 5, 5, 2], [NAN, -INF, 3, INF], [NAN, -INF, -INF, NAN], [0, INF, 1, INF], [-INF, 2, NAN, 2]])
+    assert ref.greedy(x).tolist() == [1, 3, 0, 1, 1]
+    p = ref.probabilities(x, temperature=np.array([0.0, 1, 1, 1, 1]))
+    assert p[0].tolist() == [0, 1, 0, 0] and p[1].tolist() == [0, 0, 0, 1]
+    assert p[2].tolist() == [1, 0, 0, 0] and p[3].tolist() == [0, 1, 0, 0]
+    assert np.allclose(p[4], [0, 0.5, 0, 0.5])  # NaN and -inf are never drawn
+    assert ref.row_events(x).tolist() == [False, True, True, True, True]
+    assert ref.row_events(np.array([[-INF, 0.0]])).tolist() == [False]  # -inf masking is not an event
+    tiny = ref.probabilities(np.array([[1.0, 2.0]]), temperature=1e-39)
+    assert tiny[0].tolist() == [0, 1]
+
+
+def test_sanitize_invalid_device_values():
+    t, k, p, m, bad = ref.sanitize(5, [NAN, -1, 1, 1, 1], [0, 0, -2, 0, 0], [1, 1, 1, 0, 1], [0, 0, 0, 0, 1.5])
+    assert t.tolist() == [0, 0, 1, 1, 1] and k.tolist() == [0, 0, 0, 0, 0]
+    assert p.tolist() == [1] * 5 and m.tolist() == [0] * 5
+    assert bad.tolist() == [True, True, True, True, True]
+
+
+def test_reference_draws_follow_the_distribution():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 8)) * 1.5
+    params = dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05)
+    want = ref.probabilities(x, **params)[0]
+    reps = 1500
+    xs = np.repeat(x, reps, axis=0)
+    counts = np.zeros(8)
+    for off in range(4):
+        counts += np.bincount(ref.sample(xs, 11, off, **params), minlength=8)
+    freq = counts / counts.sum()
+    assert (freq[want == 0] == 0).all()
+    assert 0.5 * np.abs(freq - want).sum() < 0.03  # 6000 draws: E[TV] ~ 0.01
+
+
+def test_reference_sample_depends_on_seed_offset_and_row():
+    x = np.zeros((64, 1000))
+    a = ref.sample(x, 1, 0)
+    assert np.array_equal(a, ref.sample(x, 1, 0))
+    assert not np.array_equal(a, ref.sample(x, 1, 1))
+    assert not np.array_equal(a, ref.sample(x, 2, 0))
+    assert len(set(a.tolist())) > 50  # identical rows draw independently
+
+
+# ---- op and layers on the host
+
+
+def test_op_advances_offset_and_reproduces():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    g = Generator(123, device=False)
+    a = ops.sample(x, generator=g, top_k=20)
+    assert g.get_state() == (123, 1)
+    b = ops.sample(x, generator=g, top_k=20)
+    assert g.get_state() == (123, 2) and not np.array_equal(a, b)
+    g.set_state(offset=0)
+    assert np.array_equal(ops.sample(x, generator=g, top_k=20), a)
+    assert np.array_equal(a, ref.sample(x, 123, 0, top_k=20))
+    assert ((a >= 0) & (a < 300)).all() and a.dtype == np.int32
+
+
+def test_op_bf16_per_row_and_greedy():
+    x = np.array([[0, 3, 3, 1], [9, 1, 2, 9]], BF16)
+    g = Generator(0, device=False)
+    assert ops.sample(x, temperature=0.0, generator=g).tolist() == [1, 0]
+    out = np.full(2, -5, np.int32)
+    got = ops.sample(x, temperature=np.array([0, 1], np.float32), top_k=np.array([1, 1], np.int32), generator=g, out=out)
+    assert got is out and out.tolist() == [1, 0]
+
+
+def test_op_status_bit_for_nan_inf_and_empty_rows():
+    g = Generator(0, device=False)
+    ops.sample(np.array([[0.0, -INF, 1.0]], np.float32), generator=g)
+    assert host_flags() & ops.STATUS_SAMPLER == 0
+    assert ops.sample(np.array([[NAN, 1.0, INF, INF]], np.float32), generator=g).tolist() == [2]
+    assert host_flags() & ops.STATUS_SAMPLER
+    status.clear(device=-1)
+    assert ops.sample(np.array([[NAN, -INF]], np.float32), generator=g).tolist() == [0]
+    assert host_flags() & ops.STATUS_SAMPLER
+
+
+def test_sampler_layer_owns_its_buffer():
+    s = Sampler(Generator(5, device=False), top_k=2)
+    x = np.array([[0.0, 5.0, 4.0, -1.0]] * 3, np.float32)
+    out = s(x)
+    assert out is s.buffers(3, device=False) and set(out.tolist()) <= {1, 2}
+    assert s(x, temperature=0.0).tolist() == [1, 1, 1]
+    with pytest.raises(TypeError, match="unknown parameter"):
+        s(x, top_q=1)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(Generator(5, device=False), top_p=0.0)
+
+
+# ---- errors
+
+
+X = np.zeros((2, 8), np.float32)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(top_p=0.0), ValueError, "top_p: expected 0 < top_p <= 1"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p=NAN), ValueError, "top_p"),
+    (dict(top_k=-1), ValueError, "top_k: expected top_k >= 0"),
+    (dict(top_k=2.5), TypeError, "top_k: expected an integer"),
+    (dict(top_k=True), TypeError, "top_k"),
+    (dict(min_p=1.0), ValueError, "min_p: expected 0 <= min_p < 1"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(temperature=-1.0), ValueError, "temperature: expected a finite number >= 0"),
+    (dict(temperature=NAN), ValueError, "temperature"),
+    (dict(temperature=INF), ValueError, "temperature"),
+    (dict(temperature="hot"), TypeError, "temperature"),
+    (dict(temperature=np.ones(3, np.float32)), ValueError, r"temperature: expected a scalar or a per-row array of shape \(2,\)"),
+    (dict(temperature=np.ones(2, np.float64)), TypeError, "temperature: expected a per-row array of dtype float32"),
+    (dict(top_k=np.ones(2, np.int64)), TypeError, "top_k: expected a per-row array of dtype int32"),
+    (dict(top_p=np.array([0.5, 0.0], np.float32)), ValueError, "top_p: row 1 holds an invalid value"),
+    (dict(min_p=np.array([0.5, 1.0], np.float32)), ValueError, "min_p: row 1"),
+    (dict(top_k=np.array([1, -1], np.int32)), ValueError, "top_k: row 1"),
+    (dict(temperature=np.array([NAN, 1], np.float32)), ValueError, "temperature: row 0"),
+    (dict(out=np.zeros(3, np.int32)), ValueError, r"out: expected shape \(2,\)"),
+    (dict(out=np.zeros(2, np.int64)), ValueError, "out: expected shape"),
+])
+def test_bad_parameters(kwargs, exc, match):
+    g = Generator(0, device=False)
+    with pytest.raises(exc, match=match):
+        ops.sample(X, generator=g, **kwargs)
+    assert g.get_state() == (0, 0)  # nothing ran
+
+
+def test_bad_logits_and_generator():
+    g = Generator(0, device=False)
+    with pytest.raises(ValueError, match="logits: expected a 2-D array"):
+        ops.sample(np.zeros(8, np.float32), generator=g)
+    with pytest.raises(TypeError, match="logits: expected dtype bfloat16 or float32"):
+        ops.sample(np.zeros((2, 8), np.float16), generator=g)
+    with pytest.raises(ValueError, match="logits: expected a vocabulary"):
+        ops.sample(np.zeros((2, 0), np.float32), generator=g)
+    with pytest.raises(ValueError, match="logits: expected a C-contiguous"):
+        ops.sample(np.zeros((8, 2), np.float32).T, generator=g)
+    with pytest.raises(TypeError, match="logits: expected a numpy"):
+        ops.sample([[0.0, 1.0]], generator=g)
+    with pytest.raises(TypeError, match="generator: required"):
+        ops.sample(X, generator=None)
+    with pytest.raises(TypeError, match="generator: expected an object with seed"):
+        ops.sample(X, generator=object())
+    with pytest.raises(TypeError, match="seed: expected an integer"):
+        Generator(1.5, device=False)
+    with pytest.raises(ValueError, match="seed: expected 0 <= seed < 2\\*\\*64"):
+        Generator(-1, device=False)
