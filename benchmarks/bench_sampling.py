@@ -16,36 +16,14 @@ import numpy as np
 from fp4kit.layers.sampler import Generator, Sampler
 
 try:
-    from benchmarks.common import Table, device_name, graph_us
+    from benchmarks.common import Table, device_name, graph_us, torch_graph_us
 except ImportError:
-    from common import Table, device_name, graph_us
+    from common import Table, device_name, graph_us, torch_graph_us
 
 BF16 = ml_dtypes.bfloat16
 VOCAB = 129280
 MODES = {"greedy": dict(temperature=0.0), "temperature 1.0": dict(temperature=1.0), "top-k 50": dict(top_k=50),
          "top-p 0.9": dict(top_p=0.9)}
-
-
-def torch_graph_us(torch, fn, calls: int = 10, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -70,7 +48,7 @@ def main() -> None:
                 q = torch.empty_like(sp).exponential_()
                 return si.gather(-1, (sp / q).argmax(-1, keepdim=True))
 
-            tt = torch_graph_us(torch, torch_top_p)
+            tt = torch_graph_us(torch, lambda i: torch_top_p())
         for mode, params in MODES.items():
             sampler = Sampler(Generator(1), **params)
             us = graph_us(lambda i: sampler(logits))
