@@ -9,7 +9,6 @@
 constexpr int kWarps = 8;
 constexpr int kChunk = 128;                          // k per warp per step: 4 threads x 32
 constexpr float kOperandUnscale = 67108864.0f;       // 2^26, per dequantized operand
-constexpr float kScaleBias = 1.2676506002282294e30f; // 2^100
 
 // The same for the nibbles (3-k, 7-k) of q, k = 0..3: signs at bits 15-4k / 31-4k, the other
 // three bits at 12-4k..14-4k, moved with one shift each.
