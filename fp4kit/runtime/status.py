@@ -19,12 +19,15 @@ INDEXER_INPUT = 2
 KV_COMP_OVERFLOW = 4
 #: the sampler met a NaN or +Inf logit, a row without a finite logit, or an invalid per-row parameter
 SAMPLER_INPUT = 8
+#: a token id outside [0, vocab) reached the embedding gather (row 0 was read instead)
+TOKEN_RANGE = 16
 
 FLAG_NAMES = {
     NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
     INDEXER_INPUT: "indexer: a NaN score or a length outside [0, capacity]",
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
     SAMPLER_INPUT: "sampler: a NaN/+Inf logit, a row without a finite logit, or an invalid per-row parameter",
+    TOKEN_RANGE: "embedding: a token id outside [0, vocab) (row 0 read instead)",
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,84 @@
+"""Model configurations: the `tiny` preset (runs on numpy in seconds) and `v4-flash-slice`
+(DeepSeek-V4-Flash widths with a few layers)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int  # query heads over one shared latent (MQA, K = V)
+    head_dim: int  # latent width
+    rope_dim: int  # RoPE on the last rope_dim channels of q and kv
+    q_lora: int  # rank of the query's low-rank projection
+    o_lora: int  # rank per group of the grouped output projection
+    o_groups: int
+    window: int  # sliding window of every layer
+    compress_ratios: tuple[int, ...]  # per layer: 0 (window only), 4 (indexer top-k) or 128 (all entries)
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    experts: int
+    top_k: int
+    inner: int  # expert and shared-expert inner size
+    hash_layers: int  # the first layers route by token id
+    routed_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    eps: float = 1e-6
+    max_context: int = 4096  # tokens per sequence the compressed buffers hold
+    mode: str = "w4a4"  # NVFP4 activations ("w4a4") or bf16 activations ("w4a16") for every GEMM
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.compress_ratios) != self.layers:
+            raise ValueError(f"compress_ratios: expected {self.layers} entries, got {len(self.compress_ratios)}")
+        if any(r not in (0, 4, 128) for r in self.compress_ratios):
+            raise ValueError(f"compress_ratios: expected entries in (0, 4, 128), got {self.compress_ratios}")
+        if (self.heads * self.head_dim) % self.o_groups:
+            raise ValueError("o_groups: must divide heads * head_dim")
+        if not 0 <= self.hash_layers <= self.layers:
+            raise ValueError(f"hash_layers: expected 0..{self.layers}, got {self.hash_layers}")
+
+    def max_comp(self, ratio: int) -> int:
+        """Compressed entries per sequence a layer of this ratio can hold (a whole context)."""
+        return max(1, self.max_context // ratio) if ratio else 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["compress_ratios"] = list(self.compress_ratios)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        return cls(**{**d, "compress_ratios": tuple(d["compress_ratios"])})
+
+
+def _ratios(layers: int) -> tuple[int, ...]:
+    """V4-Flash's pattern for a slice: a window-only first layer when there is room, then CSA (4)
+    and HCA (128) layers alternating, so a slice of two or more layers has both kinds."""
+    if layers <= 2:
+        return (4, 128)[:layers]
+    return (0,) + tuple(4 if i % 2 == 0 else 128 for i in range(layers - 1))
+
+
+def tiny(layers: int = 4, **overrides) -> ModelConfig:
+    return replace(ModelConfig(
+        vocab=1024, hidden=256, layers=layers, heads=4, head_dim=64, rope_dim=16, q_lora=128, o_lora=128,
+        o_groups=2, window=16, compress_ratios=_ratios(layers), index_heads=8, index_head_dim=32, index_topk=16,
+        experts=8, top_k=2, inner=128, hash_layers=1, max_context=1024), **overrides)
+
+
+def v4_flash_slice(layers: int = 4, **overrides) -> ModelConfig:
+    return replace(ModelConfig(
+        vocab=129280, hidden=4096, layers=layers, heads=64, head_dim=512, rope_dim=64, q_lora=1024, o_lora=1024,
+        o_groups=8, window=128, compress_ratios=_ratios(layers), index_heads=64, index_head_dim=128, index_topk=512,
+        experts=256, top_k=6, inner=2048, hash_layers=1, max_context=8192), **overrides)
+
+
+PRESETS = {"tiny": tiny, "v4-flash-slice": v4_flash_slice}

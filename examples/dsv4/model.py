@@ -1,0 +1,219 @@
+"""A DeepSeek-V4-style decoder assembled from fp4kit layers, for one decode token per sequence.
+
+Per layer: RMSNorm -> attention -> RMSNorm -> MoE, on a plain fp32 residual stream; then the final
+norm, the NVFP4 ``lm_head`` and the sampler. Attention (one 512-d latent shared by all heads,
+K = V): a low-rank query (``wq_a`` -> RMSNorm -> ``wq_b``, per-head RMS norm, RoPE), the latent
+``wkv`` -> RMSNorm -> RoPE appended to the layer's `fp4kit.KVCache`, whose compressor emits
+entries every ``ratio`` tokens; ratio-4 layers select compressed entries with the lightning
+indexer's top-k (its own 128-d compressed key cache), ratio-128 layers take all of them, ratio-0
+layers use the window alone; `fp4kit.SparseAttention` over window + selection with a per-head
+sink; the grouped low-rank output projection (``wo_a`` per group, then ``wo_b``). MoE: hash
+routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
+expert, the V4 SwiGLU clamp.
+
+Left out (documented in the README): hyper-connections (a plain residual stream instead), YaRN
+RoPE scaling, the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents, the
+output de-rotation, multi-token prediction, and a prefill attention kernel: the prompt goes through
+the decode step one token at a time.
+
+The same code runs on CuPy arrays (kernels) and on numpy arrays (the reference): `Model(...,
+device=False)`. On the device a `DecodeState` owns every buffer a step writes, so after one eager
+step the step can be captured in a CUDA graph (see `examples/decode.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import fp4kit
+from fp4kit.checkpoint import Checkpoint
+from fp4kit.layers import (Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert,
+                           SparseAttention)
+from fp4kit.ops import elementwise as ew
+from fp4kit.ops import sampling as sampling_ops
+from fp4kit.runtime.arrays import BF16
+
+from .config import ModelConfig
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
+        p = f"layers.{i}.attn"
+        self.cfg, self.ratio, self.xp = cfg, cfg.compress_ratios[i], xp
+        self.theta = cfg.compress_rope_theta if self.ratio else cfg.rope_theta
+
+        def linear(name: str) -> Linear:
+            return Linear.from_checkpoint(ckpt, f"{p}.{name}", mode=cfg.mode, static_input_scale=False)
+
+        self.wq_a, self.wq_b, self.wkv, self.wo_b = (linear(n) for n in ("wq_a", "wq_b", "wkv", "wo_b"))
+        self.wo_a = [linear(f"wo_a.{g}") for g in range(cfg.o_groups)]
+        self.q_norm, self.kv_norm = ckpt.extra[f"{p}.q_norm"], ckpt.extra[f"{p}.kv_norm"]
+        self.attn = SparseAttention(cfg.heads, cfg.head_dim, sink=ckpt.extra[f"{p}.sink"])
+        self.extra = {k[len(p) + 1:]: v for k, v in ckpt.extra.items() if k.startswith(p + ".")}
+        if self.ratio:
+            self.wc_kv, self.wc_gate = linear("compressor.wkv"), linear("compressor.wgate")
+        if self.ratio == 4:
+            self.wiq, self.wiw = linear("indexer.wq"), linear("indexer.weights_proj")
+            self.wic_kv, self.wic_gate = linear("indexer.compressor.wkv"), linear("indexer.compressor.wgate")
+            self.indexer = Indexer(cfg.index_topk, capacity=cfg.max_comp(4), heads=cfg.index_heads,
+                                   head_dim=cfg.index_head_dim)
+
+    def caches(self, batch: int, device: bool) -> dict:
+        """This layer's per-batch state: the KV cache (+ the indexer's key cache)."""
+        cfg, e = self.cfg, self.extra
+        common = dict(window=cfg.window, rope_theta=self.theta, eps=cfg.eps, device=device)
+        state = {"kv": KVCache(batch, head_dim=cfg.head_dim, ratio=self.ratio, max_comp=max(1, cfg.max_comp(self.ratio)),
+                               ape=e.get("compressor.ape"), norm_weight=e.get("compressor.norm"),
+                               rope_dim=cfg.rope_dim if self.ratio else 0, **common)}
+        xp = self.xp
+        if self.ratio == 4:
+            state["index"] = KVCache(batch, head_dim=cfg.index_head_dim, ratio=4, max_comp=cfg.max_comp(4),
+                                     ape=e["indexer.compressor.ape"], norm_weight=e["indexer.compressor.norm"],
+                                     rope_dim=cfg.rope_dim, **{**common, "window": 1})
+            state["index_kv"] = xp.zeros((batch, 1, cfg.index_head_dim), BF16)  # its (unused) window row
+        elif self.ratio == 128:
+            state["indices"] = xp.full((batch, cfg.max_comp(128)), -1, np.int32)
+        else:
+            state["indices"] = xp.full((batch, 1), -1, np.int32)
+            state["comp"] = xp.zeros((batch, 1, cfg.head_dim), BF16)  # no compressed entries
+            state["comp_len"] = xp.zeros(batch, np.int32)
+        return state
+
+    def __call__(self, h, st: dict):
+        cfg, xp, cache = self.cfg, self.xp, st["kv"]
+        b = h.shape[0]
+        pos = cache.pos  # this token's position (read on the device before the append below)
+        qr = ew.rmsnorm_rope(self.wq_a(h), self.q_norm, eps=cfg.eps)
+        q = ew.rmsnorm_rope(self.wq_b(qr).reshape(b, cfg.heads, cfg.head_dim), None, pos, eps=cfg.eps,
+                            rope_dim=cfg.rope_dim, theta=self.theta)
+        kv = ew.rmsnorm_rope(self.wkv(h), self.kv_norm, pos, eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
+        if self.ratio == 4:  # the indexer's query, rotated at the same position
+            iq = ew.rmsnorm_rope(self.wiq(qr).reshape(b, cfg.index_heads, cfg.index_head_dim), None, pos,
+                                 normalize=False, rope_dim=cfg.rope_dim, theta=self.theta)
+        if self.ratio:
+            cache.append(kv.reshape(b, 1, -1), self.wc_kv(h).reshape(b, 1, -1), self.wc_gate(h).reshape(b, 1, -1))
+        else:
+            cache.append(kv.reshape(b, 1, -1))
+        if self.ratio == 4:
+            keys = st["index"]
+            keys.append(st["index_kv"], self.wic_kv(h).reshape(b, 1, -1), self.wic_gate(h).reshape(b, 1, -1))
+            w = self.wiw(h).astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
+            indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len)
+            comp, comp_len = cache.comp, cache.comp_len
+        elif self.ratio == 128:
+            indices = ew.all_entries(cache.comp_len, st["indices"].shape[1], out=st["indices"])
+            comp, comp_len = cache.comp, cache.comp_len
+        else:
+            indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
+        o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
+        groups = xp.ascontiguousarray(o.reshape(b, cfg.o_groups, -1).transpose(1, 0, 2))
+        low = xp.concatenate([self.wo_a[g](groups[g]) for g in range(cfg.o_groups)], axis=1)
+        return self.wo_b(low)
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
+        p = f"layers.{i}"
+        self.attn_norm, self.ffn_norm = ckpt.extra[f"{p}.attn_norm"], ckpt.extra[f"{p}.ffn_norm"]
+        self.attn = Attention(cfg, ckpt, i, xp)
+        routing = RoutingConfig(top_k=cfg.top_k, score_func="sqrtsoftplus", routed_scale=cfg.routed_scale)
+        shared = SharedExpert.from_checkpoint(ckpt, f"{p}.ffn.shared", limit=cfg.swiglu_limit, mode=cfg.mode)
+        self.moe = MoE.from_checkpoint(ckpt, f"{p}.ffn", routing, num_experts=cfg.experts, bias="gate.bias",
+                                       tid2eid=ckpt.extra.get(f"{p}.ffn.tid2eid"), limit=cfg.swiglu_limit,
+                                       mode=cfg.mode, shared=shared)
+
+
+class DecodeState:
+    """Everything one decode step of ``batch`` sequences reads and writes: the caches, the
+    residual stream, the current tokens (input of the step, overwritten by its samples), the
+    logits, and a token log ``history [rows, batch]`` with its device step counter."""
+
+    def __init__(self, model: "Model", batch: int, history_rows: int = 1024):
+        xp = model.xp
+        self.batch = batch
+        self.layers = [blk.attn.caches(batch, model.device) for blk in model.blocks]
+        self.resid = xp.zeros((batch, model.cfg.hidden), np.float32)
+        self.tokens = xp.zeros(batch, np.int32)
+        self.history = xp.zeros((history_rows, batch), np.int32)
+        self.step = xp.zeros(1, np.int32)
+        self.logits = None
+
+    @property
+    def positions(self):
+        """Tokens in each sequence so far (the first layer's cache position, on the device)."""
+        return self.layers[0]["kv"].pos
+
+
+class Model:
+    """The decoder (see the module docstring). ``ckpt`` holds the weights (`init.random_checkpoint`
+    or `fp4kit.load_nvfp4`), in the memory the model runs in: CuPy arrays for ``device=True``,
+    numpy for ``device=False``."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, device: bool, seed: int = 0, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0):
+        if device:
+            import cupy as xp
+        else:
+            xp = np
+        self.cfg, self.device, self.xp = cfg, device, xp
+        self.embed = ckpt.extra["embed"]
+        self.blocks = [Block(cfg, ckpt, i, xp) for i in range(cfg.layers)]
+        self.norm = ckpt.extra["norm"]
+        self.lm_head = Linear.from_checkpoint(ckpt, "lm_head", mode=cfg.mode, static_input_scale=False)
+        self.generator = Generator(seed, device=device)
+        self.sampler = Sampler(self.generator, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def new_state(self, batch: int, history_rows: int = 1024) -> DecodeState:
+        return DecodeState(self, batch, history_rows)
+
+    def forward(self, st: DecodeState):
+        """Logits bf16 ``[B, vocab]`` for the current tokens; appends them to the caches."""
+        ew.embed(self.embed, st.tokens, out=st.resid)
+        delta = None
+        for blk, caches in zip(self.blocks, st.layers):
+            h = ew.add_rmsnorm(st.resid, delta, blk.attn_norm, eps=self.cfg.eps)
+            h = ew.add_rmsnorm(st.resid, blk.attn(h, caches), blk.ffn_norm, eps=self.cfg.eps)
+            delta = blk.moe(h, token_ids=st.tokens)
+        h = ew.add_rmsnorm(st.resid, delta, self.norm, eps=self.cfg.eps)
+        st.logits = self.lm_head(h)
+        return st.logits
+
+    def step(self, st: DecodeState):
+        """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.
+        Launches only (no host sync): capturable in a CUDA graph after one eager call."""
+        logits = self.forward(st)
+        sampled = self.sampler(logits)
+        if self.device:
+            ew.log_tokens(sampled, st.history, st.step)
+            st.tokens[...] = sampled
+        else:
+            st.tokens[...] = sampled
+            ew.log_tokens(st.tokens, st.history, st.step)
+        return st.tokens
+
+    def feed(self, st: DecodeState, tokens):
+        """Teacher-force one token per sequence (a prompt position): logits are computed and the
+        caches advance, the sampled token is discarded."""
+        st.tokens[...] = tokens
+        return self.forward(st)
+
+    # -- bytes a decode step reads (for the bandwidth figure) -------------------------------------
+    def weight_bytes(self, experts_touched: list[int]) -> dict:
+        """NVFP4 + high-precision weight bytes a step reads: every attention and shared-expert weight,
+        each layer's router and its ``experts_touched[i]`` distinct experts, the lm_head and the
+        embedding rows."""
+        def nbytes(t) -> int:
+            return int(t.packed.nbytes + t.block_scales.nbytes + 4)
+
+        attn = shared = routed = router = 0
+        for blk, touched in zip(self.blocks, experts_touched):
+            a = blk.attn
+            lins = [a.wq_a, a.wq_b, a.wkv, a.wo_b, *a.wo_a] + ([a.wc_kv, a.wc_gate] if a.ratio else [])
+            lins += [a.wiq, a.wiw, a.wic_kv, a.wic_gate] if a.ratio == 4 else []
+            attn += sum(nbytes(lin.weight) for lin in lins)
+            shared += nbytes(blk.moe.shared.gate_up.weight) + nbytes(blk.moe.shared.down.weight)
+            stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))
+            routed += stack_bytes * touched // self.cfg.experts
+            router += int(blk.moe.gate_weight.nbytes)
+        return {"attention": attn, "shared": shared, "routed": routed, "router": router,
+                "lm_head": nbytes(self.lm_head.weight)}

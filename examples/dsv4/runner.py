@@ -1,0 +1,165 @@
+"""Running the model: building it, capturing its steps in CUDA graphs, prefill and decode loops, and
+the bytes a step reads. Shared by `examples/decode.py`, its tests and `benchmarks/bench_decode.py`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fp4kit.checkpoint import load_nvfp4, save_nvfp4
+from fp4kit.ops import elementwise as ew
+
+from . import config as configs
+from .init import random_checkpoint
+from .model import DecodeState, Model
+
+CONFIG_FILE = "fp4kit_model.json"
+
+
+def build(cfg: configs.ModelConfig, *, device: bool, seed: int = 0, load: str | None = None, **sampling):
+    """``(model, checkpoint)``: seeded random weights, or a checkpoint saved by `save`."""
+    if load is not None:
+        ckpt = load_nvfp4(load, device="cuda" if device else None)
+    else:
+        ckpt = random_checkpoint(cfg, seed, device=device)
+    return Model(cfg, ckpt, device=device, seed=seed, **sampling), ckpt
+
+
+def save(path, cfg: configs.ModelConfig, ckpt) -> Path:
+    """The weights as a ModelOpt NVFP4 safetensors checkpoint plus the model config beside it."""
+    written = save_nvfp4(path, ckpt.weights, extra=ckpt.extra)
+    (written.parent / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=1))
+    return written
+
+
+def load_config(path) -> configs.ModelConfig:
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    return configs.ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+
+
+class CapturedStep:
+    """A function of launches captured once into a CUDA graph and replayed.
+
+    Intermediates that the captured code allocates come from a memory pool private to the graph
+    and kept alive with it, so no other array can be handed an address the graph writes."""
+
+    def __init__(self, fn):
+        import cupy
+
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.pool = cupy.cuda.MemoryPool()
+        with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
+            self.stream.begin_capture()
+            try:
+                fn()
+            finally:
+                self.graph = self.stream.end_capture()
+
+    def replay(self) -> None:
+        """Launch on the current stream, ordered with the eager work around it."""
+        import cupy
+
+        self.graph.launch(cupy.cuda.get_current_stream())
+
+
+@dataclass
+class Decoder:
+    """Prefill and decode for one `DecodeState`, eager or through captured graphs."""
+
+    model: Model
+    state: DecodeState
+    prompt: object  # int32 [B, P] in the model's memory
+    use_graph: bool = True
+    prefill_graph: CapturedStep | None = None
+    decode_graph: CapturedStep | None = None
+
+    def _feed(self) -> None:
+        ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
+        self.model.forward(self.state)
+
+    def prefill(self) -> int:
+        """Feeds prompt tokens 0..P-2 (the last one is the first decode step's input). Returns the
+        number fed per sequence."""
+        n = self.prompt.shape[1] - 1
+        for i in range(n):
+            if self.use_graph and self.model.device and i > 0:
+                if self.prefill_graph is None:
+                    self.prefill_graph = CapturedStep(self._feed)
+                self.prefill_graph.replay()
+            else:
+                self._feed()  # eager (the first call also creates every buffer the graph uses)
+        ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
+        return n
+
+    def decode_step(self) -> None:
+        if not (self.use_graph and self.model.device):
+            self.model.step(self.state)
+        elif self.decode_graph is None:
+            self.model.step(self.state)  # eager warm-up step, then capture for the next ones
+            self.decode_graph = CapturedStep(lambda: self.model.step(self.state))
+        else:
+            self.decode_graph.replay()
+
+    def synchronize(self) -> None:
+        if self.model.device:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def random_prompt(batch: int, length: int, vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=(batch, length), dtype=np.int32)
+
+
+def run(model: Model, prompt: np.ndarray, new_tokens: int, *, use_graph: bool = True, keep_logits: bool = False):
+    """Prefill ``prompt [B, P]`` and decode ``new_tokens``; returns (tokens [B, N] numpy, logits list
+    of [B, V] float32 numpy per decode step when ``keep_logits``, the Decoder)."""
+    xp = model.xp
+    b = prompt.shape[0]
+    state = model.new_state(b, history_rows=max(1, new_tokens))
+    dec = Decoder(model, state, xp.asarray(prompt, dtype=np.int32), use_graph=use_graph)
+    dec.prefill()
+    logits = []
+    for _ in range(new_tokens):
+        dec.decode_step()
+        if keep_logits:
+            dec.synchronize()
+            logits.append(np.asarray(_host(state.logits), np.float32))
+    dec.synchronize()
+    history = np.asarray(_host(state.history))[:new_tokens].T.copy()
+    return history, logits, dec
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def experts_touched(model: Model, batch: int) -> list[int]:
+    """Distinct experts each layer's last forward pass used (reads the routing on the host)."""
+    out = []
+    for blk in model.blocks:
+        plan = blk.moe._plans.get(batch) if model.device else None
+        if plan is None:
+            out.append(min(model.cfg.experts, batch * model.cfg.top_k))
+        else:
+            out.append(int(np.unique(_host(plan.ids)).size))
+    return out
+
+
+def kv_bytes(cfg: configs.ModelConfig, batch: int, position: int) -> int:
+    """KV-cache bytes one decode step reads at ``position`` tokens per sequence: the window, the
+    selected compressed entries, and on ratio-4 layers the indexer's whole key cache."""
+    total = 0
+    for ratio in cfg.compress_ratios:
+        rows = min(position, cfg.window)
+        if ratio:
+            live = min(position // ratio, cfg.max_comp(ratio))
+            rows += min(live, cfg.index_topk) if ratio == 4 else live
+            if ratio == 4:
+                total += live * cfg.index_head_dim * 2
+        total += rows * cfg.head_dim * 2
+    return batch * total

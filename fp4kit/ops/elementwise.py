@@ -1,0 +1,183 @@
+"""Row-wise ops between the GEMMs of a decode step: RMSNorm (+ RoPE), residual add + RMSNorm, the
+embedding gather, the ratio-128 "all entries" selection and the token log.
+
+numpy arrays run `fp4kit.reference.elementwise`; device arrays launch ``raw_kernels/elementwise.cu``
+on CuPy's current stream. Inputs are validated before any launch; device calls read positions,
+lengths and tokens on the device and write into ``out`` when given (what a captured step needs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..reference import elementwise as ref
+from ..runtime import arrays, loader, status
+
+_MODULE = "elementwise"
+_THREADS = 256
+_U32 = np.uint32
+
+
+def _check(name: str, x, dtype, ndim: tuple[int, ...]):
+    x = arrays.as_array(x, name)
+    if x.ndim not in ndim:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, ndim))} dimensions, got {arrays.describe(x)}")
+    if x.dtype != np.dtype(dtype):
+        raise TypeError(f"{name}: expected {np.dtype(dtype).name}, got {x.dtype}")
+    arrays.check_contiguous(name, x)
+    return x
+
+
+def _out(out, shape, dtype, like):
+    import cupy
+
+    if out is None:
+        return cupy.empty(shape, dtype)
+    arrays.check_out("out", out, shape, dtype, like)
+    return out
+
+
+def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
+                 theta: float = 10000.0, out=None):
+    """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
+
+    ``weight`` fp32 ``[D]`` or None; ``positions`` int32 ``[B]`` (the token's index in its
+    sequence; read on the device), required when ``rope_dim > 0``.
+    """
+    x = _check("x", x, arrays.BF16, (2, 3))
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"x: expected an even last dimension, got {arrays.describe(x)}")
+    if rope_dim < 0 or rope_dim % 2 or rope_dim > d:
+        raise ValueError(f"rope_dim: expected an even number in [0, {d}], got {rope_dim}")
+    if weight is not None:
+        weight = _check("weight", weight, np.float32, (1,))
+        if weight.shape[0] != d:
+            raise ValueError(f"weight: expected float32 [{d}], got {arrays.describe(weight)}")
+    if rope_dim:
+        if positions is None:
+            raise ValueError("positions: RoPE (rope_dim > 0) needs the token positions")
+        positions = _check("positions", positions, np.int32, (1,))
+        if positions.shape[0] != x.shape[0]:
+            raise ValueError(f"positions: expected int32 [{x.shape[0]}], got {arrays.describe(positions)}")
+    arrays.check_same_device(x=x, weight=weight, positions=positions, out=out)
+    if not arrays.is_device_array(x):
+        y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
+    out = _out(out, x.shape, arrays.BF16, x)
+    heads = x.shape[1] if x.ndim == 3 else 1
+    rows = x.size // d
+    if rows:
+        loader.get_kernel(_MODULE, "rmsnorm_rope_bf16")(
+            rows, _THREADS, (x, 0 if weight is None else weight, 0 if positions is None else positions, out,
+                             _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
+                             np.float32(theta)))
+    return out
+
+
+def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
+    """``resid += delta`` (fp32 ``[B, D]`` in place; ``delta`` bf16 ``[B, D]`` or None), then the
+    bf16 RMSNorm of ``resid`` with fp32 ``weight [D]``."""
+    resid = _check("resid", resid, np.float32, (2,))
+    if delta is not None:
+        delta = _check("delta", delta, arrays.BF16, (2,))
+        if delta.shape != resid.shape:
+            raise ValueError(f"delta: expected bfloat16 {tuple(resid.shape)}, got {arrays.describe(delta)}")
+    weight = _check("weight", weight, np.float32, (1,))
+    if weight.shape[0] != resid.shape[1]:
+        raise ValueError(f"weight: expected float32 [{resid.shape[1]}], got {arrays.describe(weight)}")
+    arrays.check_same_device(resid=resid, delta=delta, weight=weight, out=out)
+    if not arrays.is_device_array(resid):
+        y = ref.add_rmsnorm(resid, delta, weight, eps=eps)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
+    out = _out(out, resid.shape, arrays.BF16, resid)
+    if resid.size:
+        loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
+            resid.shape[0], _THREADS, (resid, 0 if delta is None else delta, weight, out, _U32(resid.shape[1]),
+                                       np.float32(eps)))
+    return out
+
+
+def embed(table, tokens, *, out=None):
+    """fp32 ``[B, H]`` rows of the bf16 ``table [V, H]`` for int32 ``tokens [B]``; an id outside
+    ``[0, V)`` reads row 0 and records `fp4kit.runtime.status.TOKEN_RANGE`."""
+    table = _check("table", table, arrays.BF16, (2,))
+    tokens = _check("tokens", tokens, np.int32, (1,))
+    arrays.check_same_device(table=table, tokens=tokens, out=out)
+    shape = (tokens.shape[0], table.shape[1])
+    if not arrays.is_device_array(table):
+        rows, bad = ref.embed(table, tokens)
+        if bad:
+            status.record_host(status.TOKEN_RANGE)
+        if out is not None:
+            out[...] = rows
+            return out
+        return rows
+    out = _out(out, shape, np.float32, table)
+    if tokens.shape[0]:
+        loader.get_kernel(_MODULE, "embed_bf16")(
+            tokens.shape[0], _THREADS, (table, tokens, out, _U32(table.shape[1]), _U32(table.shape[0]),
+                                        status.device_word()))
+    return out
+
+
+def all_entries(comp_len, n: int, *, out=None):
+    """int32 ``[B, n]``: every live compressed entry ``i < comp_len[b]``, -1 padded (ratio-128
+    layers attend to all of them)."""
+    comp_len = _check("comp_len", comp_len, np.int32, (1,))
+    if n < 1:
+        raise ValueError(f"n: expected a positive entry count, got {n}")
+    arrays.check_same_device(comp_len=comp_len, out=out)
+    if not arrays.is_device_array(comp_len):
+        y = ref.all_entries(comp_len, n)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
+    out = _out(out, (comp_len.shape[0], n), np.int32, comp_len)
+    if comp_len.shape[0]:
+        loader.get_kernel(_MODULE, "all_entries").function(
+            ((n + _THREADS - 1) // _THREADS, comp_len.shape[0]), (_THREADS,), (comp_len, out, _U32(n)))
+    return out
+
+
+def log_tokens(tokens, history, step) -> None:
+    """``history[step % rows] = tokens``, then ``step += 1``: int32 ``tokens [B]``,
+    ``history [rows, B]``, ``step [1]`` (all read and written on the device, or in numpy)."""
+    tokens = _check("tokens", tokens, np.int32, (1,))
+    history = _check("history", history, np.int32, (2,))
+    step = _check("step", step, np.int32, (1,))
+    if history.shape[1] != tokens.shape[0] or history.shape[0] < 1:
+        raise ValueError(f"history: expected int32 [rows >= 1, {tokens.shape[0]}], got {arrays.describe(history)}")
+    arrays.check_same_device(tokens=tokens, history=history, step=step)
+    if not arrays.is_device_array(tokens):
+        history[int(step[0]) % history.shape[0]] = tokens
+        step[0] += 1
+        return
+    loader.get_kernel(_MODULE, "log_tokens")(1, _THREADS, (tokens, history, step, _U32(tokens.shape[0]),
+                                                           _U32(history.shape[0])))
+
+
+def prompt_tokens(prompt, positions, out) -> None:
+    """``out[b] = prompt[b, min(positions[b], P - 1)]`` for int32 ``prompt [B, P]``, ``positions [B]``
+    and ``out [B]``: the next prompt token per sequence, picked on the device."""
+    prompt = _check("prompt", prompt, np.int32, (2,))
+    positions = _check("positions", positions, np.int32, (1,))
+    out = _check("out", out, np.int32, (1,))
+    b, p = prompt.shape
+    if p < 1 or positions.shape[0] != b or out.shape[0] != b:
+        raise ValueError(f"prompt, positions, out: expected [B, P >= 1], [B], [B], got {arrays.describe(prompt)}, "
+                         f"{arrays.describe(positions)}, {arrays.describe(out)}")
+    arrays.check_same_device(prompt=prompt, positions=positions, out=out)
+    if not arrays.is_device_array(prompt):
+        out[...] = prompt[np.arange(b), np.clip(positions, 0, p - 1)]
+        return
+    if b:
+        loader.get_kernel(_MODULE, "prompt_tokens")((b + _THREADS - 1) // _THREADS, _THREADS,
+                                                    (prompt, positions, out, _U32(b), _U32(p)))

@@ -1,0 +1,137 @@
+// The small row-wise kernels between the GEMMs of a decode step: RMSNorm (+ RoPE), the residual
+// add fused with the next RMSNorm, the token-embedding gather, the "every compressed entry"
+// selection of ratio-128 layers and the token log. fp4kit/reference/elementwise.py is the
+// specification. Every kernel reads positions, lengths and tokens on the device, so a decode step
+// that uses them can be captured in a CUDA graph.
+//
+// Reductions are deterministic: each thread sums its elements in index order, then a fixed
+// shuffle tree and the warps' partial sums in warp order.
+#include <cuda_bf16.h>
+
+#define EW_STATUS_TOKEN 16u  // runtime/status.py TOKEN_RANGE
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// Sum of v over the block, the same value in every thread.
+__device__ __forceinline__ float ew_block_sum(float v, float* smem) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();  // smem may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += smem[w];
+    return total;
+}
+
+// Rotation of the pair (a, b) at channel pair i of the last rope_dim channels by position p:
+// angle = p * theta^(-2i / rope_dim), in double as in kv_cache.cu, then fp32.
+__device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, unsigned rope_dim, float theta) {
+    const double angle = (double)p * pow((double)theta, -2.0 * (double)i / (double)rope_dim);
+    double sn, cs;
+    sincos(angle, &sn, &cs);
+    const float c = (float)cs, s = (float)sn;
+    const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    a = ra, b = rb;
+}
+
+// y[r] = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for rows r of D channels (D even).
+// normalize = 0 skips the norm (RoPE only); w may be null (no weight); rope_dim = 0 skips RoPE,
+// else the row's position is pos[r / heads] (the token's index in its sequence).
+extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
+        const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
+        __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
+        float theta) {
+    __shared__ float smem[kWarps];
+    const size_t row = blockIdx.x;
+    const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * D);
+    __nv_bfloat162* yr = reinterpret_cast<__nv_bfloat162*>(y + row * D);
+    const unsigned pairs = D / 2;
+    float inv = 1.0f;
+    if (normalize) {
+        float ss = 0.0f;
+        for (unsigned j = threadIdx.x; j < pairs; j += kThreads) {
+            const float2 v = __bfloat1622float2(xr[j]);
+            ss = __fadd_rn(ss, __fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)));
+        }
+        const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
+        inv = __frsqrt_rn(__fadd_rn(mean, eps));
+    }
+    const int p = rope_dim ? pos[row / heads] : 0;
+    const unsigned first_rope_pair = (D - rope_dim) / 2;
+    for (unsigned j = threadIdx.x; j < pairs; j += kThreads) {
+        const float2 v = __bfloat1622float2(xr[j]);
+        float a = __fmul_rn(v.x, inv), b = __fmul_rn(v.y, inv);
+        if (w) a = __fmul_rn(a, w[2 * j]), b = __fmul_rn(b, w[2 * j + 1]);
+        if (j >= first_rope_pair) ew_rope(a, b, p, j - first_rope_pair, rope_dim, theta);
+        yr[j] = __floats2bfloat162_rn(a, b);
+    }
+}
+
+// The residual stream step: resid[r] += delta[r] (delta may be null), then
+// y[r] = bf16(resid[r] * rsqrt(mean(resid[r]^2) + eps) * w).
+extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
+        float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
+        __nv_bfloat16* __restrict__ y, unsigned D, float eps) {
+    __shared__ float smem[kWarps];
+    const size_t row = blockIdx.x;
+    float* r = resid + row * D;
+    float ss = 0.0f;
+    for (unsigned j = threadIdx.x; j < D; j += kThreads) {
+        float v = r[j];
+        if (delta) {
+            v = __fadd_rn(v, __bfloat162float(delta[row * D + j]));
+            r[j] = v;  // re-read below by this same thread only
+        }
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
+    const float inv = __frsqrt_rn(__fadd_rn(mean, eps));
+    for (unsigned j = threadIdx.x; j < D; j += kThreads)
+        y[row * D + j] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(r[j], inv), w[j]));
+}
+
+// resid[b] = float(table[tokens[b]]); a token outside [0, vocab) reads row 0 and records
+// EW_STATUS_TOKEN.
+extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
+        const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
+        unsigned H, unsigned vocab, unsigned* status) {
+    const size_t b = blockIdx.x;
+    int t = tokens[b];
+    if (t < 0 || (unsigned)t >= vocab) {
+        if (threadIdx.x == 0) atomicOr(status, EW_STATUS_TOKEN);
+        t = 0;
+    }
+    const __nv_bfloat16* src = table + (size_t)t * H;
+    for (unsigned j = threadIdx.x; j < H; j += kThreads) resid[b * H + j] = __bfloat162float(src[j]);
+}
+
+// indices[b, i] = i < comp_len[b] ? i : -1 for i < n: every live compressed entry, -1 padded.
+extern "C" __global__ void __launch_bounds__(kThreads) all_entries(
+        const int* __restrict__ comp_len, int* __restrict__ indices, unsigned n) {
+    const unsigned i = blockIdx.x * kThreads + threadIdx.x;
+    const unsigned b = blockIdx.y;
+    if (i < n) indices[(size_t)b * n + i] = (int)i < comp_len[b] ? (int)i : -1;
+}
+
+// history[step[0] % rows, b] = tokens[b] for b < B, then step[0] += 1 (one block).
+extern "C" __global__ void __launch_bounds__(kThreads) log_tokens(
+        const int* __restrict__ tokens, int* __restrict__ history, int* __restrict__ step, unsigned B,
+        unsigned rows) {
+    const unsigned s = (unsigned)step[0] % rows;
+    for (unsigned b = threadIdx.x; b < B; b += kThreads) history[(size_t)s * B + b] = tokens[b];
+    __syncthreads();  // every thread has read step[0]
+    if (threadIdx.x == 0) step[0] += 1;
+}
+
+// tokens[b] = prompt[b, min(pos[b], P - 1)]: the next prompt token of every sequence, chosen on the
+// device from its position (a captured prefill step follows the positions as they advance).
+extern "C" __global__ void __launch_bounds__(kThreads) prompt_tokens(
+        const int* __restrict__ prompt, const int* __restrict__ pos, int* __restrict__ tokens, unsigned B,
+        unsigned P) {
+    const unsigned b = blockIdx.x * kThreads + threadIdx.x;
+    if (b < B) tokens[b] = prompt[(size_t)b * P + min((unsigned)max(pos[b], 0), P - 1)];
+}
