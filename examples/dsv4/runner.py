@@ -163,3 +163,25 @@ def kv_bytes(cfg: configs.ModelConfig, batch: int, position: int) -> int:
                 total += live * cfg.index_head_dim * 2
         total += rows * cfg.head_dim * 2
     return batch * total
+
+
+def fill_context(model: Model, state: DecodeState, length: int, seed: int = 0) -> None:
+    """Put every sequence at position ``length`` with random cache contents (window rows,
+    compressed entries, indexer keys), as if ``length`` tokens had been decoded: a benchmark of a
+    step at a long context without running the prompt through it."""
+    xp, cfg = model.xp, model.cfg
+    rng = np.random.default_rng(seed)
+    from fp4kit.runtime.arrays import BF16
+
+    def noise(shape):
+        return xp.asarray((rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(BF16))
+
+    for ratio, st in zip(cfg.compress_ratios, state.layers):
+        caches = [st["kv"]] + ([st["index"]] if "index" in st else [])
+        for c in caches:
+            c.pos[...] = length
+            c.swa[...] = noise(c.swa.shape)
+            if c.ratio:
+                live = min(length // c.ratio, c.max_comp)
+                c.comp[:, :live] = noise((c.batch, live, c.head_dim))
+                c.comp_len[...] = live

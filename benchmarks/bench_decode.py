@@ -1,0 +1,80 @@
+"""Benchmark: the example decoder's whole decode step (examples/decode.py), graph-replayed.
+
+`v4-flash-slice` with 4 layers (V4-Flash widths: hidden 4096, 64 heads over a 512-d latent, 256
+experts top-6 of inner 2048 + one shared expert, vocab 129280; compress ratios 0, 4, 128, 4),
+W4A4, batch 1, 8 and 32, at a context of 4096 tokens (caches filled with random entries). Reports
+ms per step, tokens/s, the bytes the step must read (all attention and shared-expert weights, the
+routers, the distinct routed experts the step touched, the lm_head and the KV entries it attends to
+or scores) and the bandwidth achieved over them. Target at batch 1: >= 60 % of the measured copy
+bandwidth.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import cupy as cp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from dsv4 import config as configs  # noqa: E402
+from dsv4 import runner  # noqa: E402
+
+try:
+    from benchmarks.common import Table, copy_bandwidth, device_name
+except ImportError:
+    from common import Table, copy_bandwidth, device_name
+
+LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
+
+
+def step_ms(dec: runner.Decoder) -> float:
+    """Median ms of one replayed decode step (events around each replay)."""
+    dec.decode_step()  # eager warm-up + capture
+    for _ in range(3):
+        dec.decode_step()
+    times = []
+    for _ in range(REPLAYS):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        dec.decode_step()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def main() -> None:
+    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT)
+    model, ckpt = runner.build(cfg, device=True, seed=0)
+    del ckpt
+    copy = copy_bandwidth()
+    table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, W4A4, context {CONTEXT}, graph-replayed "
+                  f"({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
+                  ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW", "target"])
+    for batch in BATCHES:
+        state = model.new_state(batch, history_rows=64)
+        runner.fill_context(model, state, CONTEXT, seed=batch)
+        dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
+        ms = step_ms(dec)
+        touched = runner.experts_touched(model, batch)
+        nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
+        pct = 100 * nbytes / (ms * 1e-3) / copy
+        target = (">= 60%: " + ("met" if pct >= 60 else "MISSED")) if batch == 1 else ""
+        table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
+                     "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
+                     "target": target})
+        del dec, state
+    print()
+    print(table.markdown())
+    meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
+            "copy_bandwidth": copy}
+    print("saved", table.save("bench_decode", meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The example decoder on the numpy reference (what CI runs): seeded weights are identical however
+they are made, decoding is deterministic, save -> load gives identical tokens, the script's
+commands run, and the model's parts are wired as the config says."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from dsv4 import config as configs  # noqa: E402
+from dsv4 import init, runner  # noqa: E402
+
+import decode  # noqa: E402
+
+
+def tiny_run(cfg, prompt, n, **kw):
+    model, ckpt = runner.build(cfg, device=False, seed=kw.pop("seed", 7), **kw)
+    tokens, logits, _ = runner.run(model, prompt, n, keep_logits=True)
+    return model, ckpt, tokens, logits
+
+
+def test_seeded_weights_do_not_depend_on_order_or_shape():
+    a = init.uniform(np, 3, "w", (4, 6), 0.5)
+    b = init.uniform(np, 3, "w", (24,), 0.5).reshape(4, 6)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, init.uniform(np, 4, "w", (4, 6), 0.5))
+    assert not np.array_equal(a, init.uniform(np, 3, "v", (4, 6), 0.5))
+    big = init.uniform(np, 0, "big", (1 << 16,), 2.0)
+    assert abs(big.std() - 2.0) < 0.05 and abs(big.mean()) < 0.05 and np.abs(big).max() <= 2.0 * 3**0.5
+
+
+def test_hash_routing_table_holds_distinct_experts():
+    cfg = configs.tiny()
+    table = init._hash_table(np, 0, "t", cfg)
+    assert table.shape == (cfg.vocab, cfg.top_k) and table.dtype == np.int32
+    assert all(len(set(row)) == cfg.top_k for row in table.tolist())
+    assert table.min() >= 0 and table.max() < cfg.experts
+
+
+def test_tiny_decodes_deterministically_and_sanely():
+    cfg = configs.tiny()
+    prompt = runner.random_prompt(2, 6, cfg.vocab, seed=1)
+    _, _, t1, l1 = tiny_run(cfg, prompt, 10)
+    _, _, t2, l2 = tiny_run(cfg, prompt, 10)
+    np.testing.assert_array_equal(t1, t2)
+    np.testing.assert_array_equal(np.stack(l1), np.stack(l2))
+    assert t1.shape == (2, 10) and t1.min() >= 0 and t1.max() < cfg.vocab
+    logits = np.stack(l1)
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 3.0  # the scales keep logits O(1)
+    assert len({tuple(r) for r in t1.T.tolist()}) > 5  # not stuck on one token
+    _, _, t3, _ = tiny_run(cfg, prompt, 10, seed=8)
+    assert not np.array_equal(t1, t3)
+
+
+def test_greedy_decoding_takes_the_argmax():
+    cfg = configs.tiny(layers=2)
+    prompt = runner.random_prompt(1, 3, cfg.vocab, seed=2)
+    _, _, tokens, logits = tiny_run(cfg, prompt, 4, temperature=0.0)
+    np.testing.assert_array_equal(tokens[0], [int(np.argmax(lg[0])) for lg in logits])
+
+
+def test_save_then_load_gives_identical_tokens(tmp_path):
+    cfg = configs.tiny(layers=2)
+    prompt = runner.random_prompt(2, 5, cfg.vocab, seed=3)
+    _, ckpt, tokens, _ = tiny_run(cfg, prompt, 6)
+    path = runner.save(tmp_path / "m", cfg, ckpt)
+    assert path.exists() and (path.parent / runner.CONFIG_FILE).exists()
+    assert runner.load_config(tmp_path / "m") == cfg
+    model, _ = runner.build(runner.load_config(tmp_path / "m"), device=False, seed=7, load=str(tmp_path / "m"))
+    again, _, _ = runner.run(model, prompt, 6)
+    np.testing.assert_array_equal(tokens, again)
+
+
+def test_caches_follow_the_compress_ratios():
+    cfg = configs.tiny()
+    prompt = runner.random_prompt(1, 9, cfg.vocab, seed=4)
+    model, _ = runner.build(cfg, device=False, seed=7)
+    _, _, dec = runner.run(model, prompt, 1)
+    pos = 9  # 8 prompt tokens fed + the first decode step
+    for ratio, st in zip(cfg.compress_ratios, dec.state.layers):
+        assert int(st["kv"].pos[0]) == pos
+        if ratio:
+            assert int(st["kv"].comp_len[0]) == pos // ratio
+        if ratio == 4:
+            assert int(st["index"].comp_len[0]) == pos // 4
+
+
+def test_kv_bytes_counts_window_selection_and_indexer_keys():
+    cfg = configs.tiny(layers=2)  # ratios (4, 128)
+    position = 600
+    window = cfg.window * cfg.head_dim * 2
+    csa = window + min(position // 4, cfg.index_topk) * cfg.head_dim * 2 + (position // 4) * cfg.index_head_dim * 2
+    hca = window + (position // 128) * cfg.head_dim * 2
+    assert runner.kv_bytes(cfg, 3, position) == 3 * (csa + hca)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="compress_ratios"):
+        configs.tiny(layers=2, compress_ratios=(0, 4, 128))
+    with pytest.raises(ValueError, match="compress_ratios"):
+        configs.tiny(layers=1, compress_ratios=(8,))
+    assert configs.v4_flash_slice(2).compress_ratios == (4, 128)
+    assert configs.v4_flash_slice(4).compress_ratios == (0, 4, 128, 4)
+    assert configs.ModelConfig.from_dict(configs.tiny().to_dict()) == configs.tiny()
+
+
+def test_decode_script_runs_on_numpy(capsys):
+    assert decode.main(["--numpy", "--batch", "1", "--prompt-len", "3", "--new-tokens", "4", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "numpy reference" in out and "ms/token" in out and "seq 0:" in out
+    assert decode.main(["--numpy", "--check", "--batch", "1", "--prompt-len", "3", "--new-tokens", "3",
+                        "--layers", "2"]) == 0
+    assert "deterministic tokens -> OK" in capsys.readouterr().out

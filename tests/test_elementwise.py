@@ -1,0 +1,105 @@
+"""The decode-step row kernels' reference and numpy path: RMSNorm, RoPE (the KV cache's
+convention), residual add + norm, embedding (out-of-range ids reported), all-entries selection,
+prompt tokens and the token log; bad inputs rejected before anything runs."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit.ops import elementwise as ew
+from fp4kit.reference import elementwise as ref
+from fp4kit.reference import kv_cache as kv_ref
+from fp4kit.runtime import status
+
+BF16 = ml_dtypes.bfloat16
+
+
+def test_rmsnorm_of_a_row_has_unit_rms_times_weight(rng):
+    x = (rng.standard_normal((3, 2, 64)) * 7).astype(BF16)
+    w = rng.uniform(0.5, 2, 64).astype(np.float32)
+    y = ew.rmsnorm_rope(x, w, eps=0.0).astype(np.float32)
+    x64 = x.astype(np.float64)
+    expect = x64 / np.sqrt((x64**2).mean(-1, keepdims=True)) * w
+    assert y.dtype == np.float32 and y.shape == x.shape
+    np.testing.assert_allclose(y, expect, rtol=2**-8, atol=0)  # one bf16 rounding
+
+
+def test_rope_matches_the_kv_cache_convention(rng):
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    pos = np.array([0, 1, 17, 4095], np.int32)
+    y = ref.rope(x, pos, 16, 10000.0)
+    for b in range(4):
+        np.testing.assert_allclose(y[b], kv_ref.rope(x[b].astype(np.float64), int(pos[b]), 16, 10000.0),
+                                   rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
+    np.testing.assert_allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)  # a rotation
+
+
+def test_rmsnorm_rope_per_head_positions(rng):
+    x = rng.standard_normal((2, 3, 32)).astype(BF16)
+    pos = np.array([5, 9], np.int32)
+    y = ew.rmsnorm_rope(x, None, pos, rope_dim=8, theta=100.0)
+    for b in range(2):
+        for h in range(3):
+            single = ew.rmsnorm_rope(x[b, h][None], None, pos[b:b + 1], rope_dim=8, theta=100.0)
+            assert np.array_equal(single[0].view(np.uint16), y[b, h].view(np.uint16))
+    # without the norm, only the last rope_dim channels change
+    z = ew.rmsnorm_rope(x, None, pos, normalize=False, rope_dim=8, theta=100.0)
+    assert np.array_equal(z[..., :24].view(np.uint16), x[..., :24].view(np.uint16))
+    assert not np.array_equal(z[..., 24:].view(np.uint16), x[..., 24:].view(np.uint16))
+
+
+def test_add_rmsnorm_updates_the_residual_in_place(rng):
+    resid = rng.standard_normal((2, 48)).astype(np.float32)
+    before = resid.copy()
+    delta = rng.standard_normal((2, 48)).astype(BF16)
+    w = np.ones(48, np.float32)
+    y = ew.add_rmsnorm(resid, delta, w, eps=0.0)
+    np.testing.assert_array_equal(resid, before + delta.astype(np.float32))
+    np.testing.assert_allclose(y.astype(np.float32), resid / np.sqrt((resid.astype(np.float64) ** 2).mean(-1, keepdims=True)),
+                               rtol=2**-8)
+    again = resid.copy()
+    ew.add_rmsnorm(resid, None, w)  # no delta: the residual is untouched
+    np.testing.assert_array_equal(resid, again)
+
+
+def test_embed_reports_out_of_range_tokens(rng):
+    table = rng.standard_normal((10, 8)).astype(BF16)
+    rows = ew.embed(table, np.array([3, 9], np.int32))
+    np.testing.assert_array_equal(rows, table[[3, 9]].astype(np.float32))
+    assert not status.read(None) & status.TOKEN_RANGE
+    rows = ew.embed(table, np.array([-1, 10], np.int32))
+    np.testing.assert_array_equal(rows, table[[0, 0]].astype(np.float32))
+    assert status.read(None) & status.TOKEN_RANGE
+
+
+def test_all_entries_prompt_tokens_and_log():
+    np.testing.assert_array_equal(ew.all_entries(np.array([0, 2, 5], np.int32), 4),
+                                  [[-1, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, 3]])
+    prompt = np.arange(12, dtype=np.int32).reshape(2, 6)
+    out = np.zeros(2, np.int32)
+    ew.prompt_tokens(prompt, np.array([0, 9], np.int32), out)
+    np.testing.assert_array_equal(out, [0, 11])  # a position past the prompt keeps its last token
+    history, step = np.zeros((3, 2), np.int32), np.zeros(1, np.int32)
+    for t in range(4):
+        ew.log_tokens(np.array([t, 10 + t], np.int32), history, step)
+    assert step[0] == 4
+    np.testing.assert_array_equal(history, [[3, 13], [1, 11], [2, 12]])  # a ring of rows
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ew.rmsnorm_rope(np.zeros((2, 8), np.float32)), "x: expected bfloat16"),
+    (lambda: ew.rmsnorm_rope(np.zeros((2, 8), BF16), np.ones(4, np.float32)), r"weight: expected float32 \[8\]"),
+    (lambda: ew.rmsnorm_rope(np.zeros((2, 8), BF16), rope_dim=4), "positions: RoPE"),
+    (lambda: ew.rmsnorm_rope(np.zeros((2, 8), BF16), rope_dim=3), "rope_dim"),
+    (lambda: ew.rmsnorm_rope(np.zeros((2, 8), BF16), None, np.zeros(3, np.int32), rope_dim=4), r"positions: expected int32 \[2\]"),
+    (lambda: ew.add_rmsnorm(np.zeros((2, 8), BF16), None, np.ones(8, np.float32)), "resid: expected float32"),
+    (lambda: ew.add_rmsnorm(np.zeros((2, 8), np.float32), np.zeros((2, 4), BF16), np.ones(8, np.float32)), "delta"),
+    (lambda: ew.embed(np.zeros((4, 8), BF16), np.zeros(2, np.int64)), "tokens: expected int32"),
+    (lambda: ew.all_entries(np.zeros(2, np.int32), 0), "n: expected a positive"),
+    (lambda: ew.prompt_tokens(np.zeros((2, 0), np.int32), np.zeros(2, np.int32), np.zeros(2, np.int32)), "prompt"),
+    (lambda: ew.log_tokens(np.zeros(2, np.int32), np.zeros((3, 4), np.int32), np.zeros(1, np.int32)), "history"),
+])
+def test_bad_inputs_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()

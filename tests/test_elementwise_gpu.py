@@ -1,0 +1,77 @@
+"""The decode-step row kernels on the GPU against their reference: RMSNorm (+ RoPE) and the residual
+add + norm within one bf16 rounding (the fp32 sums run in another order), the rest exactly; the
+out-of-range embedding flag in the device status word."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit.ops import elementwise as ew
+from fp4kit.runtime import status
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+BF16 = ml_dtypes.bfloat16
+
+
+def close_bf16(dev, host):
+    a, b = cp.asnumpy(dev).astype(np.float32), np.asarray(host).astype(np.float32)
+    np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-6)
+    assert (a.view(np.uint32) != b.view(np.uint32)).mean() < 0.02  # almost all bit-identical
+
+
+@pytest.mark.parametrize("shape, rope_dim, weight, normalize", [
+    ((3, 1024), 0, True, True), ((2, 64, 512), 64, False, True), ((5, 1, 512), 64, True, True),
+    ((2, 8, 32), 16, False, False), ((1, 4096), 0, True, True), ((7, 3, 258), 2, True, True)])
+def test_rmsnorm_rope(rng, shape, rope_dim, weight, normalize):
+    x = (rng.standard_normal(shape) * 3).astype(BF16)
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32) if weight else None
+    pos = rng.integers(0, 100000, shape[0]).astype(np.int32)
+    kw = dict(eps=1e-6, normalize=normalize, rope_dim=rope_dim, theta=10000.0)
+    host = ew.rmsnorm_rope(x, w, pos if rope_dim else None, **kw)
+    dev = ew.rmsnorm_rope(cp.asarray(x), None if w is None else cp.asarray(w), cp.asarray(pos) if rope_dim else None, **kw)
+    close_bf16(dev, host)
+
+
+def test_add_rmsnorm(rng):
+    resid = rng.standard_normal((4, 4096)).astype(np.float32)
+    delta = rng.standard_normal((4, 4096)).astype(BF16)
+    w = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
+    dres = cp.asarray(resid)
+    dev = ew.add_rmsnorm(dres, cp.asarray(delta), cp.asarray(w))
+    host = ew.add_rmsnorm(resid, delta, w)
+    np.testing.assert_array_equal(cp.asnumpy(dres), resid)  # the add is exact and in place
+    close_bf16(dev, host)
+
+
+def test_embed_and_status(rng):
+    table = rng.standard_normal((50, 96)).astype(BF16)
+    tokens = np.array([0, 49, 7], np.int32)
+    status.clear(device=0)
+    out = ew.embed(cp.asarray(table), cp.asarray(tokens))
+    np.testing.assert_array_equal(cp.asnumpy(out), table[tokens].astype(np.float32))
+    assert not status.read(0) & status.TOKEN_RANGE
+    out = ew.embed(cp.asarray(table), cp.asarray(np.array([50, -3], np.int32)))
+    np.testing.assert_array_equal(cp.asnumpy(out), table[[0, 0]].astype(np.float32))
+    assert status.read(0) & status.TOKEN_RANGE
+    status.clear(device=0)
+
+
+def test_all_entries_prompt_tokens_and_log(rng):
+    comp_len = rng.integers(0, 700, 5).astype(np.int32)
+    np.testing.assert_array_equal(cp.asnumpy(ew.all_entries(cp.asarray(comp_len), 600)),
+                                  ew.all_entries(comp_len, 600))
+    prompt = rng.integers(0, 1000, (3, 9)).astype(np.int32)
+    pos = np.array([0, 4, 20], np.int32)
+    dev, host = cp.zeros(3, np.int32), np.zeros(3, np.int32)
+    ew.prompt_tokens(cp.asarray(prompt), cp.asarray(pos), dev)
+    ew.prompt_tokens(prompt, pos, host)
+    np.testing.assert_array_equal(cp.asnumpy(dev), host)
+    hist, step = cp.zeros((4, 3), np.int32), cp.zeros(1, np.int32)
+    hhist, hstep = np.zeros((4, 3), np.int32), np.zeros(1, np.int32)
+    for t in range(6):
+        tok = rng.integers(0, 9, 3).astype(np.int32)
+        ew.log_tokens(cp.asarray(tok), hist, step)
+        ew.log_tokens(tok, hhist, hstep)
+    np.testing.assert_array_equal(cp.asnumpy(hist), hhist)
+    assert int(step[0]) == 6
