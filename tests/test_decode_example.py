@@ -113,4 +113,4 @@ def test_decode_script_runs_on_numpy(capsys):
     assert "numpy reference" in out and "ms/token" in out and "seq 0:" in out
     assert decode.main(["--numpy", "--check", "--batch", "1", "--prompt-len", "3", "--new-tokens", "3",
                         "--layers", "2"]) == 0
-    assert "deterministic tokens -> OK" in capsys.readouterr().out
+    assert "numpy vs numpy again: identical tokens and logits over 3 steps -> OK" in capsys.readouterr().out
