@@ -18,11 +18,17 @@ import sys
 from pathlib import Path
 
 import cupy as cp
+import ml_dtypes
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from dsv4 import config as configs  # noqa: E402
 from dsv4 import runner  # noqa: E402
+
+from fp4kit.ops import elementwise as ew  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
 
 try:
     from benchmarks.common import Table, copy_bandwidth, device_name
@@ -48,6 +54,41 @@ def step_ms(dec: runner.Decoder) -> float:
     return statistics.median(times)
 
 
+def replay_ms(fn, replays: int = REPLAYS) -> float:
+    """Median ms of ``fn`` captured alone into a graph (after one eager call)."""
+    fn()
+    step = runner.CapturedStep(fn)
+    for _ in range(3):
+        step.replay()
+    times = []
+    for _ in range(replays):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        step.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def breakdown(model, state) -> Table:
+    """Where a batch's step goes: each part captured and replayed on its own."""
+    cfg = model.cfg
+    b = state.batch
+    h = cp.asarray(np.random.default_rng(0).standard_normal((b, cfg.hidden)).astype(BF16))
+    parts = Table(f"Decode step parts, batch {b} (each captured alone)", ["part", "ms"])
+    for i, (blk, caches) in enumerate(zip(model.blocks, state.layers)):
+        parts.add(part=f"layer {i} attention (ratio {blk.attn.ratio})", ms=replay_ms(lambda: blk.attn(h, caches)))
+        parts.add(part=f"layer {i} MoE{' (hash)' if i < cfg.hash_layers else ''} + shared expert",
+                  ms=replay_ms(lambda: blk.moe(h, token_ids=state.tokens)))
+    parts.add(part="lm_head", ms=replay_ms(lambda: model.lm_head(h)))
+    logits = model.lm_head(h)
+    parts.add(part="sampler", ms=replay_ms(lambda: model.sampler(logits)))
+    parts.add(part=f"residual add + RMSNorm x {2 * cfg.layers + 1}", ms=replay_ms(lambda: [
+        ew.add_rmsnorm(state.resid, h, model.norm) for _ in range(2 * cfg.layers + 1)]))
+    return parts
+
+
 def main() -> None:
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT)
     model, ckpt = runner.build(cfg, device=True, seed=0)
@@ -68,12 +109,17 @@ def main() -> None:
         table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
                      "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
                      "target": target})
+        if batch == 1:
+            parts = breakdown(model, state)
         del dec, state
     print()
     print(table.markdown())
+    print()
+    print(parts.markdown())
     meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
             "copy_bandwidth": copy}
     print("saved", table.save("bench_decode", meta))
+    parts.save("bench_decode_parts", meta)
 
 
 if __name__ == "__main__":
