@@ -38,37 +38,31 @@ except ImportError:
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
 
 
-def step_ms(dec: runner.Decoder) -> float:
-    """Median ms of one replayed decode step (events around each replay)."""
-    dec.decode_step()  # eager warm-up + capture
+def median_ms(launch, replays: int = REPLAYS) -> float:
+    """Median ms of ``launch()`` (events around each call), after three warm-up calls."""
     for _ in range(3):
-        dec.decode_step()
-    times = []
-    for _ in range(REPLAYS):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        dec.decode_step()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
-
-
-def replay_ms(fn, replays: int = REPLAYS) -> float:
-    """Median ms of ``fn`` captured alone into a graph (after one eager call)."""
-    fn()
-    step = runner.CapturedStep(fn)
-    for _ in range(3):
-        step.replay()
+        launch()
     times = []
     for _ in range(replays):
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
-        step.replay()
+        launch()
         stop.record()
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop))
     return statistics.median(times)
+
+
+def step_ms(dec: runner.Decoder) -> float:
+    """One replayed decode step (the first call runs eagerly and captures the graph)."""
+    dec.decode_step()
+    return median_ms(dec.decode_step)
+
+
+def replay_ms(fn) -> float:
+    """``fn`` captured alone into a graph (after one eager call), replayed."""
+    fn()
+    return median_ms(runner.CapturedStep(fn).replay)
 
 
 def breakdown(model, state) -> Table:
