@@ -1,0 +1,98 @@
+"""Benchmark: the expert-parallel MoE layer over NCCL at DeepSeek-V4-Flash shape (hidden 4096, 256
+experts, top-6, inner 2048, one shared expert, W4A4), EP = world size, against the single-GPU layer
+measured in the same run. Run by the launcher, one process per GPU:
+
+    PYTHONPATH=. python -m fp4kit.dist.launch --nproc 2 benchmarks/bench_dist.py
+
+Every rank builds the same full layer (benchmarks/bench_moe.py's `build`, same seed), keeps it for
+the single-GPU baseline, and shards it. Each rank brings T tokens of its own; a call is
+graph-replayed (all collectives inside the graph), four different inputs per graph. Columns:
+
+* ``EP µs``: one EP layer call (router, input quantization, plans, the dispatch all-to-all, the
+  group-scale all-reduces, the local experts, the return all-to-all, combine, shared expert), the
+  slowest rank;
+* ``1-GPU µs (T)``: the single-GPU layer on the same T tokens (what one rank would take alone);
+* ``1-GPU µs (world x T)``: the single-GPU layer on all ranks' tokens at once (the same work the
+  EP group does in one call); ``speedup`` = that / EP µs;
+* ``a2a MB``: bytes one rank sends per call in both all-to-alls (fixed-capacity buffers, default
+  capacity: no overflow possible).
+
+Not measured here: the decode step with TP/EP (examples/decode.py), the tensor-parallel Linear.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fp4kit import dist  # noqa: E402
+
+try:
+    from benchmarks.bench_moe import CONFIGS, build
+    from benchmarks.common import Table, device_name, graph_us
+except ImportError:
+    from bench_moe import CONFIGS, build
+    from common import Table, device_name, graph_us
+
+BF16 = ml_dtypes.bfloat16
+TOKENS = (1, 64, 512)
+ROTATE = 4  # inputs per graph
+
+
+def a2a_bytes(ep: dist.ExpertParallelMoE, t: int) -> int:
+    """Bytes one rank sends per call: dispatch (counts, weights, NVFP4 rows) + return (fp32 rows)."""
+    world, cap, h = ep.comm.world_size, ep.capacity(t), ep.hidden
+    dispatch = world * (ep.experts_per_rank * 4 + cap * (4 + h // 2 + h // 16))
+    return dispatch + world * cap * h * 4
+
+
+def main() -> None:
+    comm = dist.init()
+    rank, world = comm.rank, comm.world_size
+    cfg = CONFIGS["V4-Flash"]
+    layer, _ = build(cfg)  # the same seed on every rank: identical full layers
+    ep = dist.ExpertParallelMoE.shard(layer, comm)
+    rng = np.random.default_rng(1234 + rank)
+    table = Table(f"Expert-parallel MoE layer, V4-Flash, W4A4, EP={world} over NCCL, graph-replayed ({device_name()})",
+                  ["T per rank", "EP µs", "1-GPU µs (T)", f"1-GPU µs ({world} x T)", "speedup", "capacity rows",
+                   "a2a MB"])
+    for t in TOKENS:
+        xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(BF16)) for _ in range(ROTATE)]
+        ep_us = graph_us(lambda j: ep(xs[j % ROTATE]), calls=ROTATE, replays=20)
+        slowest = cp.array([ep_us], cp.float32)
+        comm.all_reduce(slowest, "max")
+        single_us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
+        alls = [cp.concatenate([xs[(j + r) % ROTATE] for r in range(world)]) for j in range(ROTATE)]
+        single_all_us = graph_us(lambda j: layer(alls[j % ROTATE]), calls=ROTATE, replays=20)
+        del alls
+        ep_max = float(slowest.get()[0])
+        if rank == 0:
+            table.add(**{"T per rank": t, "EP µs": ep_max, "1-GPU µs (T)": single_us,
+                         f"1-GPU µs ({world} x T)": single_all_us, "speedup": single_all_us / ep_max,
+                         "capacity rows": ep.capacity(t), "a2a MB": a2a_bytes(ep, t) / 1e6})
+        comm.barrier()
+    if rank == 0:
+        print()
+        print(table.markdown())
+        meta = {"device": device_name(), "world_size": world, "cupy": cp.__version__,
+                "nccl": _nccl_version(), "capacity": "default (no overflow possible)"}
+        print("saved", table.save("bench_dist", meta))
+
+
+def _nccl_version():
+    from fp4kit.dist import nccl_lib
+
+    try:
+        return nccl_lib.load().get_version()
+    except RuntimeError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
