@@ -11,6 +11,9 @@ graph-replayed (all collectives inside the graph), four different inputs per gra
 * ``EP µs``: one EP layer call (router, input quantization, plans, the dispatch all-to-all, the
   group-scale all-reduces, the local experts, the return all-to-all, combine, shared expert), the
   slowest rank;
+* ``EP replicated µs``: the same layer with ``tokens="replicated"`` (every rank passes the same T
+  tokens, as after tensor-parallel attention: no dispatch all-to-all, one all-gather of the
+  results), the slowest rank; compare with ``1-GPU µs (T)``;
 * ``1-GPU µs (T)``: the single-GPU layer on the same T tokens (what one rank would take alone);
 * ``1-GPU µs (world x T)``: the single-GPU layer on all ranks' tokens at once (the same work the
   EP group does in one call); ``speedup`` = that / EP µs;
@@ -58,24 +61,29 @@ def main() -> None:
     cfg = CONFIGS["V4-Flash"]
     layer, _ = build(cfg)  # the same seed on every rank: identical full layers
     ep = dist.ExpertParallelMoE.shard(layer, comm)
+    ep_replicated = dist.ExpertParallelMoE.shard(layer, comm, tokens="replicated")
     rng = np.random.default_rng(1234 + rank)
     table = Table(f"Expert-parallel MoE layer, V4-Flash, W4A4, EP={world} over NCCL, graph-replayed ({device_name()})",
                   ["T per rank", "EP µs", "1-GPU µs (T)", f"1-GPU µs ({world} x T)", "speedup", "capacity rows",
-                   "a2a MB"])
+                   "a2a MB", "EP replicated µs", "replicated speedup"])
     for t in TOKENS:
         xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(BF16)) for _ in range(ROTATE)]
+        same = [cp.asarray(np.random.default_rng(j).standard_normal((t, cfg["hidden"])).astype(BF16))
+                for j in range(ROTATE)]  # the same tokens on every rank
         ep_us = graph_us(lambda j: ep(xs[j % ROTATE]), calls=ROTATE, replays=20)
-        slowest = cp.array([ep_us], cp.float32)
+        rep_us = graph_us(lambda j: ep_replicated(same[j % ROTATE]), calls=ROTATE, replays=20)
+        slowest = cp.array([ep_us, rep_us], cp.float32)
         comm.all_reduce(slowest, "max")
         single_us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
         alls = [cp.concatenate([xs[(j + r) % ROTATE] for r in range(world)]) for j in range(ROTATE)]
         single_all_us = graph_us(lambda j: layer(alls[j % ROTATE]), calls=ROTATE, replays=20)
         del alls
-        ep_max = float(slowest.get()[0])
+        ep_max, rep_max = (float(v) for v in slowest.get())
         if rank == 0:
             table.add(**{"T per rank": t, "EP µs": ep_max, "1-GPU µs (T)": single_us,
                          f"1-GPU µs ({world} x T)": single_all_us, "speedup": single_all_us / ep_max,
-                         "capacity rows": ep.capacity(t), "a2a MB": a2a_bytes(ep, t) / 1e6})
+                         "capacity rows": ep.capacity(t), "a2a MB": a2a_bytes(ep, t) / 1e6,
+                         "EP replicated µs": rep_max, "replicated speedup": single_us / rep_max})
         comm.barrier()
     if rank == 0:
         print()

@@ -572,3 +572,29 @@ def test_kernel_module_constants():
     assert dist.EP_CAPACITY_OVERFLOW not in (status.NONFINITE_INPUT, status.INDEXER_INPUT, status.KV_COMP_OVERFLOW,
                                               status.SAMPLER_INPUT, getattr(status, "TOKEN_RANGE", 0))
     assert dist_kernels.EP_CAPACITY_OVERFLOW & (dist_kernels.EP_CAPACITY_OVERFLOW - 1) == 0  # one bit
+
+
+def test_multigpu_scripts_compile():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in ("tests/multigpu/check_dist.py", "benchmarks/bench_dist.py"):
+        source = open(os.path.join(root, path)).read()
+        compile(source, path, "exec")  # syntax only: both need GPUs to run
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_expert_parallel_replicated_tokens_equal_the_single_layer(rng, world, mode):
+    """Every rank passes the same tokens (after tensor-parallel attention): no dispatch all-to-all,
+    one all-gather of the results; every rank gets the single-device output."""
+    gate, w1, w3, w2 = _moe_weights(rng)
+    for routing, before in ((V4, True), (V3, False)):
+        moe = MoE.from_float(gate, w1, w3, w2, routing, limit=10.0, weight_before_down=before, mode=mode,
+                             shared=_shared(rng, mode=mode))
+        for t in (1, 6):
+            x = rng.standard_normal((t, 64)).astype(BF16)
+            expected = moe(x)
+            outs = dist.SimulatedGroup(world).run(lambda c: dist.ExpertParallelMoE.shard(moe, c, tokens="replicated")(x))
+            for y in outs:
+                assert np.array_equal(bits(y), bits(expected))
+    with pytest.raises(ValueError, match="tokens: expected one of"):
+        dist.ExpertParallelMoE.shard(moe, dist.LocalCommunicator(), tokens="split")

@@ -140,6 +140,15 @@ def test_expert_parallel_world_one_equals_moe(rng, routing, before, t):
     assert np.array_equal(bits(got), bits(expected))  # the same operations on every row
 
 
+@pytest.mark.parametrize("t", [1, 64])
+def test_expert_parallel_replicated_tokens_world_one_equals_moe(rng, t):
+    moe = _moe(rng, 64, 512, 256, V4)
+    ep = dist.ExpertParallelMoE.shard(moe, dist.LocalCommunicator(), tokens="replicated")
+    x = cp.asarray(rng.standard_normal((t, 512)).astype(BF16))
+    expected = moe(x).copy()
+    assert np.array_equal(bits(ep(x)), bits(expected))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_ranks_simulated_on_one_gpu(rng, world):
     """The multi-rank device path (plans, packing, exchange, local experts, return, combine) with
@@ -156,6 +165,13 @@ def test_expert_parallel_ranks_simulated_on_one_gpu(rng, world):
     got = cp.concatenate(outs)
     assert gref.calc_diff(cp.asnumpy(got).astype(np.float32), cp.asnumpy(expected).astype(np.float32)) < 1e-6
     assert np.array_equal(bits(got), bits(expected))
+    # replicated tokens: every rank gets the single-device output on them
+    expected = moe(xs[0]).copy()
+    outs = dist.SimulatedGroup(world).run(
+        lambda c: dist.ExpertParallelMoE.shard(copy.deepcopy(moe), c, tokens="replicated")(xs[0]).copy())
+    cp.cuda.Device().synchronize()
+    for y in outs:
+        assert np.array_equal(bits(y), bits(expected))
 
 
 def test_capacity_overflow_recorded_on_the_device(rng):

@@ -24,6 +24,13 @@ With the group's activation scales the result on every rank equals the single-de
 on all ranks' tokens at once (tested on the numpy backend at world sizes 1, 2 and 4). Only the
 counts and sizes fixed at construction are used on the host: nothing is read back.
 
+Replicated tokens (``tokens="replicated"``, e.g. after tensor-parallel attention, where every rank
+holds the same hidden states): no dispatch all-to-all and no input all-reduce. Every rank routes the
+same tokens, runs its local experts on the pairs routed to them (taken from its own chunk of the
+send buffer), and one all-gather of the result chunks gives every rank all result rows (the other
+ranks' chunks: exact copies), which it combines: the result equals the single-device `MoE` on those
+tokens, bit for bit, on every rank.
+
 Capacity: ``capacity_factor=None`` (default) gives every destination room for all of a rank's
 pairs that could reach it, ``T * min(top_k, per_rank)`` rows: no overflow is possible. A factor
 ``f`` gives ``ceil(f * T * top_k / world)`` rows (1.0 = the average load), smaller buffers and
@@ -45,6 +52,8 @@ from ..runtime import arrays
 from ..runtime.workspace import zeros_outside_capture
 from . import kernels
 from .comm import Communicator
+
+TOKEN_MODES = ("sharded", "replicated")
 
 
 def expert_range(num_experts: int, comm: Communicator) -> range:
@@ -129,12 +138,14 @@ class ExpertParallelMoE:
     bias, tid2eid, limit, weight_before_down, mode, shared : as in `fp4kit.layers.MoE`
         ``shared`` is replicated; a `SharedExpert` (W4A4) shares the group's activation scales.
     capacity_factor : float, optional — see the module docstring (None: no overflow possible)
+    tokens : "sharded" (default: every rank brings its own tokens) or "replicated" (every rank
+        passes the same tokens; see the module docstring)
     """
 
     def __init__(self, gate_weight, w2: ExpertStack, routing: RoutingConfig, comm: Communicator, *,
                  w13: ExpertStack | None = None, w1: ExpertStack | None = None, w3: ExpertStack | None = None,
                  bias=None, tid2eid=None, limit: float | None = None, weight_before_down: bool = True,
-                 mode: str = "w4a4", shared=None, capacity_factor: float | None = None):
+                 mode: str = "w4a4", shared=None, capacity_factor: float | None = None, tokens: str = "sharded"):
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm: expected an fp4kit.dist Communicator, got {type(comm).__name__}")
         gate_weight = arrays.as_array(gate_weight, "gate_weight")
@@ -151,6 +162,8 @@ class ExpertParallelMoE:
                                  f"{comm.world_size}), got a stack of {st.shape[0]}")
         if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor: expected a positive number or None, got {capacity_factor!r}")
+        if tokens not in TOKEN_MODES:
+            raise ValueError(f"tokens: expected one of {TOKEN_MODES}, got {tokens!r}")
         # the single-device layer validates everything else, given stacks of the full expert count
         _check_routing(routing, e)
         full = {name: _FullShape.of(st, comm.world_size) for name, st in (("w13", w13), ("w1", w1), ("w3", w3))}
@@ -161,7 +174,7 @@ class ExpertParallelMoE:
         self.routing, self.limit, self.weight_before_down, self.mode, self.shared = (
             routing, limit, weight_before_down, mode, shared)
         self.num_experts, self.hidden, self.inner = e, h, w2.shape[2]
-        self.comm, self.experts, self.capacity_factor = comm, experts, capacity_factor
+        self.comm, self.experts, self.capacity_factor, self.tokens = comm, experts, capacity_factor, tokens
         self._buffers: dict[int, _Buffers] = {}
 
     @property
@@ -174,7 +187,8 @@ class ExpertParallelMoE:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def shard(cls, moe: MoE, comm: Communicator, *, capacity_factor: float | None = None) -> "ExpertParallelMoE":
+    def shard(cls, moe: MoE, comm: Communicator, *, capacity_factor: float | None = None,
+              tokens: str = "sharded") -> "ExpertParallelMoE":
         """This rank's share of a full single-device `MoE` (expert weights sliced, every byte and
         scale kept; router and shared expert shared with ``moe``)."""
         if not isinstance(moe, MoE):
@@ -184,7 +198,7 @@ class ExpertParallelMoE:
                    w13=slice_stack(moe.w13, experts), w1=slice_stack(moe.w1, experts),
                    w3=slice_stack(moe.w3, experts), bias=moe.bias, tid2eid=moe.tid2eid, limit=moe.limit,
                    weight_before_down=moe.weight_before_down, mode=moe.mode, shared=moe.shared,
-                   capacity_factor=capacity_factor)
+                   capacity_factor=capacity_factor, tokens=tokens)
 
     @classmethod
     def from_float(cls, gate_weight, w1, w3, w2, routing: RoutingConfig, comm: Communicator, *, fused: bool = True,
@@ -232,6 +246,8 @@ class ExpertParallelMoE:
         world, per, k = self.comm.world_size, self.experts_per_rank, self.routing.top_k
         e, h, i, cap = self.num_experts, self.hidden, self.inner, self.capacity(t)
         slots, pairs = world * cap, t * k
+        replicated = self.tokens == "replicated"
+        rows = cap if replicated else slots  # rows the local experts may get: own chunk, or every source's
         w4a4 = self.mode == "w4a4"
         scales = zeros((3, 4), np.float32)
 
@@ -239,9 +255,9 @@ class ExpertParallelMoE:
             return Nvfp4Tensor(xp.empty((rows, cols // 2), np.uint8), xp.empty((rows, cols // 16), np.uint8), scale,
                                "linear", (rows, cols))
 
-        def exchanged(shape, dtype):  # (send, recv); one array at world size 1 (nothing to move)
+        def exchanged(shape, dtype):  # (send, recv); one array when nothing moves
             send = zeros(shape, dtype)
-            return send, (send if world == 1 else zeros(shape, dtype))
+            return send, (send if world == 1 or replicated else zeros(shape, dtype))
 
         counts_s, counts_r = exchanged((world, per), np.uint32)
         weight_s, weight_r = exchanged((world, cap), np.float32)
@@ -257,18 +273,19 @@ class ExpertParallelMoE:
             sends=[counts_s, weight_s, *rows_s], recvs=[counts_r, weight_r, *rows_r],
             send_rows=[r.reshape(slots, -1) for r in rows_s],
             local=_LocalPlan(xp.empty(per + 1, np.uint32), xp.empty(per, np.uint32), xp.empty(1, np.uint32),
-                             xp.empty(slots, np.uint32), xp.empty(slots, np.float32)),
-            h=zeros((slots, 2 * i), arrays.BF16), h_act=None, hs_act=None, y=xp.empty((slots, h), np.float32),
-            back_send=back_recv[:slots].reshape(world, cap, h) if world == 1 else zeros((world, cap, h), np.float32),
+                             xp.empty(rows, np.uint32), xp.empty(rows, np.float32)),
+            h=zeros((rows, 2 * i), arrays.BF16), h_act=None, hs_act=None, y=xp.empty((rows, h), np.float32),
+            back_send=back_recv[:slots].reshape(world, cap, h) if world == 1 or replicated else zeros(
+                (world, cap, h), np.float32),
             back_recv=back_recv,
             out=xp.empty((t, h), arrays.BF16))
         if w4a4:
             buf.x_act = nvfp4(t, h, buf.scale(0))
-            buf.h_act = nvfp4(slots, i, buf.scale(1))
+            buf.h_act = nvfp4(rows, i, buf.scale(1))
             if shared_inner:
                 buf.hs_act = nvfp4(t, shared_inner, buf.scale(2))
         else:
-            buf.h_act = xp.empty((slots, i), arrays.BF16)
+            buf.h_act = xp.empty((rows, i), arrays.BF16)
         self._buffers[t] = buf
         return buf
 
@@ -301,33 +318,40 @@ class ExpertParallelMoE:
             self.comm.all_reduce(b.scales[first:last], "min")
 
     def _forward(self, x, token_ids, b: _Buffers):
-        comm, world, per, cap = self.comm, self.comm.world_size, self.experts_per_rank, b.capacity
+        comm, world, rank, per, cap = self.comm, self.comm.world_size, self.comm.rank, self.experts_per_rank, b.capacity
         k, slots, w4a4 = self.routing.top_k, world * b.capacity, self.mode == "w4a4"
+        replicated = self.tokens == "replicated"
+        rows = cap if replicated else slots
         kernels.route(x, self, token_ids, b.ids, b.weights, b.counts, b.tickets, b.logits)
 
         # the input, quantized with the group's scale (rows identical to the single-device layer's)
         if w4a4:
             quant_ops.quantize(x, out=b.x_act)
-            if world > 1:
+            if world > 1 and not replicated:
                 self._group_scale(b, 0, 1)
                 quant_ops.quantize(x, global_scale=b.scale(0), out=b.x_act)
             row_sources = [b.x_act.packed, b.x_act.block_scales]
         else:
             row_sources = [x]
 
-        # dispatch: pack by destination, one all-to-all (counts, weights, rows)
+        # dispatch: pack by destination, one all-to-all (counts, weights, rows); replicated tokens
+        # need none: this rank's own chunk holds the pairs of its experts
         kernels.plan_send(b.counts, b.tickets, b.ids, b.weights, per, world, cap, b.pair_slot, b.sends[0], b.sends[1])
         for src, dst in zip(row_sources, b.send_rows):
             kernels.copy_rows(src, dst, b.pair_slot.size, src_div=k, dst_rows=b.pair_slot, dst_limit=slots)
-        comm.all_to_all(b.sends, b.recvs)
-        kernels.plan_recv(b.recvs[0], b.recvs[1], cap, self.weight_before_down, b.local)
+        if replicated:
+            incoming = [a[rank:rank + 1] for a in b.sends]
+        else:
+            comm.all_to_all(b.sends, b.recvs)
+            incoming = b.recvs
+        kernels.plan_recv(incoming[0], incoming[1], cap, self.weight_before_down, b.local)
 
         # the local experts on the received rows
         if w4a4:
-            packed, scales = (r.reshape(slots, -1) for r in b.recvs[2:4])
-            act = Nvfp4Tensor(packed, scales, b.scale(0), "linear", (slots, self.hidden))
+            packed, scales = (r.reshape(rows, -1) for r in incoming[2:4])
+            act = Nvfp4Tensor(packed, scales, b.scale(0), "linear", (rows, self.hidden))
         else:
-            act = b.recvs[2].reshape(slots, self.hidden)
+            act = incoming[2].reshape(rows, self.hidden)
         if self.fused:
             kernels.grouped_gemm(act, self.w13, b.h, plan=b.local, gather=True)
             layout = "interleaved"
@@ -350,10 +374,17 @@ class ExpertParallelMoE:
             shared_act = None
         kernels.grouped_gemm(b.h_act, self.w2, b.y, plan=b.local, gather=False)
 
-        # results back to their slots and sources, then the single-device combine
-        kernels.copy_rows(b.y, b.back_send.reshape(slots, -1), slots, n_limit=b.local.offsets[per:],
-                          dst_rows=b.local.row_token, dst_limit=slots)
-        comm.all_to_all(b.back_send, b.back_recv[:slots].reshape(world, cap, -1))
+        # results back to their slots (and sources), then the single-device combine
+        everything = b.back_recv[:slots].reshape(world, cap, -1)
+        if replicated:
+            mine = everything[rank]
+            kernels.copy_rows(b.y, mine, rows, n_limit=b.local.offsets[per:], dst_rows=b.local.row_token,
+                              dst_limit=rows)
+            comm.all_gather(mine, everything)
+        else:
+            kernels.copy_rows(b.y, b.back_send.reshape(slots, -1), slots, n_limit=b.local.offsets[per:],
+                              dst_rows=b.local.row_token, dst_limit=slots)
+            comm.all_to_all(b.back_send, everything)
         shared_out = self._shared_out(x, shared_act)
         kernels.combine(b.back_recv, b.pair_slot, b.weights, not self.weight_before_down, shared_out, b.out)
         return b.out

@@ -153,6 +153,9 @@ def _moe(seed, e, h, i, routing, **kwargs):
     shared = SharedExpert.from_float(*(dev((r.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
                                        for s in ((i, h), (i, h), (h, i))), limit=10.0,
                                      mode=kwargs.get("mode", "w4a4"))
+    # the decode GEMM at every row count: the single-GPU layer runs world x T rows, each rank T, and
+    # the shared expert must take the same kernel for both (the prefill path sums in another order)
+    shared.gate_up.decode_max_m = shared.down.decode_max_m = 1 << 30
     return MoE.from_float(gate, w1, w3, w2, routing, limit=10.0, shared=shared, **kwargs)
 
 
@@ -184,6 +187,18 @@ def _ep_v3():
 @check("ExpertParallelMoE == MoE: W4A16, T in {1, 16}")
 def _ep_w4a16():
     return _ep_against_single(_moe(5, 64, 512, 256, V4, mode="w4a16"), (1, 16))
+
+
+@check("ExpertParallelMoE(tokens='replicated') == MoE on the same tokens on every rank (bit-exact), T in {1, 5, 64}")
+def _ep_replicated():
+    moe = _moe(10, 256, 1024, 256, V4)
+    ep = dist.ExpertParallelMoE.shard(moe, comm, tokens="replicated")
+    ok = True
+    for t in (1, 5, 64):
+        x = dev(np.random.default_rng(200 + t).standard_normal((t, 1024)).astype(BF16))
+        ref = moe(x).copy()
+        ok &= same_bits(ep(x), ref)
+    return ok, "all-gather of the result rows, no dispatch all-to-all"
 
 
 @check("ExpertParallelMoE capacity overflow recorded in the status word (and none at the default capacity)")
@@ -222,20 +237,23 @@ def _replay_equals_eager(step, x, make_input, calls=3):
     return ok
 
 
-@check("CUDA graph: a sharded step (column -> row parallel Linear, EP MoE) captured with NCCL inside, "
+@check("CUDA graph: a sharded step (column -> row parallel Linear, EP MoE sharded and replicated) captured "
+       "with NCCL inside, "
        "replayed with new inputs == eager")
 def _graph():
     h = 1024
     up = dist.ColumnParallelLinear.from_float(_linear_weights(7, 2048, h)[0], comm, gather_output=False)
     down = dist.RowParallelLinear.from_float(_linear_weights(8, h, 2048)[0], comm)
-    ep = dist.ExpertParallelMoE.shard(_moe(9, 64, h, 512, V4), comm)
+    moe = _moe(9, 64, h, 512, V4)
+    ep = dist.ExpertParallelMoE.shard(moe, comm)
+    ep_replicated = dist.ExpertParallelMoE.shard(moe, comm, tokens="replicated")
     ok = True
     for t in (1, 16):
         x = cp.zeros((t, h), BF16)
 
         def step():
             y = down(up(x))
-            return y, ep(y)
+            return y, ep(y), ep_replicated(y)
 
         # the same input on every rank (tensor parallelism); the EP layer then routes the same tokens
         ok &= _replay_equals_eager(step, x, lambda j: np.random.default_rng(j).standard_normal((t, h)).astype(BF16))
