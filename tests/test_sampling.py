@@ -247,3 +247,36 @@ def test_bad_logits_and_generator():
         Generator(1.5, device=False)
     with pytest.raises(ValueError, match="seed: expected 0 <= seed < 2\\*\\*64"):
         Generator(-1, device=False)
+
+
+# ---- kernel geometry (no GPU needed)
+
+
+def test_scratch_size_matches_the_kernel():
+    import re
+
+    from fp4kit.runtime import loader
+
+    src = loader.kernel_source("sampling")
+    const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
+    hdr, bins, cap = const["kHdrWords"], const["kBins"], const["kCap"]
+    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 2 * cap
+    assert const["kThreads"] == ops._THREADS and const["kMaxPer"] == ops._MAX_PER
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 8, 64, 256, 5000])
+@pytest.mark.parametrize("vocab", [1, 3, 100, 1024, 1025, 4097, 129280, 262144, ops.MAX_VOCAB])
+def test_geometry_covers_the_row_with_resident_blocks(batch, vocab):
+    max_blocks = 264  # 2 blocks per SM on a 132-SM H200
+    per, g, grid = ops.geometry(batch, vocab, max_blocks)
+    chunk = ops._THREADS * per
+    assert per % 4 == 0 and 4 <= per <= ops._MAX_PER
+    assert g * chunk >= vocab > (g - 1) * chunk  # every block holds at least one token
+    assert grid % g == 0 and g <= grid <= max_blocks and grid // g <= batch
+    if batch <= 8 and vocab >= 129280:
+        assert grid >= 64  # a small batch still spreads over many SMs
+
+
+def test_geometry_rejects_a_row_that_cannot_be_resident():
+    with pytest.raises(ValueError, match="resident blocks per row"):
+        ops.geometry(1, ops.MAX_VOCAB, 100)
