@@ -67,7 +67,8 @@ def main() -> None:
                   ["T per rank", "EP µs", "1-GPU µs (T)", f"1-GPU µs ({world} x T)", "speedup", "capacity rows",
                    "a2a MB", "EP replicated µs", "replicated speedup"])
     for t in TOKENS:
-        xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(BF16)) for _ in range(ROTATE)]
+        hosts = [rng.standard_normal((t, cfg["hidden"])).astype(BF16) for _ in range(ROTATE)]
+        xs = [cp.asarray(a) for a in hosts]
         same = [cp.asarray(np.random.default_rng(j).standard_normal((t, cfg["hidden"])).astype(BF16))
                 for j in range(ROTATE)]  # the same tokens on every rank
         ep_us = graph_us(lambda j: ep(xs[j % ROTATE]), calls=ROTATE, replays=20)
@@ -75,7 +76,7 @@ def main() -> None:
         slowest = cp.array([ep_us, rep_us], cp.float32)
         comm.all_reduce(slowest, "max")
         single_us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
-        alls = [cp.concatenate([xs[(j + r) % ROTATE] for r in range(world)]) for j in range(ROTATE)]
+        alls = [cp.asarray(np.concatenate([hosts[(j + r) % ROTATE] for r in range(world)])) for j in range(ROTATE)]
         single_all_us = graph_us(lambda j: layer(alls[j % ROTATE]), calls=ROTATE, replays=20)
         del alls
         ep_max, rep_max = (float(v) for v in slowest.get())

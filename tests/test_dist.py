@@ -598,3 +598,22 @@ def test_expert_parallel_replicated_tokens_equal_the_single_layer(rng, world, mo
                 assert np.array_equal(bits(y), bits(expected))
     with pytest.raises(ValueError, match="tokens: expected one of"):
         dist.ExpertParallelMoE.shard(moe, dist.LocalCommunicator(), tokens="split")
+
+
+def test_init_at_world_size_two_needs_nccl(monkeypatch, tmp_path):
+    from fp4kit.dist import nccl_lib
+
+    try:
+        nccl_lib.load()
+        pytest.skip("NCCL is available here")
+    except RuntimeError:
+        pass
+    monkeypatch.setenv(dist_env.WORLD_SIZE, "2")
+    monkeypatch.setenv(dist_env.RANK, "0")
+    monkeypatch.setenv(dist_env.RENDEZVOUS, str(tmp_path))
+    for key in dist_env.NO_MULTICAST:
+        monkeypatch.setenv(key, "7")  # restored after the test; init must override it
+    with pytest.raises(RuntimeError, match="NCCL: CuPy could not load libnccl.so.2"):
+        dist.init()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # set before NCCL is touched
+    assert not list(tmp_path.iterdir())  # no id published without NCCL

@@ -155,20 +155,20 @@ def test_expert_parallel_ranks_simulated_on_one_gpu(rng, world):
     the ranks as threads on one GPU, against the single-device layer on all ranks' tokens."""
     moe = _moe(rng, 32, 256, 128, V4)
     t = 9
-    xs = [cp.asarray(rng.standard_normal((t, 256)).astype(BF16)) for _ in range(world)]
-    xs[-1][0] *= 30
-    expected = moe(cp.concatenate(xs)).copy()
+    hosts = [rng.standard_normal((t, 256)).astype(BF16) for _ in range(world)]
+    hosts[-1][0] *= 30  # the largest input amax on the last rank
+    xs = [cp.asarray(a) for a in hosts]
+    expected = cp.asnumpy(moe(cp.asarray(np.concatenate(hosts))))
     # each rank its own copy of the replicated parts (the layers own per-shape buffers)
     outs = dist.SimulatedGroup(world).run(
-        lambda c: dist.ExpertParallelMoE.shard(copy.deepcopy(moe), c)(xs[c.rank]).copy())
-    cp.cuda.Device().synchronize()
-    got = cp.concatenate(outs)
-    assert gref.calc_diff(cp.asnumpy(got).astype(np.float32), cp.asnumpy(expected).astype(np.float32)) < 1e-6
+        lambda c: cp.asnumpy(dist.ExpertParallelMoE.shard(copy.deepcopy(moe), c)(xs[c.rank])))
+    got = np.concatenate(outs)
+    assert gref.calc_diff(got.astype(np.float32), expected.astype(np.float32)) < 1e-6
     assert np.array_equal(bits(got), bits(expected))
     # replicated tokens: every rank gets the single-device output on them
     expected = moe(xs[0]).copy()
     outs = dist.SimulatedGroup(world).run(
-        lambda c: dist.ExpertParallelMoE.shard(copy.deepcopy(moe), c, tokens="replicated")(xs[0]).copy())
+        lambda c: cp.asnumpy(dist.ExpertParallelMoE.shard(copy.deepcopy(moe), c, tokens="replicated")(xs[0])))
     cp.cuda.Device().synchronize()
     for y in outs:
         assert np.array_equal(bits(y), bits(expected))

@@ -85,6 +85,18 @@ class Communicator:
             arrays.check_contiguous(f"recvs[{i}]", r)
 
 
+def copy_bits(dst, src) -> None:
+    """``dst[...] = src`` moving the bits as unsigned integers of the same width: no dtype-specific
+    kernel is needed (CuPy's elementwise support of bfloat16 is not relied on)."""
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dst: expected dtype {src.dtype} like the source, got {dst.dtype}")
+    as_uint = np.dtype(f"u{src.dtype.itemsize}") if src.dtype.itemsize in (1, 2, 4, 8) else None
+    if as_uint is None:
+        dst[...] = src
+    else:
+        dst.view(as_uint)[...] = src.view(as_uint)
+
+
 def _same_memory(a, b) -> bool:
     if arrays.is_device_array(a) and arrays.is_device_array(b):
         return a.data.ptr == b.data.ptr and a.nbytes == b.nbytes
@@ -106,7 +118,7 @@ class LocalCommunicator(Communicator):
     def all_gather(self, x, out):
         self._check_gather(x, out)
         if not _same_memory(x, out[0]):
-            out[0][...] = x
+            copy_bits(out[0], x)
         return out
 
     def all_to_all(self, sends, recvs) -> None:
@@ -114,7 +126,7 @@ class LocalCommunicator(Communicator):
         self._check_all_to_all(sends, recvs)
         for s, r in zip(sends, recvs):
             if not _same_memory(s, r):
-                r[...] = s
+                copy_bits(r, s)
 
     def barrier(self) -> None:
         pass
@@ -217,7 +229,7 @@ class SimulatedCommunicator(Communicator):
         self._check_gather(x, out)
         parts = self._exchange("all_gather", (tuple(x.shape), str(x.dtype)), x.copy())
         for r, p in enumerate(parts):
-            out[r] = p
+            copy_bits(out[r], p)
         return out
 
     def all_to_all(self, sends, recvs) -> None:
@@ -230,7 +242,7 @@ class SimulatedCommunicator(Communicator):
         parts = self._exchange("all_to_all", signature, [s.copy() for s in sends])
         for i, r in enumerate(recvs):
             for src in range(self.world_size):
-                r[src] = parts[src][i][self.rank]
+                copy_bits(r[src], parts[src][i][self.rank])
 
     def barrier(self) -> None:
         self._exchange("barrier", (), None)

@@ -83,8 +83,8 @@ def init(*, timeout: float | None = None) -> Communicator:
 
     from . import nccl_lib
 
+    nccl = nccl_lib.load()  # first: without NCCL nothing else matters
     cupy.cuda.Device(_int_env(DEVICE, _int_env(LOCAL_RANK, rank))).use()
-    nccl = nccl_lib.load()
     if rank == 0:
         unique_id = nccl.get_unique_id()
         publish_unique_id(directory, unique_id)

@@ -27,7 +27,7 @@ from ..layers.linear import MODES, Linear
 from ..ops import quant as quant_ops
 from ..runtime import arrays
 from . import kernels
-from .comm import Communicator
+from .comm import Communicator, copy_bits
 
 ACTIVATION_SCALES = ("group", "local")
 
@@ -154,7 +154,7 @@ class ColumnParallelLinear:
         if world == 1 or m == 1:  # [world, m, n] is already [m, world * n]
             result = gathered.reshape(*lead, self.out_features)
             if out is not None:
-                out[...] = result
+                copy_bits(out, result)
                 return out
             return result
         # row i of [m * world, n] is shard i % world of token i // world
@@ -255,7 +255,7 @@ class RowParallelLinear:
         if not self.input_is_sharded:
             sl = slice(self.comm.rank * k_local, (self.comm.rank + 1) * k_local)
             part = self._buffers.get(("slice", lead, x.dtype), x, lambda xp: xp.empty((*lead, k_local), x.dtype))
-            part[...] = x[..., sl]
+            copy_bits(part, x[..., sl])
             x = part
         partial = self._buffers.get(("partial", lead), x, lambda xp: xp.empty((*lead, self.out_features), np.float32))
         self.local.gemm(self._activation(x, lead), out=partial)
