@@ -18,10 +18,7 @@ _MODULE = "dist"
 _U32 = np.uint32
 _I32 = np.int32
 
-#: some pairs of an expert-parallel MoE call did not fit the all-to-all capacity and were dropped
-EP_CAPACITY_OVERFLOW = 1 << 8
-status.FLAG_NAMES.setdefault(EP_CAPACITY_OVERFLOW,
-                             "expert-parallel MoE: pairs beyond the all-to-all capacity were dropped")
+EP_CAPACITY_OVERFLOW = status.EP_CAPACITY_OVERFLOW
 
 MAX_WORLD = 1024  # one plan thread per (rank, expert) pair
 

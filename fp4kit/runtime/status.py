@@ -21,6 +21,8 @@ KV_COMP_OVERFLOW = 4
 SAMPLER_INPUT = 8
 #: a token id outside [0, vocab) reached the embedding gather (row 0 was read instead)
 TOKEN_RANGE = 16
+#: pairs of an expert-parallel MoE call did not fit the all-to-all capacity and were dropped
+EP_CAPACITY_OVERFLOW = 1 << 8
 
 FLAG_NAMES = {
     NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
@@ -28,6 +30,7 @@ FLAG_NAMES = {
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
     SAMPLER_INPUT: "sampler: a NaN/+Inf logit, a row without a finite logit, or an invalid per-row parameter",
     TOKEN_RANGE: "embedding: a token id outside [0, vocab) (row 0 read instead)",
+    EP_CAPACITY_OVERFLOW: "expert-parallel MoE: pairs beyond the all-to-all capacity were dropped",
 }
 
 _lock = threading.Lock()
