@@ -4,6 +4,7 @@
     python examples/decode.py --preset v4-flash-slice --layers 4 --batch 8 --prompt-len 512 --new-tokens 128
     python examples/decode.py --check                          # graph = eager (= numpy for tiny)
     python examples/decode.py --save /tmp/m && python examples/decode.py --load /tmp/m
+    python -m fp4kit.dist.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
 
 Prefill feeds the prompt through the decode step one token at a time (there is no prefill
 attention kernel yet); decode samples N tokens per sequence. On a GPU both steps are captured
@@ -17,6 +18,7 @@ lm_head, and its KV entries), also as a fraction of the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--save", type=str, default=None, help="write the weights as an NVFP4 checkpoint folder")
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks for the attention projections and "
+                    "the lm_head (one process per GPU: start with python -m fp4kit.dist.launch --nproc N)")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks for the MoE layers (idem)")
     return ap.parse_args(argv)
 
 
@@ -162,8 +167,25 @@ def check(cfg, args, prompt, device: bool, model) -> bool:
     return ok
 
 
+def parallel_group(args):
+    """The communicator for ``--tp``/``--ep`` (None without them); every rank holds every token."""
+    if args.tp is None and args.ep is None:
+        return None
+    from fp4kit import dist
+
+    comm = dist.init()
+    for name, n in (("--tp", args.tp), ("--ep", args.ep)):
+        if n is not None and n not in (1, comm.world_size):
+            raise SystemExit(f"{name} {n}: expected 1 or the launched world size {comm.world_size} "
+                             f"(start one process per GPU with python -m fp4kit.dist.launch --nproc {n} ...)")
+    return comm
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    comm = parallel_group(args)
+    if comm is not None and comm.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
     device = has_gpu() and not args.numpy
     cfg = make_config(args)
     if not device:
@@ -180,6 +202,10 @@ def main(argv=None) -> int:
     model, ckpt = runner.build(cfg, device=device, seed=args.seed, load=args.load, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p)
     print(f"built in {time.perf_counter() - t0:.1f} s")
+    if comm is not None:
+        whole = model.parallelize(comm, tp=args.tp is not None, ep=args.ep is not None)
+        print(f"sharded over {comm.world_size} rank(s): tensor-parallel {args.tp is not None} "
+              f"({whole} projections too small to split, kept whole), expert-parallel {args.ep is not None}")
     if args.save:
         print(f"saved {runner.save(args.save, cfg, ckpt)}")
     del ckpt

@@ -114,3 +114,27 @@ def test_decode_script_runs_on_numpy(capsys):
     assert decode.main(["--numpy", "--check", "--batch", "1", "--prompt-len", "3", "--new-tokens", "3",
                         "--layers", "2"]) == 0
     assert "numpy vs numpy again: identical tokens and logits over 3 steps -> OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tp, ep", [(True, True), (False, True), (True, False)])
+def test_sharded_decoding_over_two_simulated_ranks_matches_one(tp, ep):
+    from fp4kit import dist
+
+    cfg = configs.tiny(layers=2)
+    prompt = runner.random_prompt(2, 4, cfg.vocab, seed=9)
+    _, _, expect, expect_logits = tiny_run(cfg, prompt, 4)
+
+    def rank(comm):
+        model, _ = runner.build(cfg, device=False, seed=7)
+        model.parallelize(comm, tp=tp, ep=ep)
+        tokens, logits, _ = runner.run(model, prompt, 4, keep_logits=True)
+        return tokens, np.stack(logits)
+
+    for tokens, logits in dist.SimulatedGroup(2).run(rank):
+        np.testing.assert_array_equal(tokens, expect)
+        np.testing.assert_array_equal(logits, np.stack(expect_logits))
+
+
+def test_decode_script_rejects_a_parallel_size_it_was_not_launched_with():
+    with pytest.raises(SystemExit, match="--ep 2: expected 1 or the launched world size 1"):
+        decode.main(["--numpy", "--ep", "2"])

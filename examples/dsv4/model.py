@@ -197,12 +197,44 @@ class Model:
         st.tokens[...] = tokens
         return self.forward(st)
 
+    def parallelize(self, comm, *, tp: bool = False, ep: bool = False) -> int:
+        """Shard this model over the ranks of ``comm`` (`fp4kit.dist`), every rank holding the same
+        tokens: ``ep`` splits each MoE's experts (``tokens="replicated"``: each rank runs its experts
+        on every token, one all-gather of the results); ``tp`` splits the rows of every attention
+        projection and of the lm_head (column-parallel, outputs all-gathered: results identical to
+        one GPU). Returns the number of projections left whole (rows not divisible by the ranks)."""
+        from fp4kit import dist
+
+        whole = 0
+
+        def column(lin):
+            nonlocal whole
+            try:
+                return dist.ColumnParallelLinear.shard(lin, comm, gather_output=True)
+            except ValueError:
+                whole += 1
+                return lin
+
+        for blk in self.blocks:
+            if ep:
+                blk.moe = dist.ExpertParallelMoE.shard(blk.moe, comm, tokens="replicated")
+            if tp:
+                a = blk.attn
+                for name in ("wq_a", "wq_b", "wkv", "wo_b", "wc_kv", "wc_gate", "wiq", "wiw", "wic_kv", "wic_gate"):
+                    if hasattr(a, name):
+                        setattr(a, name, column(getattr(a, name)))
+                a.wo_a = [column(lin) for lin in a.wo_a]
+        if tp:
+            self.lm_head = column(self.lm_head)
+        return whole
+
     # -- bytes a decode step reads (for the bandwidth figure) -------------------------------------
     def weight_bytes(self, experts_touched: list[int]) -> dict:
-        """NVFP4 + high-precision weight bytes a step reads: every attention and shared-expert weight,
-        each layer's router and its ``experts_touched[i]`` distinct experts, the lm_head and the
-        embedding rows."""
+        """NVFP4 + high-precision weight bytes a step reads on this GPU: every attention and
+        shared-expert weight (this rank's shards), each layer's router and its share of the
+        ``experts_touched[i]`` distinct experts, the lm_head."""
         def nbytes(t) -> int:
+            t = getattr(t, "local", t).weight  # a tensor-parallel layer's own shard
             return int(t.packed.nbytes + t.block_scales.nbytes + 4)
 
         attn = shared = routed = router = 0
@@ -210,10 +242,10 @@ class Model:
             a = blk.attn
             lins = [a.wq_a, a.wq_b, a.wkv, a.wo_b, *a.wo_a] + ([a.wc_kv, a.wc_gate] if a.ratio else [])
             lins += [a.wiq, a.wiw, a.wic_kv, a.wic_gate] if a.ratio == 4 else []
-            attn += sum(nbytes(lin.weight) for lin in lins)
-            shared += nbytes(blk.moe.shared.gate_up.weight) + nbytes(blk.moe.shared.down.weight)
+            attn += sum(nbytes(lin) for lin in lins)
+            shared += nbytes(blk.moe.shared.gate_up) + nbytes(blk.moe.shared.down)
             stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))
             routed += stack_bytes * touched // self.cfg.experts
             router += int(blk.moe.gate_weight.nbytes)
         return {"attention": attn, "shared": shared, "routed": routed, "router": router,
-                "lm_head": nbytes(self.lm_head.weight)}
+                "lm_head": nbytes(self.lm_head)}

@@ -142,7 +142,8 @@ def experts_touched(model: Model, batch: int) -> list[int]:
     """Distinct experts each layer's last forward pass used (reads the routing on the host)."""
     out = []
     for blk in model.blocks:
-        plan = blk.moe._plans.get(batch) if model.device else None
+        plans = getattr(blk.moe, "_plans", None) if model.device else None
+        plan = plans.get(batch) if plans else None
         if plan is None:
             out.append(min(model.cfg.experts, batch * model.cfg.top_k))
         else:
