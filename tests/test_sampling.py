@@ -260,7 +260,7 @@ def test_scratch_size_matches_the_kernel():
     src = loader.kernel_source("sampling")
     const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
     hdr, bins, cap = const["kHdrWords"], const["kBins"], const["kCap"]
-    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 2 * cap
+    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 4 * cap
     assert const["kThreads"] == ops._THREADS and const["kMaxPer"] == ops._MAX_PER
 
 

@@ -34,7 +34,7 @@ _THREADS = 256
 _MAX_PER = 16  # tokens per thread (registers): a block holds up to 4096 tokens of a row
 _MIN_PER = 4
 #: uint32 words of scratch per row in flight; equals kRowWords in raw_kernels/sampling.cu
-ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 2 * 512
+ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512
 _U32 = np.uint32
 _I32 = np.int32
 _F32 = np.float32

@@ -37,11 +37,15 @@
 //      shared memory, summed into the row's global histogram by atomics, barrier, a scan finds the
 //      boundary bin. If it holds more than kCap tokens (ties, clusters, the d < -32 tail), radix
 //      passes over the 8 composite bits below the highest bit that varies within it narrow it.
-//      The bucket's tokens are appended to a candidate list, barrier, and every block finds the
-//      exact boundary token among them (each candidate's rank and the mass above it).
+//      For top-k followed by top-p, the top-k bucket's tokens are appended to a candidate list,
+//      barrier, and every block finds the exact boundary token among them (each candidate's rank
+//      and the mass above it): top-p's target needs the top-k mass. The last filter's cut is
+//      deferred to step 3 instead, saving a barrier.
 //   3. race: each kept token's d_i - log(-log u_i) (u from Philox, min-p checked as exp(d) >= m),
-//      block maxima -> atomicMax; the last block of the row to arrive writes the token (the argmax
-//      for special rows) and puts the row's scratch back to zero for the next launch.
+//      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
+//      go to the candidate list with their race keys. The last block of the row to arrive cuts
+//      the candidates exactly, writes the best kept token (the argmax for special rows) and puts
+//      the row's scratch back to zero for the next launch.
 // Masses and counts are integers and the maxima are order-independent, so the result does not
 // depend on the order of the atomics: the same seed and offset give the same tokens.
 #include <cuda_bf16.h>
@@ -70,9 +74,9 @@ constexpr float kNeverWins = -20.0f;
 constexpr int kHdrWords = 16;                      // best u64, race u64, arrive, done, ncand[2], round
 constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
-constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap uint64 composites
-constexpr int kRowWords = kCandOff + 2 * kCap;
-static_assert(kMassOff % 2 == 0 && kCandOff % 2 == 0, "64-bit fields need even word offsets");
+constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
+constexpr int kRowWords = kCandOff + 4 * kCap;
+static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0, "64-bit fields need even word offsets");
 static_assert(kBins % kThreads == 0 && kRadixBins % kThreads == 0 && kCap % kThreads == 0, "per thread");
 
 struct RowScratch {
@@ -81,7 +85,7 @@ struct RowScratch {
     unsigned* round;                  // the round whose row may use the scratch (0: the first)
     unsigned* count;                  // [3][kBins]
     unsigned long long* mass;         // [3][kBins]
-    unsigned long long* cand;         // [kCap]
+    ulonglong2* cand;                 // [kCap] (composite, race key or 0)
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -94,7 +98,7 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.round = base + 8;
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
-    s.cand = reinterpret_cast<unsigned long long*>(base + kCandOff);
+    s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
     return s;
 }
 
@@ -207,6 +211,11 @@ __device__ __forceinline__ unsigned long long smp_block_scan(unsigned c, unsigne
     return total;
 }
 
+// Release / acquire at GPU scope (all that the blocks' message passing needs; cheaper than the
+// sequentially consistent __threadfence). Writes of the other threads of the block are ordered
+// before it by the __syncthreads that precedes it.
+__device__ __forceinline__ void smp_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 __device__ __forceinline__ unsigned smp_ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -218,11 +227,11 @@ __device__ __forceinline__ unsigned smp_ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void smp_row_barrier(unsigned* arrive, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        smp_fence();
         atomicAdd(arrive, 1u);
         while (smp_ld_acquire(arrive) < target) {
         }
-        __threadfence();
+        smp_fence();
     }
     __syncthreads();
 }
@@ -266,9 +275,10 @@ __device__ __forceinline__ void smp_barrier(Ctx& cx) {
     smp_row_barrier(cx.rs.arrive, cx.nbar * cx.G);
 }
 
-// The tokens being searched: level-0 bin `bin` and composite prefix `bits` under `mask`; every
-// composite of the bucket lies in [lo, hi], so bits above the highest bit where lo and hi differ
-// need no radix pass.
+// The tokens being searched: level-0 bin `bin` and composite prefix `bits` under `mask`. [lo, hi]
+// is the intersection of the bin's composite range and the prefix's, so the bucket is exactly the
+// tokens with a composite in [lo, hi]; bits above the highest bit where lo and hi differ need no
+// radix pass.
 struct Bucket {
     int bin;
     unsigned long long mask, bits, lo, hi;
@@ -435,7 +445,7 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
     for (int e = 0; e < kCapEach; ++e) {
         const unsigned i = tid + e * kThreads;
         if (i < n) {
-            const unsigned long long c = __ldcg(cx.rs.cand + i);
+            const unsigned long long c = __ldcg(&cx.rs.cand[i].x);
             sm.cand[i] = make_ulonglong2(c, smp_mass(smp_unkey((unsigned)(c >> 32))));
         }
     }
@@ -480,83 +490,112 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
     return sm.found != 0u;
 }
 
-// The shortest prefix of the token order holding `want` tokens (by_mass false) or reaching the
-// mass `want` (by_mass true; with frac > 0 the mass ceil(frac * total)). `stage` picks the
-// candidate counter (0: top-k, 1: top-p).
-__device__ Cut smp_descend(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
-                           float frac, int stage) {
-    const Cut all{0ull, ~0ull};
-    Bucket bk{-1, 0ull, 0ull, 0ull, ~0ull};
-    unsigned long long rem = want, above = 0ull;
-    if (!smp_pass<true>(sm, t, cx, bk, 0, by_mass, rem, frac)) return all;
+// The boundary of the shortest prefix of the token order holding `want` tokens (by_mass false)
+// or reaching the mass `want` (by_mass true; with frac > 0 the mass ceil(frac * total)), narrowed
+// by histogram passes to a bucket of n <= kCap tokens: the composites in [bk.lo, bk.hi]. Every
+// token above the bucket is in the prefix, none below it; `rem` is what the bucket must supply,
+// `above` the mass above it. Returns false on inconsistent data.
+struct Narrow {
+    Bucket bk;
+    unsigned n;
+    unsigned long long rem, above;
+};
+
+__device__ bool smp_narrow(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
+                           float frac, Narrow& nr) {
+    Bucket& bk = nr.bk;
+    bk = Bucket{-1, 0ull, 0ull, 0ull, ~0ull};
+    nr.rem = want, nr.above = 0ull;
+    if (!smp_pass<true>(sm, t, cx, bk, 0, by_mass, nr.rem, frac)) return false;
     bk.bin = (int)sm.pick_idx;
-    rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
-    above += sm.pick_mass_above;
-    unsigned n = sm.pick_count_in;
+    nr.rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
+    nr.above += sm.pick_mass_above;
+    nr.n = sm.pick_count_in;
     __syncthreads();  // every thread has read the pick before the next pass writes it
     smp_bin_range(bk.bin, V, bk);
     // Radix passes over the 8 bits below the highest bit that varies in the bucket's range.
-    while (n > (unsigned)kCap && bk.lo < bk.hi) {
+    while (nr.n > (unsigned)kCap && bk.lo < bk.hi) {
         const int high = 63 - __clzll((long long)(bk.lo ^ bk.hi));
         const int shift = high > 7 ? high - 7 : 0;
-        if (!smp_pass<false>(sm, t, cx, bk, shift, by_mass, rem, 0.0f)) return all;
+        if (!smp_pass<false>(sm, t, cx, bk, shift, by_mass, nr.rem, 0.0f)) return false;
         const unsigned long long upper = shift + 8 >= 64 ? 0ull : ~0ull << (shift + 8);
         const unsigned long long low = (1ull << shift) - 1ull;
         bk.mask = ~0ull << shift;
         bk.bits = (bk.lo & upper) | ((unsigned long long)(kRadixBins - 1 - (int)sm.pick_idx) << shift);
         bk.lo = bk.lo > bk.bits ? bk.lo : bk.bits;
         bk.hi = bk.hi < (bk.bits | low) ? bk.hi : (bk.bits | low);
-        rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
-        above += sm.pick_mass_above;
-        n = sm.pick_count_in;
+        nr.rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
+        nr.above += sm.pick_mass_above;
+        nr.n = sm.pick_count_in;
         __syncthreads();
     }
-    // Collect the bucket's tokens: exactly n <= kCap of them over the row's blocks.
+    return nr.n <= (unsigned)kCap;
+}
+
+// The exact cut from a narrowed bucket: its tokens are collected in the row's candidate list
+// (counter `stage`), barrier, and every block ranks them.
+__device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, bool by_mass, int stage) {
     unsigned* ncand = cx.rs.ncand + stage;
 #pragma unroll
     for (int j = 0; j < kMaxPer; ++j) {
         if (j >= t.n) break;
-        if (smp_in_bucket(t.v[j], t.first + j, bk)) {
+        if (smp_in_bucket(t.v[j], t.first + j, nr.bk)) {
             const unsigned slot = atomicAdd(ncand, 1u);
-            if (slot < (unsigned)kCap) cx.rs.cand[slot] = smp_comp(t.v[j], t.first + j);
+            if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), 0ull);
         }
     }
     smp_barrier(cx);
-    if (n > (unsigned)kCap || !smp_exact(sm, cx, n, by_mass, rem)) return all;
-    const Cut cut{sm.theta, above + sm.prefix};
+    if (!smp_exact(sm, cx, nr.n, by_mass, nr.rem)) return Cut{0ull, ~0ull};
+    const Cut cut{sm.theta, nr.above + sm.prefix};
     __syncthreads();  // sm.theta / sm.prefix are read before they are reused
     return cut;
 }
 
 // ---- the race
 
-__device__ __forceinline__ unsigned long long smp_race(const Tile& t, unsigned long long theta, float min_p,
-                                                       uint4 ctr, unsigned k0, unsigned k1) {
+// The block's best race key among the tokens certainly kept: composite >= theta, min-p, and, with
+// a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
+// their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly.
+__device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta, float min_p,
+                                                       bool defer, const Narrow& nr, int stage, uint4 ctr,
+                                                       unsigned k0, unsigned k1) {
     unsigned long long win = 0ull;
 #pragma unroll
     for (int g = 0; g < kMaxPer; g += 4) {
         if (g >= t.n) break;
-        bool keep[4], any = false;
+        bool rng[4], sure[4], cand[4], any_rng = false, any_cand = false;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = g + e;
             const float d = t.v[j];
-            keep[e] = j < t.n && d >= kNeverWins && smp_comp(d, t.first + j) >= theta &&
-                      (min_p <= 0.0f || expf(d) >= min_p);
-            any |= keep[e];
+            const unsigned long long c = smp_comp(d, t.first + j);
+            const bool live = j < t.n && d >= kNeverWins && c >= theta && (min_p <= 0.0f || expf(d) >= min_p);
+            cand[e] = defer && j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;  // the bucket is its range
+            sure[e] = live && !(defer && c <= nr.bk.hi);
+            rng[e] = live && (sure[e] || cand[e]);
+            any_rng |= rng[e], any_cand |= cand[e];
         }
-        if (!any) continue;  // no Philox call for a group with nothing kept
-        ctr.x = (t.first + g) >> 2;
-        const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
+        if (!(any_rng || any_cand)) continue;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (any_rng) {  // no Philox call for a group with nothing that can win
+            ctr.x = (t.first + g) >> 2;
+            x = fp4_philox4x32_10(ctr, k0, k1);
+        }
         const unsigned words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            if (!keep[e]) continue;
-            const float u = fp4_philox_uniform(words[e]);
-            const float gum = -logf(-logf(u));
-            const unsigned long long cand = ((unsigned long long)smp_key(__fadd_rn(t.v[g + e], gum)) << 32) |
-                                            (unsigned)~(t.first + g + e);
-            win = cand > win ? cand : win;
+            unsigned long long key = 0ull;
+            if (rng[e]) {
+                const float u = fp4_philox_uniform(words[e]);
+                const float gum = -logf(-logf(u));
+                key = ((unsigned long long)smp_key(__fadd_rn(t.v[g + e], gum)) << 32) | (unsigned)~(t.first + g + e);
+            }
+            if (sure[e]) win = key > win ? key : win;
+            if (cand[e]) {
+                const unsigned slot = atomicAdd(cx.rs.ncand + stage, 1u);
+                if (slot < (unsigned)kCap)
+                    cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[g + e], t.first + g + e), key);
+            }
         }
     }
     return win;
@@ -588,20 +627,42 @@ __device__ __forceinline__ Params smp_params(unsigned b, const float* t_rows, fl
     return p;
 }
 
-// The last block of the row to arrive writes the token (the race winner, or the argmax when no
-// race ran), puts the scratch back to zero, then hands it to the group's next round (`next`; 0
-// after the last round). No block of the row touches the scratch after arriving here.
-__device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned next, int* out, unsigned* status) {
+// The deferred cut: the exact boundary among the candidates, then the best race key of those kept.
+__device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const Narrow& nr, bool by_mass) {
+    const unsigned long long theta = smp_exact(sm, cx, nr.n, by_mass, nr.rem) ? sm.theta : 0ull;
+    unsigned long long best = 0ull;
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = threadIdx.x + e * kThreads;
+        if (i < nr.n) {
+            const ulonglong2 c = __ldcg(&cx.rs.cand[i]);
+            if (c.x >= theta && c.y > best) best = c.y;
+        }
+    }
+    return smp_block_max(best, sm);
+}
+
+// The last block of the row to arrive writes the token (the best race key, with the deferred
+// cut's candidates when `defer`; the argmax when no race ran), puts the scratch back to zero,
+// then hands it to the group's next round (`next`; 0 after the last round). No block of the row
+// touches the scratch after arriving here.
+__device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned next, bool defer, const Narrow& nr,
+                           bool by_mass, int* out, unsigned* status) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        smp_fence();
         const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
         sm.last = last;
-        if (last) {
-            __threadfence();
+        if (last) smp_fence();
+    }
+    __syncthreads();
+    if (sm.last) {  // block-uniform
+        const unsigned long long from_cands = defer ? smp_cut_candidates(sm, cx, nr, by_mass) : 0ull;
+        if (threadIdx.x == 0) {
             const unsigned long long race = atomicExch(cx.rs.race, 0ull);
             const unsigned long long best = atomicExch(cx.rs.best, 0ull);
-            const unsigned tok = ~(unsigned)(race ? race : best);
+            const unsigned long long win = race > from_cands ? race : from_cands;
+            const unsigned tok = ~(unsigned)(win ? win : best);
             out[b] = (int)(tok < V ? tok : 0u);
             if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, SMP_STATUS_INPUT);  // no finite logit
             *cx.rs.arrive = 0u;
@@ -609,14 +670,11 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned n
             cx.rs.ncand[0] = 0u;
             cx.rs.ncand[1] = 0u;
         }
-    }
-    __syncthreads();
-    if (sm.last) {  // block-uniform
         if (cx.hpass)
             for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
         __syncthreads();
         if (threadIdx.x == 0) {
-            __threadfence();
+            smp_fence();
             atomicExch(cx.rs.round, next);
         }
     }
@@ -646,16 +704,21 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         if (flag) atomicOr(status, SMP_STATUS_INPUT);
         if (best) atomicMax(cx.rs.best, best);
     }
-    if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, next, out, status);
+    Narrow nr;  // the deferred cut, when there is one
+    if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);
     smp_barrier(cx);
     const float lmax = smp_unkey((unsigned)(__ldcg(cx.rs.best) >> 32));
-    if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, next, out, status);  // +inf or no finite logit
+    if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);  // +inf, or no finite logit
 #pragma unroll
     for (int j = 0; j < kMaxPer; ++j)  // d = (canonical logit - l_max) / T <= 0 (or -inf)
         t.v[j] = __fdiv_rn(__fsub_rn(t.v[j], lmax), p.temp) + 0.0f;
 
-    // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order.
-    Cut ck{0ull, 0ull}, cp{0ull, 0ull};
+    // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
+    //    filter's exact cut is left to the finisher (its bucket's tokens race as candidates).
+    Cut ck{0ull, 0ull};
+    unsigned long long theta = 0ull;
+    bool defer = false, defer_by_mass = false;
+    int defer_stage = 0;
     const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
     const bool use_p = p.top_p < 1.0f;
 #pragma unroll 1
@@ -665,19 +728,24 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         const unsigned long long want =
             by_mass ? (use_k ? smp_target(p.top_p, ck.mass) : 0ull) : (unsigned long long)p.top_k;
         const float frac = by_mass && !use_k ? p.top_p : 0.0f;  // the target comes from the histogram
-        const Cut cut = smp_descend(sm, t, cx, V, by_mass, want, frac, stage);
-        if (by_mass)
-            cp = cut;
-        else
-            ck = cut;
+        Cut cut{0ull, ~0ull};  // inconsistent data: keep everything
+        if (smp_narrow(sm, t, cx, V, by_mass, want, frac, nr)) {
+            if (by_mass || !use_p) {
+                defer = true, defer_by_mass = by_mass, defer_stage = stage;
+                break;
+            }
+            cut = smp_resolve(sm, t, cx, nr, by_mass, stage);
+        }
+        if (!by_mass) ck = cut;
+        theta = cut.theta > theta ? cut.theta : theta;
     }
 
     // 3. the race over the kept tokens; the row's last block writes the winner.
-    const unsigned long long theta = ck.theta > cp.theta ? ck.theta : cp.theta;
     ctr.y = b;
-    const unsigned long long win = smp_block_max(smp_race(t, theta, p.min_p, ctr, k0, k1), sm);
+    const unsigned long long win =
+        smp_block_max(smp_race(t, cx, theta, p.min_p, defer, nr, defer_stage, ctr, k0, k1), sm);
     if (tid == 0 && win) atomicMax(cx.rs.race, win);
-    smp_finish(sm, cx, b, V, next, out, status);
+    smp_finish(sm, cx, b, V, next, defer, nr, defer_by_mass, out, status);
 }
 
 template <typename T>
@@ -700,11 +768,11 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
     }
     __syncthreads();
     if (tid == 0) {
-        __threadfence();
+        smp_fence();
         if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {
             *arrivals = 0u;
             *offset = sm.s_offset + 1ull;
-            __threadfence();
+            smp_fence();
         }
     }
     const unsigned long long ctr_offset = sm.s_offset, key = sm.s_seed;
@@ -721,7 +789,7 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
             if (tid == 0) {
                 while (smp_ld_acquire(cx.rs.round) != round) {
                 }
-                __threadfence();
+                smp_fence();
             }
             __syncthreads();
         }
