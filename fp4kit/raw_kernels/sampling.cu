@@ -218,7 +218,7 @@ __device__ __forceinline__ void smp_fence() { asm volatile("fence.acq_rel.gpu;" 
 
 __device__ __forceinline__ unsigned smp_ld_acquire(const unsigned* p) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
