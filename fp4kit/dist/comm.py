@@ -263,7 +263,8 @@ class NcclCommunicator(Communicator):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
         self.rank, self.world_size = int(rank), int(world_size)
-        self._comm = self._nccl.NcclCommunicator(self.world_size, tuple(unique_id), self.rank)
+        # CuPy takes the id as the 128 bytes of ncclUniqueId (the rendezvous file holds them as ints)
+        self._comm = self._nccl.NcclCommunicator(self.world_size, bytes(int(v) & 0xFF for v in unique_id), self.rank)
         self._ops = {"sum": self._nccl.NCCL_SUM, "max": self._nccl.NCCL_MAX, "min": self._nccl.NCCL_MIN}
 
     def _dtype(self, name: str, x) -> int:
