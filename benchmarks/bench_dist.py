@@ -103,5 +103,12 @@ def _nccl_version():
         return None
 
 
+#: GPUs this benchmark runs on (benchmarks/run_all.py skips it on a machine with fewer)
+GPUS = 2
+
 if __name__ == "__main__":
+    if "FP4KIT_RANK" not in os.environ:  # started plainly (e.g. by run_all.py): one process per GPU
+        import subprocess
+
+        sys.exit(subprocess.call([sys.executable, "-m", "fp4kit.dist.launch", "--nproc", str(GPUS), __file__]))
     main()

@@ -2,7 +2,7 @@
 # The GPU half of the test suite on a CUDA machine: kernel resource usage, the GPU tests,
 # compute-sanitizer memcheck and racecheck on the quantization tests, and the benchmarks.
 # Logs go to $OUT (default ./gpu-logs). Uses the python3 on PATH with the repo on PYTHONPATH.
-#   bash scripts/gpu_suite.sh [tests|sanitize|bench|all]...
+#   bash scripts/gpu_suite.sh [tests|sanitize|bench|multigpu|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
@@ -33,6 +33,13 @@ grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, 
 if has tests; then
     run gpu-tests python3 -m pytest -q -m gpu tests
 fi
+if has multigpu; then  # needs 2 GPUs
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    run check-dist timeout 300 python3 -m fp4kit.dist.launch --nproc 2 tests/multigpu/check_dist.py
+    run decode-check-tp2-ep2 timeout 300 python3 -m fp4kit.dist.launch --nproc 2 examples/decode.py --check --tp 2 --ep 2
+    run decode-slice-tp2-ep2 timeout 300 python3 -m fp4kit.dist.launch --nproc 2 examples/decode.py \
+        --preset v4-flash-slice --layers 4 --batch 1 --prompt-len 16 --new-tokens 64 --tp 2 --ep 2
+fi
 if has profile; then
     for size in "2048 7168" "16384 7168"; do
         run "ncu-${size// /x}" ncu --clock-control none -k regex:amax_quantize -s 2 -c 1 \
@@ -41,9 +48,7 @@ if has profile; then
     done
 fi
 if has bench; then
-    for bench in benchmarks/bench_*.py; do
-        run "$(basename "$bench" .py)" python3 "$bench"
-    done
+    run benchmarks python3 benchmarks/run_all.py --results "$out/results"
 fi
 if has sanitize; then
     subset="dtypes or dequantize or edge or graph or empty or (swiglu and dtype0)"
