@@ -617,3 +617,43 @@ def test_init_at_world_size_two_needs_nccl(monkeypatch, tmp_path):
         dist.init()
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # set before NCCL is touched
     assert not list(tmp_path.iterdir())  # no id published without NCCL
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_expert_parallel_ignores_the_ticket_order_of_each_rank(rng, world, sharded, monkeypatch):
+    """On the GPU the router draws tickets from atomics: the order of an expert's pairs differs
+    between ranks (and calls). Replicated tokens once combined their own slots with the owner's rows
+    (wrong rows on real GPUs, invisible with the reference's pair-order tickets): here every rank but
+    0 reverses its tickets within each expert, and the result must not change."""
+    real_route = dist.kernels.route
+
+    def route(x, layer, token_ids, ids, weights, counts, tickets, logits):
+        real_route(x, layer, token_ids, ids, weights, counts, tickets, logits)
+        if layer.comm.rank % 2:  # reversed within every expert
+            per_expert = np.bincount(ids.reshape(-1), minlength=layer.num_experts)
+            tickets[...] = (per_expert[ids] - 1 - tickets).astype(np.uint32)
+        elif layer.comm.rank:  # rotated by one within every expert
+            per_expert = np.bincount(ids.reshape(-1), minlength=layer.num_experts)
+            tickets[...] = ((tickets.astype(np.int64) + 1) % per_expert[ids]).astype(np.uint32)
+
+    monkeypatch.setattr(dist.kernels, "route", route)
+    gate, w1, w3, w2 = _moe_weights(rng)
+    moe = MoE.from_float(gate, w1, w3, w2, V4, limit=10.0, shared=_shared(rng))
+    t = 16  # 48 pairs on 8 experts: many experts get several pairs
+    if sharded:
+        _check_ep_equals_single(rng, moe, world, t)
+        return
+    x = rng.standard_normal((t, 64)).astype(BF16)
+    expected = moe(x)
+    outs = dist.SimulatedGroup(world).run(lambda c: dist.ExpertParallelMoE.shard(moe, c, tokens="replicated")(x))
+    for y in outs:
+        assert np.array_equal(bits(y), bits(expected))
+
+
+def test_owner_slots_reference():
+    slot_all = np.array([[0, 1, 2, 3], [10, 11, 12, 13]], np.uint32)
+    ids = np.array([[0, 3], [2, 1]], np.int32)  # per_rank 2: owners 0, 1, 1, 0
+    out = np.empty(4, np.uint32)
+    dist.kernels.owner_slots(slot_all, ids, 2, out)
+    assert out.tolist() == [0, 11, 12, 3]

@@ -243,3 +243,12 @@ def test_expert_parallel_step_in_a_cuda_graph(rng, t):
             expect = cp.asnumpy(moe(cp.asarray(xn)).copy())
             s.synchronize()
         assert np.array_equal(got.view(np.uint16), expect.view(np.uint16))
+
+
+@pytest.mark.parametrize("world, per_rank, t, k", [(2, 4, 1, 3), (2, 128, 64, 6), (4, 16, 33, 8)])
+def test_owner_slots_matches_reference(rng, world, per_rank, t, k):
+    ids = np.stack([rng.choice(world * per_rank, k, replace=False) for _ in range(t)]).astype(np.int32)
+    slot_all = rng.integers(0, 1 << 20, (world, t * k)).astype(np.uint32)
+    out = cp.zeros(t * k, cp.uint32)
+    kernels.owner_slots(cp.asarray(slot_all), cp.asarray(ids), per_rank, out)
+    assert np.array_equal(out.get(), ref.owner_slots(slot_all, ids, per_rank))

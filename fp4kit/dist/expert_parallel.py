@@ -29,7 +29,11 @@ holds the same hidden states): no dispatch all-to-all and no input all-reduce. E
 same tokens, runs its local experts on the pairs routed to them (taken from its own chunk of the
 send buffer), and one all-gather of the result chunks gives every rank all result rows (the other
 ranks' chunks: exact copies), which it combines: the result equals the single-device `MoE` on those
-tokens, bit for bit, on every rank.
+tokens, bit for bit, on every rank. The ranks agree on the experts of every pair but not on its row
+within an expert's group: the router's tickets come from atomics, in an order that differs between
+ranks (and calls). So a pair's result is read where its expert's owner put it: every rank's
+``pair_slot`` travels in a small all-gather, and the combine reads, for each pair, the slot chosen by
+the owner of its expert (`kernels.owner_slots`).
 
 Capacity: ``capacity_factor=None`` (default) gives every destination room for all of a rank's
 pairs that could reach it, ``T * min(top_k, per_rank)`` rows: no overflow is possible. A factor
@@ -109,6 +113,8 @@ class _Buffers:
     # column 0 (rows of 16 bytes: each is an aligned 0-d array for the quantizers)
     x_act: object
     pair_slot: object
+    slot_all: object  # replicated tokens, world > 1: [world, T * top_k] every rank's pair_slot, else None
+    owner_slot: object  # ... and [T * top_k] each pair's slot as its expert's owner chose it, else None
     sends: list
     recvs: list
     send_rows: list  # views [world * capacity, ...] of the row payloads in sends
@@ -270,6 +276,8 @@ class ExpertParallelMoE:
             capacity=cap, logits=xp.empty((t, e), np.float32), ids=xp.empty((t, k), np.int32),
             weights=xp.empty((t, k), np.float32), tickets=xp.empty((t, k), np.uint32), counts=zeros(e, np.uint32),
             scales=scales, x_act=None, pair_slot=xp.empty(pairs, np.uint32),
+            slot_all=zeros((world, pairs), np.uint32) if replicated and world > 1 else None,
+            owner_slot=zeros(pairs, np.uint32) if replicated and world > 1 else None,
             sends=[counts_s, weight_s, *rows_s], recvs=[counts_r, weight_r, *rows_r],
             send_rows=[r.reshape(slots, -1) for r in rows_s],
             local=_LocalPlan(xp.empty(per + 1, np.uint32), xp.empty(per, np.uint32), xp.empty(1, np.uint32),
@@ -341,6 +349,8 @@ class ExpertParallelMoE:
             kernels.copy_rows(src, dst, b.pair_slot.size, src_div=k, dst_rows=b.pair_slot, dst_limit=slots)
         if replicated:
             incoming = [a[rank:rank + 1] for a in b.sends]
+            if world > 1:  # the ranks' tickets (atomics) differ: every rank's slots, for the combine
+                comm.all_gather(b.pair_slot, b.slot_all)
         else:
             comm.all_to_all(b.sends, b.recvs)
             incoming = b.recvs
@@ -385,8 +395,12 @@ class ExpertParallelMoE:
             kernels.copy_rows(b.y, b.back_send.reshape(slots, -1), slots, n_limit=b.local.offsets[per:],
                               dst_rows=b.local.row_token, dst_limit=slots)
             comm.all_to_all(b.back_send, everything)
+        pair_slot = b.pair_slot
+        if b.owner_slot is not None:
+            kernels.owner_slots(b.slot_all, b.ids, per, b.owner_slot)
+            pair_slot = b.owner_slot
         shared_out = self._shared_out(x, shared_act)
-        kernels.combine(b.back_recv, b.pair_slot, b.weights, not self.weight_before_down, shared_out, b.out)
+        kernels.combine(b.back_recv, pair_slot, b.weights, not self.weight_before_down, shared_out, b.out)
         return b.out
 
     # -- the shared expert, with the group's activation scales where it has dynamic ones ----------

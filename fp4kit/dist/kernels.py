@@ -100,6 +100,22 @@ def copy_rows(src, dst, n: int, *, n_limit=None, src_rows=None, src_div: int = 1
          _U32(limit)))
 
 
+def owner_slots(slot_all, ids, per_rank: int, out) -> None:
+    """``out[p] = slot_all[ids[p] // per_rank, p]``: each pair's slot as the owner of its expert
+    chose it (``slot_all [world, P]``: every rank's ``pair_slot``; replicated tokens)."""
+    pairs = ids.size
+    if slot_all.shape != (slot_all.shape[0], pairs) or out.size != pairs:
+        raise ValueError(f"slot_all: expected [world, {pairs}] and out [{pairs}], got {arrays.describe(slot_all)} "
+                         f"and {arrays.describe(out)}")
+    if not _device(out):
+        out.reshape(-1)[...] = ref.owner_slots(slot_all, ids, per_rank)
+        return
+    if pairs == 0:
+        return
+    loader.get_kernel(_MODULE, "dist_owner_slots")(
+        max(1, min(-(-pairs // 256), 1024)), 256, (slot_all, ids, _U32(per_rank), _U32(pairs), out))
+
+
 def bias_to_bf16(acc, bias, out) -> None:
     """``out = bf16(acc + bias)`` (fp32 add; ``bias`` fp32, bf16 or None)."""
     if not _device(acc):

@@ -22,6 +22,10 @@
 //                    words of 16, 4 or 1 bytes: dst[dst_row(i)] = src[src_row(i)] with src_row(i) =
 //                    src_rows ? src_rows[i] : i / src_div, dst_row(i) = dst_rows ? dst_rows[i] : i;
 //                    rows with dst_row(i) >= dst_limit are skipped (dropped pairs).
+//   dist_owner_slots grid-stride over pairs p < P: out[p] = slot_all[(ids[p] / per_rank) * P + p],
+//                    the slot the owner of the pair's expert chose (replicated tokens: the ranks'
+//                    tickets come from atomics and differ, so each rank's own pair_slot is only
+//                    valid for its own experts' chunk).
 //   dist_bias_to_bf16 grid-stride: out [rows, n] bf16 = acc fp32 (+ bias fp32 or bf16 [n]).
 //
 // Every grid is sized for the worst case; nothing depends on a count read back on the host.
@@ -168,6 +172,13 @@ __device__ void copy_rows(const Word* src, Word* dst, unsigned words_per_row, un
 FP4_DEFINE_COPY_ROWS(u128, uint4)
 FP4_DEFINE_COPY_ROWS(u32, unsigned)
 FP4_DEFINE_COPY_ROWS(u8, unsigned char)
+
+extern "C" __global__ void __launch_bounds__(256) dist_owner_slots(const unsigned* slot_all, const int* ids,
+                                                                   unsigned per_rank, unsigned pairs,
+                                                                   unsigned* out) {
+    for (unsigned p = blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += gridDim.x * blockDim.x)
+        out[p] = slot_all[(size_t)((unsigned)ids[p] / per_rank) * pairs + p];
+}
 
 extern "C" __global__ void __launch_bounds__(256) dist_bias_to_bf16(const float* acc, const float* bias_f32,
                                                                     const __nv_bfloat16* bias_bf16,

@@ -105,6 +105,12 @@ def copy_rows(src, dst, n: int, *, n_limit=None, src_rows=None, src_div: int = 1
     dst[d[keep]] = src[s[keep]]
 
 
+def owner_slots(slot_all, ids, per_rank: int):
+    """``[P]``: ``slot_all[ids[p] // per_rank, p]``, each pair's slot as its expert's owner chose it."""
+    ids = np.asarray(ids).reshape(-1).astype(np.int64)
+    return np.asarray(slot_all)[ids // per_rank, np.arange(ids.size)].astype(np.uint32)
+
+
 def bias_to_bf16(acc, bias=None):
     """``bf16(acc + bias)`` in fp32 (the row-parallel Linear's last step)."""
     from .moe import BF16

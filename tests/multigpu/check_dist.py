@@ -46,6 +46,38 @@ def same_bits(a, b) -> bool:
     return np.array_equal(cp.asnumpy(a).view(np.uint16), cp.asnumpy(b).view(np.uint16))
 
 
+def describe_diff(got, ref) -> str:
+    """Where two arrays differ: worst |difference|, calc_diff, differing elements (bitwise), the
+    first differing [row, col] and the worst row, with both values there (empty when identical)."""
+    g, r = cp.asnumpy(got), cp.asnumpy(ref)
+    if g.shape != r.shape:
+        return f"shape {g.shape} != {r.shape}"
+    width = g.dtype.itemsize
+    differ = g.view(f"u{width}") != r.view(f"u{width}") if width in (1, 2, 4, 8) else g != r
+    if not differ.any():
+        return ""
+    gf, rf = g.astype(np.float64), r.astype(np.float64)
+    delta = np.abs(gf - rf)
+    delta[np.isnan(delta)] = np.inf
+    worst = np.unravel_index(int(np.argmax(delta)), delta.shape)
+    first = np.unravel_index(int(np.argmax(differ)), differ.shape)
+    rows = sorted({int(i) for i in np.nonzero(differ.reshape(differ.shape[0], -1).any(1))[0]})
+    return (f"max|diff| {delta[worst]:.4g} at {tuple(map(int, worst))} (got {gf[worst]:.6g}, ref {rf[worst]:.6g}), "
+            f"calc_diff {calc_diff(gf.astype(np.float32), rf.astype(np.float32)):.3e}, "
+            f"{int(differ.sum())}/{differ.size} elements differ, first at {tuple(map(int, first))}, "
+            f"rows {rows[:12]}{'...' if len(rows) > 12 else ''} of {g.shape[0]}")
+
+
+def ranks_agree(a) -> str:
+    """Empty when every rank holds the same bits of ``a``, else which ranks differ from rank 0."""
+    a = cp.ascontiguousarray(a)
+    everything = cp.empty((world, *a.shape), a.dtype)
+    comm.all_gather(a, everything)
+    cp.cuda.get_current_stream().synchronize()
+    bad = [r for r in range(1, world) if not same_bits(everything[r], everything[0])]
+    return "" if not bad else f"ranks {bad} differ from rank 0: {describe_diff(everything[bad[0]], everything[0])}"
+
+
 def report(name: str, ok: bool, detail: str) -> None:
     """The group's verdict: all ranks must pass."""
     flag = cp.array([0.0 if ok else 1.0], cp.float32)
@@ -119,14 +151,19 @@ def _column():
             ref = full(x).copy()
             got, mine = col(x), part(x)
             sl = slice(rank * n // world, (rank + 1) * n // world)
-            ok &= same_bits(got, ref) and same_bits(mine, cp.asnumpy(ref)[:, sl])
-            details.append(f"{n}x{k} T={t}")
+            for name, d in (("gathered", describe_diff(got, ref)),
+                            ("sharded", describe_diff(mine, cp.asnumpy(ref)[:, sl]))):
+                if d:
+                    ok = False
+                    details.append(f"{n}x{k} T={t} rank {rank} output {name}: {d}")
+            if ok:
+                details.append(f"{n}x{k} T={t}")
     return ok, ", ".join(details)
 
 
 @check(f"RowParallelLinear.shard == Linear (calc_diff <= {TOLERANCE}), group activation scale, T in {{1, 5, 64}}")
 def _row():
-    worst, ok = 0.0, True
+    worst, ok, bad = 0.0, True, []
     for n, k in ((4096, 2048), (2048, 7168)):
         w, b = _linear_weights(2, n, k)
         full = Linear.from_float(w, bias=b)
@@ -141,8 +178,14 @@ def _row():
             got = host(row(dev(xh[:, rank * kk:(rank + 1) * kk])))
             d = calc_diff(got, ref)
             worst = max(worst, d)
-            ok &= d <= TOLERANCE and np.array_equal(got, host(row_full_input(x)))
-    return ok, f"worst calc_diff {worst:.2e}"
+            full_input = host(row_full_input(x))
+            if d > TOLERANCE:
+                ok = False
+                bad.append(f"{n}x{k} T={t} rank {rank} output vs Linear: {describe_diff(got, ref)}")
+            if not np.array_equal(got, full_input):
+                ok = False
+                bad.append(f"{n}x{k} T={t} rank {rank} output sharded vs full input: {describe_diff(got, full_input)}")
+    return ok, f"worst calc_diff {worst:.2e}" + "".join(f"; {b}" for b in bad)
 
 
 def _moe(seed, e, h, i, routing, **kwargs):
@@ -161,7 +204,7 @@ def _moe(seed, e, h, i, routing, **kwargs):
 
 def _ep_against_single(moe, ts, **ep_kwargs):
     ep = dist.ExpertParallelMoE.shard(moe, comm, **ep_kwargs)
-    worst, exact, ok = 0.0, True, True
+    worst, exact, ok, bad = 0.0, True, True, []
     for t in ts:
         r = np.random.default_rng(100 + t)
         xs = [r.standard_normal((t, moe.hidden)).astype(BF16) for _ in range(world)]
@@ -170,8 +213,10 @@ def _ep_against_single(moe, ts, **ep_kwargs):
         got = ep(dev(xs[rank]))
         d = calc_diff(host(got), host(ref))
         worst, exact = max(worst, d), exact and same_bits(got, ref)
-        ok &= d <= TOLERANCE
-    return ok, f"worst calc_diff {worst:.2e}, bit-exact: {exact}"
+        if d > TOLERANCE:
+            ok = False
+            bad.append(f"T={t} rank {rank} output (this rank's rows of MoE): {describe_diff(got, ref)}")
+    return ok, f"worst calc_diff {worst:.2e}, bit-exact: {exact}" + "".join(f"; {b}" for b in bad)
 
 
 @check("ExpertParallelMoE == MoE on all ranks' tokens: V4 routing, 256 experts, shared expert, T in {1, 7, 64}")
@@ -193,12 +238,18 @@ def _ep_w4a16():
 def _ep_replicated():
     moe = _moe(10, 256, 1024, 256, V4)
     ep = dist.ExpertParallelMoE.shard(moe, comm, tokens="replicated")
-    ok = True
+    ok, bad = True, []
     for t in (1, 5, 64):
         x = dev(np.random.default_rng(200 + t).standard_normal((t, 1024)).astype(BF16))
         ref = moe(x).copy()
-        ok &= same_bits(ep(x), ref)
-    return ok, "all-gather of the result rows, no dispatch all-to-all"
+        got = ep(x).copy()
+        again = ep(x).copy()  # the tickets (atomics) may come in another order: the result must not change
+        for name, d in (("vs MoE", describe_diff(got, ref)), ("second call vs first", describe_diff(again, got)),
+                         ("across ranks", ranks_agree(got))):
+            if d:
+                ok = False
+                bad.append(f"T={t} rank {rank} output {name}: {d}")
+    return ok, "all-gather of the result rows, no dispatch all-to-all" + "".join(f"; {b}" for b in bad)
 
 
 @check("ExpertParallelMoE capacity overflow recorded in the status word (and none at the default capacity)")
@@ -217,24 +268,32 @@ def _overflow():
     return clean and flagged and finite, f"default clean: {clean}, factor 0.5 flagged: {flagged}"
 
 
-def _replay_equals_eager(step, x, make_input, calls=3):
+def _replay_equals_eager(step, x, make_input, names, calls=3):
+    """Failure descriptions (empty when every replay equals the eager step on the same input)."""
     outs = step()
+    o_ref = dict(zip(names, outs))
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         step()
         graph = stream.end_capture()
-    ok = True
+    bad = []
     for j in range(calls):
         x.set(make_input(j), stream=stream)
         graph.launch(stream)
         stream.synchronize()
         replayed = [cp.asnumpy(o).copy() for o in outs]
         with cp.cuda.Stream(non_blocking=True) as s:
-            eager = [cp.asnumpy(o.copy()) for o in step()]
+            eager_outs = step()
+            eager = [cp.asnumpy(o.copy()) for o in eager_outs]
             s.synchronize()
-        ok &= all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(replayed, eager))
-    return ok
+        for name, a, b, e in zip(names, replayed, eager, eager_outs):
+            if e.data.ptr != o_ref[name].data.ptr:
+                bad.append(f"replay {j} output {name}: eager returned another buffer than the captured one")
+            d = describe_diff(a, b)
+            if d:
+                bad.append(f"replay {j} output {name} (replayed vs eager): {d}")
+    return bad
 
 
 @check("CUDA graph: a sharded step (column -> row parallel Linear, EP MoE sharded and replicated) captured "
@@ -247,7 +306,7 @@ def _graph():
     moe = _moe(9, 64, h, 512, V4)
     ep = dist.ExpertParallelMoE.shard(moe, comm)
     ep_replicated = dist.ExpertParallelMoE.shard(moe, comm, tokens="replicated")
-    ok = True
+    ok, bad = True, []
     for t in (1, 16):
         x = cp.zeros((t, h), BF16)
 
@@ -256,8 +315,11 @@ def _graph():
             return y, ep(y), ep_replicated(y)
 
         # the same input on every rank (tensor parallelism); the EP layer then routes the same tokens
-        ok &= _replay_equals_eager(step, x, lambda j: np.random.default_rng(j).standard_normal((t, h)).astype(BF16))
-    return ok, "T in {1, 16}"
+        fails = _replay_equals_eager(step, x, lambda j: np.random.default_rng(j).standard_normal((t, h)).astype(BF16),
+                                     ("row-parallel y", "EP sharded", "EP replicated"))
+        ok &= not fails
+        bad += [f"T={t} rank {rank} {f}" for f in fails]
+    return ok, "T in {1, 16}" + "".join(f"; {b}" for b in bad)
 
 
 comm.barrier()
