@@ -165,7 +165,7 @@ struct Smem {
     unsigned long long s_seed, s_offset;
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
-    unsigned pick_idx, pick_count_above, pick_count_in, found, last;
+    unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear;
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -667,9 +667,13 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned n
             if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, SMP_STATUS_INPUT);  // no finite logit
             *cx.rs.arrive = 0u;
             *cx.rs.done = 0u;
-            cx.rs.ncand[0] = 0u;
-            cx.rs.ncand[1] = 0u;
+            // The candidate slots written this unit (by either stage) go back to zero too.
+            const unsigned n0 = atomicExch(cx.rs.ncand, 0u), n1 = atomicExch(cx.rs.ncand + 1, 0u);
+            const unsigned n = n0 > n1 ? n0 : n1;
+            sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
         }
+        __syncthreads();  // sm.nclear
+        for (unsigned i = threadIdx.x; i < sm.nclear; i += kThreads) cx.rs.cand[i] = make_ulonglong2(0ull, 0ull);
         if (cx.hpass)
             for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
         __syncthreads();
