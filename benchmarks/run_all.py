@@ -75,6 +75,12 @@ def _sampling(row, meta):
     return row["batch"] * vocab * 2 / bw * 1e6 / row["µs"]
 
 
+def _parallel_efficiency(row, meta):
+    # floor: perfect scaling, world_size GPUs doing world_size x T tokens in the time one does T
+    speedup, world = row.get("speedup"), meta.get("world_size")
+    return speedup / world if speedup and world else None
+
+
 def _generic(row, meta):
     return _pct_of_copy(row, meta) if "% of copy BW" in row else _inverse_x_floor(row, meta)
 
@@ -85,6 +91,8 @@ FRACTION_OF_FLOOR = {
     "bench_linear": _linear,              # max("% of copy BW", TFLOP/s / bf16 peak)
     "bench_moe": _inverse_x_floor,        # 1 / "x floor" (touched-expert byte floor)
     "bench_sampling": _sampling,          # logits bytes at the copy bandwidth / µs
+    "bench_decode": _pct_of_copy,         # bytes the step must read / time vs copy bandwidth
+    "bench_dist": _parallel_efficiency,   # speedup over one GPU on world x T tokens / world size
 }
 
 
@@ -338,8 +346,9 @@ def write_report(report: dict, out_dir: Path) -> Path:
 # ---------------------------------------------------------------- plot
 
 def row_label(columns: list[str], row: dict) -> str:
-    """The row's identity: the columns before the first timing column ("µs")."""
-    keys = columns[:columns.index("µs")] if "µs" in columns else columns[:2]
+    """The row's identity: the columns before the first timing column ("µs" or "ms/step")."""
+    timing = next((c for c in ("µs", "ms/step") if c in columns), None)
+    keys = columns[:columns.index(timing)] if timing else columns[:2]
     return " ".join(str(row[k]) if isinstance(row.get(k), str) else f"{k}={row.get(k)}" for k in keys)
 
 
