@@ -201,8 +201,8 @@ class Model:
         """Shard this model over the ranks of ``comm`` (`fp4kit.dist`), every rank holding the same
         tokens: ``ep`` splits each MoE's experts (``tokens="replicated"``: each rank runs its experts
         on every token, one all-gather of the results); ``tp`` splits the rows of every attention
-        projection and of the lm_head (column-parallel, outputs all-gathered: results identical to
-        one GPU). Returns the number of projections left whole (rows not divisible by the ranks)."""
+        projection and of the lm_head (column-parallel, outputs all-gathered: the same values as one
+        GPU up to the summation order a shard's GEMM picks). Returns the number of projections left whole (rows not divisible by the ranks)."""
         from fp4kit import dist
 
         whole = 0
