@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Nvfp4Tensor
-from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing
+from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids
 from ..layers.shared_expert import SharedExpert, interleave_rows
 from ..ops import quant as quant_ops
 from ..runtime import arrays
@@ -309,13 +309,7 @@ class ExpertParallelMoE:
             raise TypeError(f"x: expected bfloat16, got {x.dtype}")
         arrays.check_contiguous("x", x)
         arrays.check_same_device(x=x, gate_weight=self.gate_weight)
-        if self.tid2eid is not None:
-            if token_ids is None:
-                raise ValueError("token_ids: hash routing needs the token ids of x")
-            token_ids = arrays.as_array(token_ids, "token_ids")
-            if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
-                raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
-            arrays.check_same_device(x=x, token_ids=token_ids)
+        token_ids = check_token_ids(token_ids, x, self.tid2eid is not None)
         b = self._buffers_for(x)
         out = self._forward(x, token_ids, b)
         return out if arrays.is_device_array(out) else out.copy()

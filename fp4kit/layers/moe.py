@@ -42,6 +42,19 @@ from .shared_expert import interleave_rows
 SCORE_FUNCS = moe_ref.SCORE_FUNCS
 
 
+def check_token_ids(token_ids, x, hashed: bool):
+    """The token ids hash routing needs: int32 ``[T]`` beside ``x [T, H]`` (None without hashing)."""
+    if not hashed:
+        return token_ids
+    if token_ids is None:
+        raise ValueError("token_ids: hash routing needs the token ids of x")
+    token_ids = arrays.as_array(token_ids, "token_ids")
+    if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
+        raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
+    arrays.check_same_device(x=x, token_ids=token_ids)
+    return token_ids
+
+
 @dataclass
 class ExpertStack:
     """NVFP4 weights of E experts, ``[E, N, K]`` logically.
@@ -261,13 +274,7 @@ class MoE:
         if x.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"x: expected bfloat16 or float32, got {x.dtype}")
         arrays.check_contiguous("x", x)
-        if self.tid2eid is not None:
-            if token_ids is None:
-                raise ValueError("token_ids: hash routing needs the token ids of x")
-            token_ids = arrays.as_array(token_ids, "token_ids")
-            if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
-                raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
-            arrays.check_same_device(x=x, token_ids=token_ids)
+        token_ids = check_token_ids(token_ids, x, self.tid2eid is not None)
         if not arrays.is_device_array(x):
             return self._forward_reference(x, token_ids)
         return self._forward_device(x, token_ids)
