@@ -31,36 +31,10 @@
 // Every grid is sized for the worst case; nothing depends on a count read back on the host.
 #include <cuda_bf16.h>
 
+#include "common/block_scan.cuh"
+
 constexpr unsigned kPlanThreads = 1024;
 constexpr unsigned kMaxExperts = 1024;
-
-// Exclusive scan of one value per thread over a block of kPlanThreads; the total to every thread.
-__device__ unsigned block_scan_exclusive(unsigned v, unsigned& total) {
-    __shared__ unsigned warp_sums[32];
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned x = v;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const unsigned y = __shfl_up_sync(0xFFFFFFFFu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned w = warp_sums[lane];
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const unsigned y = __shfl_up_sync(0xFFFFFFFFu, w, d);
-            if (lane >= d) w += y;
-        }
-        warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const unsigned before = x - v + (warp ? warp_sums[warp - 1] : 0u);
-    total = warp_sums[31];
-    __syncthreads();  // warp_sums is reused by the next scan
-    return before;
-}
 
 extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_send(
     unsigned* counts, const unsigned* tickets, const int* ids, const float* weights, unsigned E, unsigned per_rank,
@@ -70,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_send(
     const unsigned e = threadIdx.x;
     const unsigned c = e < E ? counts[e] : 0u;
     unsigned total;
-    const unsigned s = block_scan_exclusive(c, total);
+    const unsigned s = block_exclusive_scan(c, total);
     if (e < E) start[e] = s;
     if (e == 0) start[E] = total;
     __syncthreads();
@@ -107,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_recv(
     const unsigned s = j % world, e = j / world;
     const unsigned c = j < n ? recv_counts[s * per_rank + e] : 0u;
     unsigned total;
-    const unsigned r0 = block_scan_exclusive(c, total);
+    const unsigned r0 = block_exclusive_scan(c, total);
     if (j < n) {
         row_start[s * per_rank + e] = r0;
         if (s == 0) expert_start[e] = r0;
@@ -116,14 +90,14 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_recv(
 
     // source-major order: where each (source, expert) group sits in the source's chunk
     unsigned total_src;
-    const unsigned g = block_scan_exclusive(j < n ? recv_counts[j] : 0u, total_src);
+    const unsigned g = block_exclusive_scan(j < n ? recv_counts[j] : 0u, total_src);
     if (j < n) src_start[j] = g;
     if (j == 0) src_start[n] = total_src;
     __syncthreads();
 
     const unsigned rows_e = j < per_rank ? expert_start[j + 1] - expert_start[j] : 0u;
     unsigned n_active;
-    const unsigned rank = block_scan_exclusive(rows_e > 0 ? 1u : 0u, n_active);
+    const unsigned rank = block_exclusive_scan(rows_e > 0 ? 1u : 0u, n_active);
     if (j < per_rank) {
         offsets[j] = expert_start[j];
         if (rows_e > 0) active[rank] = j;

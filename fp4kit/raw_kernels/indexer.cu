@@ -31,6 +31,8 @@
 //   index first), are written in ascending index order. No sort, one read of the scores (registers).
 #include <cuda_bf16.h>
 
+#include "common/block_scan.cuh"
+
 #define IDX_STATUS_INDEXER 2u  // a NaN live score, or a length outside [0, C]
 #define IDX_NEG_INF __int_as_float(0xFF800000)
 
@@ -167,31 +169,6 @@ __device__ __forceinline__ unsigned score_key(float s) {
 
 __device__ __forceinline__ float key_score(unsigned key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
-}
-
-// Inclusive scan over the 1024 threads of the block. `warp_totals` ([32] in shared memory) must not
-// be written again before a barrier that follows this call.
-template <typename T>
-__device__ __forceinline__ T block_inclusive_scan(T v, T* warp_totals) {
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const T x = __shfl_up_sync(0xFFFFFFFFu, v, off);
-        if (lane >= (unsigned)off) v += x;
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        T x = warp_totals[lane];
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const T y = __shfl_up_sync(0xFFFFFFFFu, x, off);
-            if (lane >= (unsigned)off) x += y;
-        }
-        warp_totals[lane] = x;
-    }
-    __syncthreads();
-    return warp ? v + warp_totals[warp - 1] : v;
 }
 
 // This thread's share of a row's live scores: the contiguous range [begin, begin + count), as keys.

@@ -23,6 +23,7 @@
 //                  weight unless it was applied before the down projection) + shared[t], in slot order.
 //
 // Every grid is sized for the worst case and exits early, so nothing depends on a count read back.
+#include "common/block_scan.cuh"
 #include "common/gemm_decode.cuh"
 
 constexpr int kRouterThreads = 256;
@@ -194,34 +195,6 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     float* weights, unsigned* counts, unsigned* tickets) {
     router(logits, bias, token_ids, tid2eid, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
            ids, weights, counts, tickets);
-}
-
-// Block-wide exclusive scan of one value per thread (blockDim.x == 1024); returns the total too.
-__device__ unsigned block_exclusive_scan(unsigned v, unsigned& total) {
-    __shared__ unsigned warp_sums[32];
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned inc = v;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const unsigned n = __shfl_up_sync(0xFFFFFFFFu, inc, off);
-        if (lane >= off) inc += n;
-    }
-    if (lane == 31) warp_sums[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned w = warp_sums[lane];
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const unsigned n = __shfl_up_sync(0xFFFFFFFFu, w, off);
-            if (lane >= off) w += n;
-        }
-        warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const unsigned before = (warp ? warp_sums[warp - 1] : 0u) + inc - v;
-    total = warp_sums[31];
-    __syncthreads();
-    return before;
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts, const unsigned* tickets, const int* ids,

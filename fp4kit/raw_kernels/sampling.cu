@@ -35,6 +35,7 @@
 // whole. Masses are integers, so the thresholds do not depend on the order of the atomics.
 #include <cuda_bf16.h>
 
+#include "common/block_scan.cuh"
 #include "common/philox.cuh"
 
 #define SMP_STATUS_INPUT 8u
@@ -79,31 +80,6 @@ __device__ __forceinline__ unsigned smp_key(float s) {
 
 __device__ __forceinline__ float smp_unkey(unsigned key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
-}
-
-template <typename T>
-__device__ __forceinline__ T smp_block_inclusive_scan(T v, T* warp_totals) {
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const T x = __shfl_up_sync(0xFFFFFFFFu, v, off);
-        if (lane >= (unsigned)off) v += x;
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        T x = warp_totals[lane];
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const T y = __shfl_up_sync(0xFFFFFFFFu, x, off);
-            if (lane >= (unsigned)off) x += y;
-        }
-        warp_totals[lane] = x;
-    }
-    __syncthreads();
-    const T r = warp ? v + warp_totals[warp - 1] : v;
-    __syncthreads();  // warp_totals may be reused at once
-    return r;
 }
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, unsigned long long* scratch) {
@@ -204,8 +180,8 @@ __device__ Prefix smp_select(const T* row, const Row& r, bool by_mass, unsigned 
         const unsigned d_hi = kBins - 1 - 2 * tid, d_lo = d_hi - 1;
         const unsigned c_hi = sm.count[d_hi], c_lo = sm.count[d_lo];
         const unsigned long long m_hi = sm.mass[d_hi], m_lo = sm.mass[d_lo];
-        const unsigned c_above_hi = smp_block_inclusive_scan(c_hi + c_lo, sm.scan32) - c_hi - c_lo;
-        const unsigned long long m_above_hi = smp_block_inclusive_scan(m_hi + m_lo, sm.scan64) - m_hi - m_lo;
+        const unsigned c_above_hi = block_inclusive_scan(c_hi + c_lo, sm.scan32) - c_hi - c_lo;
+        const unsigned long long m_above_hi = block_inclusive_scan(m_hi + m_lo, sm.scan64) - m_hi - m_lo;
         const unsigned c_above_lo = c_above_hi + c_hi;
         const unsigned long long m_above_lo = m_above_hi + m_hi;
         bool hit_hi, hit_lo;
@@ -345,7 +321,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits, unsigne
                 for (int j = 0; j < 4; ++j)
                     if ((unsigned)j < n) part += smp_mass(smp_scaled(v[j], r));
             });
-            const unsigned long long total = smp_block_inclusive_scan(part, sm.scan64);
+            const unsigned long long total = block_inclusive_scan(part, sm.scan64);
             if (tid == kThreads - 1) sm.bin_mass = total;  // the inclusive scan ends with the block total
             __syncthreads();
             mass_k = sm.bin_mass;
@@ -369,7 +345,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits, unsigne
         }
     });
     const unsigned long long mine = eq_k | ((unsigned long long)eq_p << 32);
-    const unsigned long long before = smp_block_inclusive_scan(mine, sm.scan64) - mine;
+    const unsigned long long before = block_inclusive_scan(mine, sm.scan64) - mine;
     unsigned rank_k = (unsigned)before, rank_p = (unsigned)(before >> 32);
     const unsigned k0 = (unsigned)key, k1 = (unsigned)(key >> 32);
     const uint4 ctr_base = make_uint4(0u, b, (unsigned)ctr_offset, (unsigned)(ctr_offset >> 32));
