@@ -13,7 +13,6 @@ bandwidth.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,26 +30,16 @@ from fp4kit.ops import elementwise as ew  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name
+    from benchmarks.common import Table, copy_bandwidth, device_name, events_us
 except ImportError:
-    from common import Table, copy_bandwidth, device_name
+    from common import Table, copy_bandwidth, device_name, events_us
 
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
 
 
-def median_ms(launch, replays: int = REPLAYS) -> float:
-    """Median ms of ``launch()`` (events around each call), after three warm-up calls."""
-    for _ in range(3):
-        launch()
-    times = []
-    for _ in range(replays):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        launch()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+def median_ms(launch) -> float:
+    """Median ms of ``launch()`` (events around each call, after warm-up calls)."""
+    return events_us(launch, iters=REPLAYS) / 1e3
 
 
 def step_ms(dec: runner.Decoder) -> float:

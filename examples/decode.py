@@ -109,7 +109,7 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
     for i in range(1, args.new_tokens):
         dec.decode_step()
         if (i + 1) % args.print_every == 0 or i + 1 == args.new_tokens:
-            history = runner._host(state.history)  # one read-back per chunk
+            history = runner.to_host(state.history)  # one read-back per chunk
             shown = i + 1
             rate = (i) / max(time.perf_counter() - t0, 1e-9)
             print(f"\r  decoded {shown}/{args.new_tokens} tokens per sequence, {rate:.1f} steps/s; "
@@ -118,7 +118,7 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
     t_decode = time.perf_counter() - t0
     print()
     steps = max(args.new_tokens - 1, 1)
-    tokens = np.asarray(runner._host(state.history))[: args.new_tokens].T.copy()
+    tokens = np.asarray(runner.to_host(state.history))[: args.new_tokens].T.copy()
     return {"prefill_s": t_prefill, "prefill_tokens": fed * b, "decode_s": t_decode, "decode_steps": steps,
             "tokens": tokens, "position": p + args.new_tokens, "decoder": dec}
 

@@ -182,13 +182,8 @@ class Model:
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.
         Launches only (no host sync): capturable in a CUDA graph after one eager call."""
         logits = self.forward(st)
-        sampled = self.sampler(logits)
-        if self.device:
-            ew.log_tokens(sampled, st.history, st.step)
-            st.tokens[...] = sampled
-        else:
-            st.tokens[...] = sampled
-            ew.log_tokens(st.tokens, st.history, st.step)
+        st.tokens[...] = self.sampler(logits)
+        ew.log_tokens(st.tokens, st.history, st.step)
         return st.tokens
 
     def feed(self, st: DecodeState, tokens):

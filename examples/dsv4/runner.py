@@ -128,13 +128,14 @@ def run(model: Model, prompt: np.ndarray, new_tokens: int, *, use_graph: bool = 
         dec.decode_step()
         if keep_logits:
             dec.synchronize()
-            logits.append(np.asarray(_host(state.logits), np.float32))
+            logits.append(np.asarray(to_host(state.logits), np.float32))
     dec.synchronize()
-    history = np.asarray(_host(state.history))[:new_tokens].T.copy()
+    history = np.asarray(to_host(state.history))[:new_tokens].T.copy()
     return history, logits, dec
 
 
-def _host(a):
+def to_host(a):
+    """A device array's copy on the host (a sync), or the numpy array itself."""
     return a.get() if hasattr(a, "get") else a
 
 
@@ -147,7 +148,7 @@ def experts_touched(model: Model, batch: int) -> list[int]:
         if plan is None:
             out.append(min(model.cfg.experts, batch * model.cfg.top_k))
         else:
-            out.append(int(np.unique(_host(plan.ids)).size))
+            out.append(int(np.unique(to_host(plan.ids)).size))
     return out
 
 
@@ -194,7 +195,7 @@ def teacher_forced_logits(model: Model, tokens: np.ndarray) -> np.ndarray:
     out = []
     for p in range(tokens.shape[1]):
         state.tokens[...] = model.xp.asarray(tokens[:, p])
-        out.append(np.asarray(_host(model.forward(state)), np.float32))
+        out.append(np.asarray(to_host(model.forward(state)), np.float32))
     return np.stack(out)
 
 
