@@ -272,6 +272,9 @@ def _replay_equals_eager(step, x, make_input, names, calls=3):
     """Failure descriptions (empty when every replay equals the eager step on the same input)."""
     outs = step()
     o_ref = dict(zip(names, outs))
+    # the eager step ran on the current stream, which a non-blocking stream does not wait for: let
+    # it finish before the replays write the same buffers
+    cp.cuda.get_current_stream().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
