@@ -8,6 +8,7 @@ import pytest
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
 from fp4kit.reference import moe as ref
 from fp4kit.reference import quant as qref
+from fp4kit.runtime import status
 
 BF16 = ml_dtypes.bfloat16
 
@@ -45,6 +46,8 @@ def test_route_groups_hash_and_scale():
     tid2eid = rng.integers(0, 16, (10, 4)).astype(np.int32)
     ids, _ = ref.route(x, gate, top_k=4, tid2eid=tid2eid, token_ids=np.array([7, 0, 7]))
     assert np.array_equal(ids, tid2eid[[7, 0, 7]])
+    ids, _ = ref.route(x, gate, top_k=4, tid2eid=tid2eid, token_ids=np.array([10, -1, 7]))  # out of range: row 0
+    assert np.array_equal(ids, tid2eid[[0, 0, 7]])
 
 
 def _weights(rng, e=8, h=64, i=32):
@@ -142,6 +145,12 @@ def test_bad_shapes_and_inputs(rng):
     hashed = MoE(gate, s2, RoutingConfig(top_k=2), w13=layer.w13, tid2eid=np.zeros((5, 2), np.int32))
     with pytest.raises(ValueError, match="token_ids: hash routing needs"):
         hashed(np.zeros((2, 64), BF16))
+    status.clear(None)
+    hashed(np.zeros((2, 64), BF16), np.array([4, 0], np.int32))
+    assert not status.read(None) & status.TOKEN_RANGE
+    hashed(np.zeros((2, 64), BF16), np.array([5, 0], np.int32))  # vocab is 5: routed like token 0, recorded
+    assert status.read(None) & status.TOKEN_RANGE
+    status.clear(None)
     def raw(e, n, k):  # a stack whose K need not be a multiple of 16
         return ExpertStack(np.zeros((e, n, k // 2), np.uint8), np.zeros((e, n, k // 16), np.uint8),
                            np.ones(e, np.float32), np.ones(e, np.float32))

@@ -9,6 +9,7 @@ import pytest
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import moe as ref
+from fp4kit.runtime import status
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -97,6 +98,14 @@ def test_adversarial_routing(rng):
     assert np.array_equal(cp.asnumpy(ids), tid2eid[tokens])
     y = cp.asnumpy(dev_h(cp.asarray(x), cp.asarray(tokens))).astype(np.float32)
     assert gref.calc_diff(y, host_h(x, tokens).astype(np.float32)) < BOUND
+    # token ids outside [0, vocab) route like token 0 and are recorded, never read out of bounds
+    status.clear(0)
+    bad = tokens.copy()
+    bad[[3, 77]] = [1 << 30, -5]
+    ids, _ = dev_h.route(cp.asarray(x), cp.asarray(bad))
+    assert np.array_equal(cp.asnumpy(ids), tid2eid[np.where((bad >= 0) & (bad < 1000), bad, 0)])
+    assert status.read(0) & status.TOKEN_RANGE
+    status.clear(0)
 
 
 def test_fused_and_unfused_agree_on_device(rng):

@@ -247,3 +247,103 @@ def test_bad_logits_and_generator():
         Generator(1.5, device=False)
     with pytest.raises(ValueError, match="seed: expected 0 <= seed < 2\\*\\*64"):
         Generator(-1, device=False)
+
+
+# ---- kernel geometry (no GPU needed)
+
+
+def test_scratch_size_matches_the_kernel():
+    import re
+
+    from fp4kit.runtime import loader
+
+    src = loader.kernel_source("sampling")
+    const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
+    hdr, bins, cap = const["kHdrWords"], const["kBins"], const["kCap"]
+    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 4 * cap
+    assert const["kThreads"] == ops._THREADS and const["kMaxPer"] == ops._MAX_PER
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 8, 64, 256, 5000])
+@pytest.mark.parametrize("vocab", [1, 3, 100, 1024, 1025, 4097, 129280, 262144, ops.MAX_VOCAB])
+def test_geometry_covers_the_row_with_resident_blocks(batch, vocab):
+    max_blocks = 264  # 2 blocks per SM on a 132-SM H200
+    per, g, grid = ops.geometry(batch, vocab, max_blocks)
+    chunk = ops._THREADS * per
+    assert per % 4 == 0 and 4 <= per <= ops._MAX_PER
+    assert g * chunk >= vocab > (g - 1) * chunk  # every block holds at least one token
+    assert grid % g == 0 and g <= grid <= max_blocks and grid // g <= batch
+    if batch <= 8 and vocab >= 129280:
+        assert grid >= 64  # a small batch still spreads over many SMs
+
+
+def test_geometry_rejects_a_row_that_cannot_be_resident():
+    with pytest.raises(ValueError, match="resident blocks per row"):
+        ops.geometry(1, ops.MAX_VOCAB, 100)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8, 64, 256])
+@pytest.mark.parametrize("vocab", [1, 2, 3, 5, 100, 1023, 1024, 1025, 2048, 4097, 12289, 129280, 262144])
+@pytest.mark.parametrize("elem", [2, 4])  # bf16, fp32
+def test_geometry_indices_stay_in_bounds(batch, vocab, elem):
+    """A model of the kernel's indexing (sample_rows / sample_unit / smp_load_tile): every token of
+    every row is held by exactly one thread, every load (scalar or vector) is inside its row and
+    aligned, every block's scratch row lies inside the generator's buffer, and 64-bit / 128-bit
+    scratch fields are aligned."""
+    max_blocks = 264
+    per, g, grid = ops.geometry(batch, vocab, max_blocks)
+    rows = grid // g
+    words = rows * ops.ROW_WORDS  # what sample() asks the generator for
+    vec = vocab % 4 == 0  # and a 16-byte aligned base pointer
+    seen = np.zeros(vocab, np.int64)
+    for chunk in range(g):
+        for tid in range(ops._THREADS):
+            first = chunk * ops._THREADS * per + tid * per
+            n = min(per, vocab - first) if first < vocab else 0
+            assert 0 <= n <= per <= ops._MAX_PER and first % 4 == 0
+            for q in range(0, ops._MAX_PER, 4):
+                m = n - q
+                if vec and m >= 4:
+                    assert first + q + 4 <= vocab and ((first + q) * elem) % (4 * elem) == 0
+                for j in range(max(0, min(4, m))):
+                    assert first + q + j < vocab
+            seen[first:first + n] += 1
+    assert (seen == 1).all()
+    # rows in rounds: group r of `rows` handles rows r, r + rows, ...; its scratch row is r
+    assert 1 <= rows <= batch
+    handled = sorted(b for r in range(rows) for b in range(r, batch, rows))
+    assert handled == list(range(batch))
+    for block in range(grid):
+        base = (block // g) * ops.ROW_WORDS
+        assert base + ops.ROW_WORDS <= words
+        cand = base + ops.ROW_WORDS - 4 * 512
+        assert (base * 4) % 8 == 0 and (cand * 4) % 16 == 0
+
+
+def _function_body(src: str, name: str) -> str:
+    start = src.index(name + "(")
+    start = src.index("{", start)
+    depth = 0
+    for i in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[start:i + 1]
+    raise AssertionError(name)
+
+
+def test_the_finisher_clears_every_scratch_field_the_kernel_writes():
+    """Scratch must be zero between launches (graph replays): every field of the row's scratch that
+    any code path writes (stores or atomics) is put back by smp_finish."""
+    import re
+
+    from fp4kit.runtime import loader
+
+    src = loader.kernel_source("sampling")
+    written = set(re.findall(r"cx\.rs\.(\w+)\s*(?:\[[^\]]*\]\s*)?=[^=]", src))
+    written |= set(re.findall(r"atomic\w+\(\s*&?cx\.rs\.(\w+)", src))
+    written |= {"count", "mass"}  # smp_merge writes through gc / gm
+    assert {"cand", "ncand", "arrive", "done", "best", "race", "round"} <= written | {"best", "race", "round"}
+    finish = _function_body(src, "__device__ void smp_finish")
+    for field in written:
+        assert re.search(r"cx\.rs\.%s\b" % field, finish), f"smp_finish never resets scratch field {field!r}"
+    assert re.search(r"cx\.rs\.cand\[i\]\s*=\s*make_ulonglong2\(0ull, 0ull\)", finish)

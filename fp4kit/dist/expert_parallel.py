@@ -309,7 +309,7 @@ class ExpertParallelMoE:
             raise TypeError(f"x: expected bfloat16, got {x.dtype}")
         arrays.check_contiguous("x", x)
         arrays.check_same_device(x=x, gate_weight=self.gate_weight)
-        token_ids = check_token_ids(token_ids, x, self.tid2eid is not None)
+        token_ids = check_token_ids(token_ids, x, self.tid2eid)
         b = self._buffers_for(x)
         out = self._forward(x, token_ids, b)
         return out if arrays.is_device_array(out) else out.copy()

@@ -35,16 +35,20 @@ from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
 from ..reference import fp32
 from ..reference import moe as moe_ref
-from ..runtime import arrays
+from ..runtime import arrays, status
 from ..runtime.workspace import zeros_outside_capture
 from .shared_expert import interleave_rows
 
 SCORE_FUNCS = moe_ref.SCORE_FUNCS
 
 
-def check_token_ids(token_ids, x, hashed: bool):
-    """The token ids hash routing needs: int32 ``[T]`` beside ``x [T, H]`` (None without hashing)."""
-    if not hashed:
+def check_token_ids(token_ids, x, tid2eid):
+    """The token ids hash routing needs: int32 ``[T]`` beside ``x [T, H]`` (None without hashing).
+
+    An id outside ``[0, vocab)`` is not an error here (device ids are never read on the host): it
+    routes like token 0 and records `fp4kit.runtime.status.TOKEN_RANGE` (on the host for numpy ids).
+    """
+    if tid2eid is None:
         return token_ids
     if token_ids is None:
         raise ValueError("token_ids: hash routing needs the token ids of x")
@@ -52,6 +56,8 @@ def check_token_ids(token_ids, x, hashed: bool):
     if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
         raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
     arrays.check_same_device(x=x, token_ids=token_ids)
+    if not arrays.is_device_array(token_ids) and token_ids.size and not moe_ref.token_ids_in_range(token_ids, tid2eid):
+        status.record_host(status.TOKEN_RANGE)
     return token_ids
 
 
@@ -274,7 +280,7 @@ class MoE:
         if x.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"x: expected bfloat16 or float32, got {x.dtype}")
         arrays.check_contiguous("x", x)
-        token_ids = check_token_ids(token_ids, x, self.tid2eid is not None)
+        token_ids = check_token_ids(token_ids, x, self.tid2eid)
         if not arrays.is_device_array(x):
             return self._forward_reference(x, token_ids)
         return self._forward_device(x, token_ids)

@@ -38,7 +38,7 @@ class Generator:
     offset : int, the starting counter (default 0)
 
     ``arrivals`` (uint32 ``[1]``, zero between calls) is the kernel's scratch for advancing the
-    offset once per launch.
+    offset once per launch; `scratch` holds its per-row counters and histograms.
     """
 
     def __init__(self, seed: int, *, device: bool = True, offset: int = 0):
@@ -54,6 +54,22 @@ class Generator:
             self.seed = np.array([seed], np.uint64)
             self.offset = np.array([offset], np.uint64)
             self.arrivals = np.zeros(1, np.uint32)
+        self._scratch = None
+        self._retired: list = []
+
+    def scratch(self, words: int):
+        """A uint32 device buffer of at least ``words`` words, zero between calls (the sampling kernel
+        leaves it zero). Made on first use and grown when a call needs more; a replaced buffer is
+        kept alive, since a captured CUDA graph may still point at it."""
+        if not self.device:
+            raise TypeError("Generator.scratch: a host generator has no device scratch")
+        if self._scratch is None or self._scratch.size < words:
+            from ..runtime import workspace
+
+            if self._scratch is not None:
+                self._retired.append(self._scratch)
+            self._scratch = workspace.zeros_outside_capture(max(int(words), 1), np.uint32)
+        return self._scratch
 
     def set_state(self, seed: int | None = None, offset: int = 0) -> None:
         """Write a new seed (when given) and offset into the existing buffers (stream-ordered on the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import Nvfp4Tensor
-from ..runtime import arrays, loader
+from ..runtime import arrays, loader, status
 
 _MODULE = "moe"
 _U32 = np.uint32
@@ -25,7 +25,8 @@ def _suffix(dtype) -> str:
 def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
     """Logits (one warp per token and expert), then one block per token: scores, (grouped) top-k or
     hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
-    zero); ``logits`` is fp32 ``[T, E]`` scratch."""
+    zero); ``logits`` is fp32 ``[T, E]`` scratch. A hash-routing token id outside
+    ``[0, vocab)`` reads ``tid2eid`` row 0 and records `fp4kit.runtime.status.TOKEN_RANGE`."""
     t, h = x.shape
     e = gate_weight.shape[0]
     for name, a in (("x", x), ("gate_weight", gate_weight)):
@@ -34,7 +35,8 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
     name = f"moe_router_logits_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
     loader.get_kernel(_MODULE, name).function((-(-e // 8), t), (256,), (x, gate_weight, _U32(e), _U32(h), logits))
     loader.get_kernel(_MODULE, "moe_router")(
-        t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(e), _U32(cfg.top_k),
+        t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
+                 status.device_word(), _U32(e), _U32(cfg.top_k),
                  _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group),
                  _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, counts, tickets))
 

@@ -6,10 +6,13 @@ exponential race (Gumbel-max) on Philox4x32-10 numbers; ``temperature == 0`` is 
 ties to the lower id). `fp4kit.reference.sampling` is the specification: filter order, tie rules,
 NaN / Inf rules, the Philox counter layout.
 
-numpy logits run the reference; CuPy (or CUDA DLPack) logits run one kernel launch (one block of
-1024 threads per row) on CuPy's current stream. The generator's ``seed`` and ``offset`` live in
-device memory: the kernel reads them and advances ``offset`` by one on the device, so the call
-can be captured in a CUDA graph and every replay draws fresh numbers.
+numpy logits run the reference; CuPy (or CUDA DLPack) logits run one cooperative kernel launch on
+CuPy's current stream: each row is split over several blocks of 256 threads (more at small batch,
+so the GPU is busy) that hold their tokens in registers and meet at row barriers; see
+``raw_kernels/sampling.cu``. The generator's ``seed`` and ``offset`` live in device memory: the
+kernel reads them and advances ``offset`` by one on the device, so the call can be captured in a
+CUDA graph and every replay draws fresh numbers. The kernel's per-row scratch belongs to the
+generator (zero between calls; the kernel leaves it zero).
 
 Status word: a NaN or ``+inf`` logit, a row with no finite logit, or an invalid value in a
 per-row device array (replaced as the reference says) or-s `STATUS_SAMPLER` (bit value 8) into the
@@ -27,7 +30,11 @@ from ..reference import sampling as ref
 from ..runtime import arrays, loader, status
 
 _MODULE = "sampling"
-_THREADS = 1024
+_THREADS = 256
+_MAX_PER = 16  # tokens per thread (registers): a block holds up to 4096 tokens of a row
+_MIN_PER = 4
+#: uint32 words of scratch per row in flight; equals kRowWords in raw_kernels/sampling.cu
+ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512
 _U32 = np.uint32
 _I32 = np.int32
 _F32 = np.float32
@@ -36,7 +43,7 @@ _NULL = np.uint64(0)
 #: or-ed into the status word: a NaN or +inf logit, a row without a finite logit, or an invalid
 #: per-row parameter found on the device
 STATUS_SAMPLER = status.SAMPLER_INPUT
-MAX_VOCAB = 1 << 24  # the kernel's fixed-point masses hold 2^24 tokens
+MAX_VOCAB = 1 << 20  # 256 blocks of 4096 tokens, all resident at once
 MAX_BATCH = 2**31 - 1
 _DTYPES = (arrays.BF16, np.dtype(np.float32))
 
@@ -96,14 +103,17 @@ def _check_rows(name: str, value, bsz: int, like):
 
 def check_generator(generator, like):
     """``(seed, offset, arrivals)`` of ``generator``: uint64 ``[1]``, uint64 ``[1]``, uint32 ``[1]`` in
-    the memory of ``like`` (e.g. `fp4kit.layers.sampler.Generator`)."""
+    the memory of ``like`` (e.g. `fp4kit.layers.sampler.Generator`). Device generators also need a
+    ``scratch(words)`` method (the kernel's per-row scratch)."""
     if generator is None:
         raise TypeError("generator: required (e.g. fp4kit.layers.sampler.Generator(seed))")
     try:
         parts = (generator.seed, generator.offset, generator.arrivals)
+        if arrays.is_device_array(like) and not callable(generator.scratch):
+            raise AttributeError
     except AttributeError:
-        raise TypeError(f"generator: expected an object with seed, offset and arrivals arrays "
-                        f"(fp4kit.layers.sampler.Generator), got {type(generator).__name__}") from None
+        raise TypeError(f"generator: expected an object with seed, offset and arrivals arrays and a "
+                        f"scratch(words) method (fp4kit.layers.sampler.Generator), got {type(generator).__name__}") from None
     for part, name, dtype in zip(parts, ("seed", "offset", "arrivals"), (np.uint64, np.uint64, np.uint32)):
         if not (isinstance(part, np.ndarray) or arrays.is_device_array(part)):
             raise TypeError(f"generator.{name}: expected a numpy or CuPy array, got {type(part).__name__}")
@@ -146,7 +156,7 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
     Parameters
     ----------
     logits : bf16 or fp32 ``[B, V]``, C-contiguous
-        V up to 2**24. NaN is read as ``-inf``; a ``+inf`` makes the lowest-id ``+inf`` token
+        V up to 2**20. NaN is read as ``-inf``; a ``+inf`` makes the lowest-id ``+inf`` token
         certain; a row with no finite logit returns its greedy token (token 0 when all are
         ``-inf`` / NaN). NaN, ``+inf`` and empty rows are recorded in the status word (bit 8).
     temperature : float >= 0, or fp32 ``[B]``
@@ -159,7 +169,8 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
     min_p : float in [0, 1), or fp32 ``[B]``
         Then keep the tokens with ``p >= min_p * p_max``; 0 is off.
     generator : `fp4kit.layers.sampler.Generator` (or anything with ``seed`` uint64 ``[1]``,
-        ``offset`` uint64 ``[1]`` and ``arrivals`` uint32 ``[1]`` arrays) in the logits' memory.
+        ``offset`` uint64 ``[1]`` and ``arrivals`` uint32 ``[1]`` arrays, and for device logits a
+        ``scratch(words)`` method returning a zeroed uint32 device buffer) in the logits' memory.
         Every call reads ``(seed, offset)`` and advances ``offset`` by one (on the device for device
         logits); row ``b``, token ``i`` of a call use Philox counter ``(i // 4, b, offset)``.
     out : int32 ``[B]``, optional
@@ -169,7 +180,8 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
     values found there are replaced as the reference says and recorded in the status word).
     Everything is validated before launch. On the device the call is one launch on CuPy's current
     stream; with ``out`` given it allocates nothing and can be captured in a CUDA graph (call it
-    once eagerly first: the first call compiles the kernel). One generator must not be used by
+    once eagerly first, with the largest batch: the first call compiles the kernel and sizes the
+    generator's scratch). One generator must not be used by
     two streams at once. A call with B == 0 does nothing (the offset is not advanced).
     """
     logits, params = check_inputs(logits, temperature, top_k, top_p, min_p)
@@ -198,6 +210,30 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
             pairs += [_NULL, scalar_type(v)]
     vec = int(vocab % 4 == 0 and logits.data.ptr % 16 == 0)
     name = "sample_bf16" if logits.dtype == arrays.BF16 else "sample_f32"
-    kernel = loader.get_kernel(_MODULE, name, block=_THREADS)
-    kernel(bsz, _THREADS, (logits, _U32(vocab), _I32(vec), *pairs, seed, offset, arrivals, out, status.device_word()))
+    kernel = loader.get_kernel(_MODULE, name, cooperative=True, block=_THREADS)
+    per, blocks_per_row, grid = geometry(bsz, vocab, kernel.max_blocks)
+    scratch = generator.scratch(grid // blocks_per_row * ROW_WORDS)  # one row's worth per group of blocks
+    kernel(grid, _THREADS, (logits, _U32(bsz), _U32(vocab), _I32(per), _I32(blocks_per_row), _I32(vec), *pairs,
+                            seed, offset, arrivals, scratch, out, status.device_word()))
     return out
+
+
+def geometry(batch: int, vocab: int, max_blocks: int) -> tuple[int, int, int]:
+    """``(per, blocks_per_row, grid)`` of the kernel for ``[batch, vocab]`` logits.
+
+    A row is split over ``blocks_per_row`` blocks of ``256 * per`` tokens (``per`` a multiple of 4
+    in [4, 16]): enough blocks for a small batch to fill the GPU (about ``max_blocks / 2``, one per
+    SM), but at least 2048 tokens a block on a long row. The cooperative grid holds whole rows and
+    at most ``max_blocks`` (co-resident) blocks; its blocks loop over the rows.
+    """
+    fill = max(1, max_blocks // 2)
+    g = max(-(-vocab // (_THREADS * _MAX_PER)), min(-(-vocab // (_THREADS * 8)), -(-fill // batch)))
+    quantum = _THREADS * _MIN_PER
+    chunk = -(-(-(-vocab // g)) // quantum) * quantum
+    per = chunk // _THREADS
+    g = -(-vocab // chunk)
+    if g > max_blocks:
+        raise ValueError(f"logits: a vocabulary of {vocab} needs {g} resident blocks per row, this GPU holds "
+                         f"{max_blocks}; at most {max_blocks * _THREADS * _MAX_PER} tokens")
+    rows = min(batch, max_blocks // g)
+    return per, g, rows * g

@@ -5,7 +5,8 @@
 //                  fp32) . gate weight [E, H] (bf16 or fp32), one warp per (token, expert).
 //   moe_router     grid T (one block per token), 256 threads: from the logits, bias [E] (selection
 //                  only, optional), hash routing
-//                  (tid2eid [V, top_k], token_ids [T]) optional. Writes ids [T, top_k] (int32),
+//                  (tid2eid [V, top_k], token_ids [T]) optional: an id outside [0, V) reads row 0
+//                  and or-s MOE_STATUS_TOKEN into status [1]. Writes ids [T, top_k] (int32),
 //                  weights [T, top_k] (fp32), and for each (token, slot) a ticket: its position
 //                  among the pairs routed to the same expert, from an atomic increment of
 //                  counts [E] (zero on entry).
@@ -30,6 +31,7 @@ constexpr int kRouterThreads = 256;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 16;
 #define FP4_INF __int_as_float(0x7F800000)
+#define MOE_STATUS_TOKEN 16u  // runtime/status.py TOKEN_RANGE
 
 enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
@@ -96,7 +98,7 @@ __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigne
 }
 
 __device__ void router(const float* logits, const float* bias, const int* token_ids, const int* tid2eid,
-                       unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
+                       unsigned vocab, unsigned* status, unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
                        int renormalize, float routed_scale, int* ids, float* weights, unsigned* counts,
                        unsigned* tickets) {
     __shared__ float score[kMaxExperts];
@@ -126,7 +128,11 @@ __device__ void router(const float* logits, const float* bias, const int* token_
     }
     __syncthreads();
     if (tid2eid) {
-        if (threadIdx.x < top_k) chosen[threadIdx.x] = tid2eid[(size_t)token_ids[t] * top_k + threadIdx.x];
+        // An id outside [0, vocab) reads row 0 (as the embedding gather does) and is recorded.
+        const int tok = token_ids[t];
+        const bool in_range = tok >= 0 && (unsigned)tok < vocab;
+        if (threadIdx.x == 0 && !in_range) atomicOr(status, MOE_STATUS_TOKEN);
+        if (threadIdx.x < top_k) chosen[threadIdx.x] = tid2eid[(size_t)(in_range ? tok : 0) * top_k + threadIdx.x];
     } else {
         if (n_group > 1) {  // V3: keep the topk_group groups with the best top-2 sums
             __shared__ float group_score[32];
@@ -190,10 +196,10 @@ FP4_DEFINE_ROUTER_LOGITS(f32_f32, float, float)
 FP4_DEFINE_ROUTER_LOGITS(f32_bf16, float, __nv_bfloat16)
 
 extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
-    const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned E, unsigned top_k,
-    int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
+    const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,
+    unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
     float* weights, unsigned* counts, unsigned* tickets) {
-    router(logits, bias, token_ids, tid2eid, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
+    router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
            ids, weights, counts, tickets);
 }
 

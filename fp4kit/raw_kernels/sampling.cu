@@ -4,6 +4,8 @@
 //
 // Arguments (row-major, contiguous):
 //   logits    bf16 | fp32 [B, V]   any finite, +-inf or NaN values (NaN is read as -inf)
+//   B, V, per, G                   rows; vocabulary; tokens per thread (a multiple of 4, <= kMaxPer);
+//                                  blocks per row (G * kThreads * per >= V)
 //   t_rows    fp32  [B] or null    per-row temperature; null: every row uses t_all
 //   k_rows    int32 [B] or null    per-row top_k (0: off); null: k_all
 //   p_rows    fp32  [B] or null    per-row top_p (1: off); null: p_all
@@ -12,64 +14,95 @@
 //   offset    uint64 [1]           Philox counter words 2 and 3; advanced by one per launch, on the
 //                                  device, by the last block to arrive
 //   arrivals  uint32 [1]           0 between launches: counts the blocks that have read `offset`
+//   scratch   uint32 [R * kRowWords]  0 between launches: the counters, histograms and candidates
+//                                  of the row each group of G blocks is working on; the last block
+//                                  of a row to finish puts them back to 0
 //   out       int32 [B]            the drawn token ids, always in [0, V)
 //   status    uint32 [1]           SMP_STATUS_INPUT (8) is or-ed in for a NaN or +inf logit, a row
-//                                  with no finite logit, or an invalid per-row parameter (replaced
-//                                  as the reference says)
+//                                  with no finite logit, or an invalid per-row parameter
 //
-// Geometry: grid B, 1024 threads, one block per row. Thread t owns the contiguous token range
-// [t * per, t * per + per), per = ceil(V / 1024) rounded up to a multiple of 4 (so a range starts
-// on a vector boundary and a Philox call covers 4 tokens of one thread). The logits are re-read
-// (from L2) by every pass; nothing is sorted:
-//   1. max and argmax of the canonical logits (argmax is the greedy / +inf / empty-row result);
-//      d_i = (l_i - l_max) / T <= 0 from here on, and keys are d's order-preserving uint32 image;
-//   2. top-k: a radix select on the keys (digits of 11, 11, 10 bits, 2048-bin shared histograms of
-//      counts and of 36-bit fixed-point masses exp(d_i) * 2^36, a block scan from the top bin);
-//      the kept set is "key above the threshold bits, or equal and among the first `need` in id
-//      order" (a prefix of the order larger probability first, lower id first); its mass is
-//      what top-p renormalises by;
-//   3. top-p: the same radix descent driven by the cumulative mass, target ceil(p * mass(top-k));
-//   4. race: per-thread tie ranks by one block scan, then each kept token's d_i - log(-log u_i)
-//      (u from Philox, min-p checked as exp(d_i) >= m), and a block argmax, ties to the lower id.
-// Passes 2 and 3 run only when their filter is on and stop early once the threshold bin is taken
-// whole. Masses are integers, so the thresholds do not depend on the order of the atomics.
+// Geometry: a cooperative launch (every block resident, so blocks may wait for each other) of
+// R * G blocks of kThreads threads; blocks g*G .. g*G+G-1 handle rows g, g + R, g + 2R, ... (one
+// per round; a round starts once the previous round's finisher has cleared the scratch). Block
+// c of a row holds tokens [c * kThreads * per, ...) in registers, thread t the `per` consecutive
+// tokens from t * per (so a Philox call covers 4 tokens of one thread). The row is read once.
+// The G blocks of a row meet at row barriers (a counter in the row's scratch):
+//   1. max / argmax of the canonical logits: block maxima -> atomicMax -> barrier. Greedy rows
+//      (T == 0) skip the barrier: the finisher (below) writes the argmax.
+//      d_i = (l_i - l_max) / T <= 0 from here on; tokens are ordered by the composite
+//      key(d_i) << 32 | ~i (larger d first, equal d: lower id first), every filter keeps a prefix
+//      of that order, so a filter is one threshold `theta` on the composite.
+//   2. top-k (by count), then top-p (by mass, target ceil(p * mass(top-k))): a histogram of 1024
+//      bins of width 1/32 in d (36-bit fixed-point masses exp(d) * 2^36, counts), block-local in
+//      shared memory, summed into the row's global histogram by atomics, barrier, a scan finds the
+//      boundary bin. If it holds more than kCap tokens (ties, clusters, the d < -32 tail), radix
+//      passes over the 8 composite bits below the highest bit that varies within it narrow it.
+//      For top-k followed by top-p, the top-k bucket's tokens are appended to a candidate list,
+//      barrier, and every block finds the exact boundary token among them (each candidate's rank
+//      and the mass above it): top-p's target needs the top-k mass. The last filter's cut is
+//      deferred to step 3 instead, saving a barrier.
+//   3. race: each kept token's d_i - log(-log u_i) (u from Philox, min-p checked as exp(d) >= m),
+//      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
+//      go to the candidate list with their race keys. The last block of the row to arrive cuts
+//      the candidates exactly, writes the best kept token (the argmax for special rows) and puts
+//      the row's scratch back to zero for the next launch.
+// Masses and counts are integers and the maxima are order-independent, so the result does not
+// depend on the order of the atomics: the same seed and offset give the same tokens.
 #include <cuda_bf16.h>
 
-#include "common/block_scan.cuh"
 #include "common/philox.cuh"
 
 #define SMP_STATUS_INPUT 8u
 #define SMP_NEG_INF __int_as_float(0xFF800000)
 #define SMP_FLT_MIN 1.175494351e-38f
 
-constexpr int kThreads = 1024;
-constexpr unsigned kBins = 2048;
-constexpr float kMassScale = 68719476736.0f;  // 2^36: V <= 2^24 tokens of mass <= 2^36 fit in 64 bits
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxPer = 16;                    // tokens per thread, held in registers
+constexpr int kBins = 1024;                    // first-level histogram over d
+constexpr float kBinsPerUnit = 32.0f;          // bin b < kBins-1 holds d in (-(b+1)/32, -b/32]
+constexpr float kBinFloor = -31.96875f;        // d <= -(kBins-1)/32: the last bin (masses round to 0)
+constexpr int kRadixBins = 256;                // refinement: 8 bits of the composite per pass
+constexpr int kCap = 512;                      // a bucket this small is resolved exactly
+constexpr int kCapEach = kCap / kThreads;
+constexpr float kMassScale = 68719476736.0f;   // 2^36: V <= 2^24 tokens of mass <= 2^36 fit in 64 bits
+// Gumbel numbers lie in [-2.82, 16.64] (u in [2^-24, 1 - 2^-24]) and the max token (d = 0) is
+// always kept, so a token with d < -20 can never win the race: no Philox or logs for it.
+constexpr float kNeverWins = -20.0f;
 
-__device__ __forceinline__ float smp_load(const float* p) { return *p; }
-__device__ __forceinline__ float smp_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+// Scratch per row in flight, in uint32 words (fp4kit/ops/sampling.py ROW_WORDS, allocates R * kRowWords).
+constexpr int kHdrWords = 16;                      // best u64, race u64, arrive, done, ncand[2], round
+constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
+constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
+constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
+constexpr int kRowWords = kCandOff + 4 * kCap;
+static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0, "64-bit fields need even word offsets");
+static_assert(kBins % kThreads == 0 && kRadixBins % kThreads == 0 && kCap % kThreads == 0, "per thread");
 
-// Four logits at p (n of them valid); vec: p is 16-byte (fp32) or 8-byte (bf16) aligned.
-__device__ __forceinline__ void smp_load4(const float* p, unsigned n, bool vec, float v[4]) {
-    if (vec && n == 4) {
-        const float4 f = *reinterpret_cast<const float4*>(p);
-        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = (unsigned)j < n ? p[j] : SMP_NEG_INF;
+struct RowScratch {
+    unsigned long long *best, *race;  // atomicMax slots: phase 1 argmax, race winner
+    unsigned *arrive, *done, *ncand;  // barrier arrivals, finished blocks, candidate counts
+    unsigned* round;                  // the round whose row may use the scratch (0: the first)
+    unsigned* count;                  // [3][kBins]
+    unsigned long long* mass;         // [3][kBins]
+    ulonglong2* cand;                 // [kCap] (composite, race key or 0)
+};
+
+__device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
+    RowScratch s;
+    s.best = reinterpret_cast<unsigned long long*>(base);
+    s.race = reinterpret_cast<unsigned long long*>(base + 2);
+    s.arrive = base + 4;
+    s.done = base + 5;
+    s.ncand = base + 6;
+    s.round = base + 8;
+    s.count = base + kCountOff;
+    s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
+    s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
+    return s;
 }
 
-__device__ __forceinline__ void smp_load4(const __nv_bfloat16* p, unsigned n, bool vec, float v[4]) {
-    if (vec && n == 4) {
-        const uint2 w = *reinterpret_cast<const uint2*>(p);
-        v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xFFFF0000u);
-        v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = (unsigned)j < n ? smp_load(p + j) : SMP_NEG_INF;
-}
+// ---- values, keys, masses
 
 // Order-preserving map of a float (NaN -> -inf, -0 -> +0) to uint32.
 __device__ __forceinline__ unsigned smp_key(float s) {
@@ -82,311 +115,708 @@ __device__ __forceinline__ float smp_unkey(unsigned key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
-__device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, unsigned long long* scratch) {
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const unsigned long long x = __shfl_xor_sync(0xFFFFFFFFu, v, off);
-        v = x > v ? x : v;
-    }
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = scratch[lane];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const unsigned long long x = __shfl_xor_sync(0xFFFFFFFFu, v, off);
-        v = x > v ? x : v;
-    }
-    __syncthreads();
-    return v;
-}
-
-// A prefix of the order (key descending, id ascending): keys whose masked bits exceed `bits`, and
-// the first `need` (in id order) of those whose masked bits equal `bits`.
-struct Prefix {
-    unsigned mask, bits, need;
-};
-
-struct Row {
-    unsigned begin, count;  // this thread's token range
-    float lmax, temp;
-    bool vec;
-};
-
-template <typename T, class F>
-__device__ __forceinline__ void smp_for_each(const T* row, const Row& r, F&& f) {
-#pragma unroll 1
-    for (unsigned i = 0; i < r.count; i += 4) {
-        float v[4];
-        const unsigned n = min(4u, r.count - i);
-        smp_load4(row + r.begin + i, n, r.vec, v);
-        f(r.begin + i, v, n);
-    }
-}
-
-// d = (canonical logit - l_max) / T <= 0 (or -inf).
-__device__ __forceinline__ float smp_scaled(float l, const Row& r) {
-    const float c = isnan(l) ? SMP_NEG_INF : l;
-    return __fdiv_rn(__fsub_rn(c, r.lmax), r.temp) + 0.0f;
+// The token order: larger d first, equal d: lower id first.
+__device__ __forceinline__ unsigned long long smp_comp(float d, unsigned id) {
+    return ((unsigned long long)smp_key(d) << 32) | (unsigned)~id;
 }
 
 __device__ __forceinline__ unsigned long long smp_mass(float d) {
     return __float2ull_rn(__fmul_rn(expf(d), kMassScale));
 }
 
-struct SelectSmem {
+// Monotone in d (larger d, smaller or equal bin); the last bin's masses round to 0.
+__device__ __forceinline__ int smp_bin(float d) {
+    return d > kBinFloor ? __float2int_rz(-d * kBinsPerUnit) : kBins - 1;
+}
+
+__device__ __forceinline__ float smp_load1(const float* p) { return *p; }
+__device__ __forceinline__ float smp_load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// Four logits at p, n of them valid (n may be <= 0); vec: p is 16-byte (fp32) or 8-byte (bf16) aligned.
+__device__ __forceinline__ void smp_load4(const float* p, int n, bool vec, float v[4]) {
+    if (vec && n >= 4) {
+        const float4 f = *reinterpret_cast<const float4*>(p);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = j < n ? p[j] : SMP_NEG_INF;
+}
+
+__device__ __forceinline__ void smp_load4(const __nv_bfloat16* p, int n, bool vec, float v[4]) {
+    if (vec && n >= 4) {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xFFFF0000u);
+        v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = j < n ? smp_load1(p + j) : SMP_NEG_INF;
+}
+
+// ---- block and row synchronisation
+
+struct Smem {
     unsigned count[kBins];
     unsigned long long mass[kBins];
-    unsigned scan32[32];
-    unsigned long long scan64[32];
-    unsigned digit, found, count_above, in_bin;
-    unsigned long long mass_above, bin_mass;
+    ulonglong2 cand[kCap];  // composite, mass
+    unsigned long long red64[kWarps];
+    unsigned red32[kWarps];
+    unsigned long long s_seed, s_offset;
+    // a scan's or an exact search's result
+    unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
+    unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear;
 };
 
-// Radix descent to the prefix that holds `want` tokens (by_mass false) or whose mass first reaches
-// `want` (by_mass true). `*prefix_mass` receives the mass of the prefix.
-template <typename T>
-__device__ Prefix smp_select(const T* row, const Row& r, bool by_mass, unsigned long long want,
-                             unsigned long long* prefix_mass, SelectSmem& sm) {
-    const unsigned tid = threadIdx.x;
-    unsigned mask = 0u, bits = 0u;
-    unsigned need = (unsigned)want;
-    unsigned long long rem = want, mass_above = 0ull, bin_mass = 0ull;
-    unsigned in_bin = 0u;
-    bool early = false;
-#pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-        const unsigned digit_mask = pass == 2 ? 0x3FFu : 0x7FFu;
-        sm.count[tid] = 0u, sm.count[tid + kThreads] = 0u;
-        sm.mass[tid] = 0ull, sm.mass[tid + kThreads] = 0ull;
-        if (tid == 0) sm.found = 0u;
-        __syncthreads();
-        smp_for_each(row, r, [&](unsigned, const float* v, unsigned n) {
+__device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if ((unsigned)j >= n) break;
-                const float d = smp_scaled(v[j], r);
-                const unsigned key = smp_key(d);
-                if ((key & mask) != bits) continue;
-                const unsigned digit = (key >> shift) & digit_mask;
-                atomicAdd(&sm.count[digit], 1u);
-                const unsigned long long q = smp_mass(d);
-                if (q) atomicAdd(&sm.mass[digit], q);
-            }
-        });
-        __syncthreads();
-        // thread t holds bins 2047 - 2t and 2046 - 2t: the scans count what lies in larger bins
-        const unsigned d_hi = kBins - 1 - 2 * tid, d_lo = d_hi - 1;
-        const unsigned c_hi = sm.count[d_hi], c_lo = sm.count[d_lo];
-        const unsigned long long m_hi = sm.mass[d_hi], m_lo = sm.mass[d_lo];
-        const unsigned c_above_hi = block_inclusive_scan(c_hi + c_lo, sm.scan32) - c_hi - c_lo;
-        const unsigned long long m_above_hi = block_inclusive_scan(m_hi + m_lo, sm.scan64) - m_hi - m_lo;
-        const unsigned c_above_lo = c_above_hi + c_hi;
-        const unsigned long long m_above_lo = m_above_hi + m_hi;
-        bool hit_hi, hit_lo;
-        if (by_mass) {
-            hit_hi = m_above_hi < rem && rem <= m_above_hi + m_hi;
-            hit_lo = m_above_lo < rem && rem <= m_above_lo + m_lo;
-        } else {
-            hit_hi = c_above_hi < need && need <= c_above_hi + c_hi;
-            hit_lo = c_above_lo < need && need <= c_above_lo + c_lo;
-        }
-        if (hit_hi) {
-            sm.digit = d_hi, sm.count_above = c_above_hi, sm.in_bin = c_hi;
-            sm.mass_above = m_above_hi, sm.bin_mass = m_hi, sm.found = 1u;
-        } else if (hit_lo) {
-            sm.digit = d_lo, sm.count_above = c_above_lo, sm.in_bin = c_lo;
-            sm.mass_above = m_above_lo, sm.bin_mass = m_lo, sm.found = 1u;
-        }
-        __syncthreads();
-        if (!sm.found) {  // unreachable for consistent inputs: keep everything
-            *prefix_mass = ~0ull;
-            return Prefix{0u, 0u, 0xFFFFFFFFu};
-        }
-        bits |= sm.digit << shift;
-        mask |= digit_mask << shift;
-        in_bin = sm.in_bin, bin_mass = sm.bin_mass;
-        need -= sm.count_above;
-        rem -= sm.mass_above;
-        mass_above += sm.mass_above;
-        __syncthreads();  // every thread has read the shared results before the next pass writes them
-        if (by_mass ? in_bin == 1u : in_bin == need) {
-            early = true;
-            break;
-        }
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long x = __shfl_xor_sync(0xFFFFFFFFu, v, off);
+        v = x > v ? x : v;
     }
-    if (by_mass) {
-        if (early) {
-            need = 1u;
-        } else {  // all 32 bits fixed: every token of the bin has the same mass
-            const unsigned long long each = bin_mass / in_bin;
-            unsigned long long n = each ? (rem + each - 1) / each : in_bin;
-            need = (unsigned)(n < 1ull ? 1ull : (n > in_bin ? in_bin : n));
-        }
-    }
-    *prefix_mass = mass_above + (need == in_bin ? bin_mass : (bin_mass / in_bin) * need);
-    return Prefix{mask, bits, need};
+    if (lane == 0) sm.red64[warp] = v;
+    __syncthreads();
+    v = sm.red64[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) v = sm.red64[w] > v ? sm.red64[w] : v;
+    __syncthreads();  // red64 may be reused at once
+    return v;
 }
 
-__device__ __forceinline__ bool smp_in_prefix(unsigned key, const Prefix& p, unsigned& rank) {
-    const unsigned top = key & p.mask;
-    if (top > p.bits) return true;
-    if (top != p.bits) return false;
-    return rank++ < p.need;
+// Exclusive block scan of (count, mass) pairs; also returns the block's total mass.
+__device__ __forceinline__ unsigned long long smp_block_scan(unsigned c, unsigned long long m, unsigned& c_before,
+                                                             unsigned long long& m_before, Smem& sm) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned ci = c;
+    unsigned long long mi = m;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned cx = __shfl_up_sync(0xFFFFFFFFu, ci, off);
+        const unsigned long long mx = __shfl_up_sync(0xFFFFFFFFu, mi, off);
+        if (lane >= (unsigned)off) ci += cx, mi += mx;
+    }
+    if (lane == 31) sm.red32[warp] = ci, sm.red64[warp] = mi;
+    __syncthreads();
+    unsigned cw = 0u;
+    unsigned long long mw = 0ull, total = 0ull;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+        if ((unsigned)w < warp) cw += sm.red32[w], mw += sm.red64[w];
+        total += sm.red64[w];
+    }
+    c_before = cw + ci - c;
+    m_before = mw + mi - m;
+    __syncthreads();  // red32 / red64 may be reused at once
+    return total;
+}
+
+// Release / acquire at GPU scope (all that the blocks' message passing needs; cheaper than the
+// sequentially consistent __threadfence). Writes of the other threads of the block are ordered
+// before it by the __syncthreads that precedes it.
+__device__ __forceinline__ void smp_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned smp_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The G blocks of a row wait for each other; the n-th barrier of a launch waits for n * G arrivals.
+// Everything a block wrote (stores, atomics) before it is visible to every block of the row after.
+__device__ __forceinline__ void smp_row_barrier(unsigned* arrive, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        smp_fence();
+        atomicAdd(arrive, 1u);
+        while (smp_ld_acquire(arrive) < target) {
+        }
+        smp_fence();
+    }
+    __syncthreads();
+}
+
+// ---- the block's tokens
+
+struct Tile {
+    float v[kMaxPer];  // canonical logits, then d
+    unsigned first;    // id of v[0] (a multiple of 4)
+    int n;             // valid tokens
+};
+
+template <typename T>
+__device__ __forceinline__ bool smp_load_tile(const T* row, unsigned V, int per, bool vec, Tile& t) {
+    t.n = t.first < V ? min(per, (int)(V - t.first)) : 0;
+    bool odd = false;  // a NaN or +inf
+#pragma unroll
+    for (int g = 0; g < kMaxPer; g += 4) {  // beyond t.n: -inf, nothing read
+        float q[4];
+        smp_load4(row + t.first + g, t.n - g, vec, q);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            odd |= isnan(q[e]) || q[e] == __int_as_float(0x7F800000);
+            t.v[g + e] = isnan(q[e]) ? SMP_NEG_INF : q[e];
+        }
+    }
+    return odd;
+}
+
+// ---- thresholds
+
+struct Ctx {
+    RowScratch rs;
+    unsigned G, chunk;
+    unsigned nbar;   // row barriers passed in this launch
+    unsigned hpass;  // histogram passes in this launch (buffer hpass % 3)
+};
+
+__device__ __forceinline__ void smp_barrier(Ctx& cx) {
+    ++cx.nbar;
+    smp_row_barrier(cx.rs.arrive, cx.nbar * cx.G);
+}
+
+// The tokens being searched: level-0 bin `bin` and composite prefix `bits` under `mask`. [lo, hi]
+// is the intersection of the bin's composite range and the prefix's, so the bucket is exactly the
+// tokens with a composite in [lo, hi]; bits above the highest bit where lo and hi differ need no
+// radix pass.
+struct Bucket {
+    int bin;
+    unsigned long long mask, bits, lo, hi;
+};
+
+// The composite range of level-0 bin `bin` (its d range, any id below V).
+__device__ __forceinline__ void smp_bin_range(int bin, unsigned V, Bucket& bk) {
+    unsigned klo, khi;
+    if (bin == kBins - 1) {
+        klo = smp_key(SMP_NEG_INF), khi = smp_key(kBinFloor);
+    } else {  // d in (-(bin+1)/32, -bin/32]: exact in fp32
+        klo = smp_key(-(float)(bin + 1) / kBinsPerUnit) + 1u;
+        khi = smp_key(bin ? -(float)bin / kBinsPerUnit : 0.0f);
+    }
+    bk.lo = ((unsigned long long)klo << 32) | (unsigned)~(V - 1u);
+    bk.hi = ((unsigned long long)khi << 32) | 0xFFFFFFFFu;
+}
+
+__device__ __forceinline__ void smp_flush(Smem& sm, int run, unsigned c, unsigned long long m) {
+    if (run < 0) return;
+    atomicAdd(&sm.count[run], c);
+    if (m) atomicAdd(&sm.mass[run], m);
+}
+
+// Block-local histogram in shared memory. Level 0: every token by bin (the last bin only counted,
+// per warp); radix: the bucket's tokens by the composite's 8 bits at `shift`, top digit first.
+// Runs of equal bins within a thread are summed before the atomics (ties and clusters).
+template <bool kLevel0>
+__device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int shift) {
+    const int nb = kLevel0 ? kBins : kRadixBins;
+    for (int i = threadIdx.x; i < nb; i += kThreads) sm.count[i] = 0u, sm.mass[i] = 0ull;
+    __syncthreads();
+    int run = -1;
+    unsigned rc = 0u, tail = 0u;
+    unsigned long long rm = 0ull;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j) {
+        if (j >= t.n) break;
+        const float d = t.v[j];
+        const int bin = smp_bin(d);
+        int idx;
+        if (kLevel0) {
+            if (bin == kBins - 1) {
+                ++tail;
+                continue;
+            }
+            idx = bin;
+        } else {
+            if (bin != bk.bin) continue;
+            const unsigned long long c = smp_comp(d, t.first + j);
+            if ((c & bk.mask) != bk.bits) continue;
+            idx = kRadixBins - 1 - (int)((c >> shift) & 0xFFull);
+        }
+        if (idx != run) {
+            smp_flush(sm, run, rc, rm);
+            run = idx, rc = 0u, rm = 0ull;
+        }
+        ++rc;
+        rm += smp_mass(d);
+    }
+    smp_flush(sm, run, rc, rm);
+    if (kLevel0) {
+        tail = __reduce_add_sync(0xFFFFFFFFu, tail);
+        if ((threadIdx.x & 31) == 0 && tail) atomicAdd(&sm.count[kBins - 1], tail);
+    }
+    __syncthreads();
+}
+
+// Adds the block's histogram into the row's buffer `buf`, and zeroes this block's share of the
+// buffer the pass after next will use (last read two passes ago, before the previous barrier).
+__device__ void smp_merge(const Smem& sm, const Ctx& cx, int nb) {
+    const unsigned buf = cx.hpass % 3u, next = (cx.hpass + 1u) % 3u;
+    unsigned* gc = cx.rs.count + buf * kBins;
+    unsigned long long* gm = cx.rs.mass + buf * kBins;
+    for (int i = threadIdx.x; i < nb; i += kThreads) {
+        const unsigned c = sm.count[i];
+        const unsigned long long m = sm.mass[i];
+        if (c) atomicAdd(gc + i, c);
+        if (m) atomicAdd(gm + i, m);
+    }
+    for (unsigned i = cx.chunk * kThreads + threadIdx.x; i < (unsigned)kBins; i += cx.G * kThreads) {
+        cx.rs.count[next * kBins + i] = 0u;
+        cx.rs.mass[next * kBins + i] = 0ull;
+    }
+}
+
+
+// The top-p target ceil(p * mass), at least 1.
+__device__ __forceinline__ unsigned long long smp_target(float p, unsigned long long mass) {
+    const unsigned long long t = (unsigned long long)ceil((double)p * (double)mass);
+    return t < 1ull ? 1ull : t;
+}
+
+// Scans the row's histogram (after the barrier) from the top bin for the bin where the count
+// (by_mass false) or the mass (by_mass true) reaches `rem`; the result lands in sm.pick_*.
+// frac > 0 (top-p without top-k): rem is first set to the target over the histogram's total mass.
+__device__ bool smp_pick(Smem& sm, const Ctx& cx, int nb, bool by_mass, unsigned long long& rem, float frac) {
+    constexpr int kMaxEach = kBins / kThreads;
+    const int each = nb / kThreads;
+    const unsigned buf = cx.hpass % 3u;
+    const unsigned* gc = cx.rs.count + buf * kBins;
+    const unsigned long long* gm = cx.rs.mass + buf * kBins;
+    unsigned c[kMaxEach];
+    unsigned long long m[kMaxEach];
+    unsigned csum = 0u;
+    unsigned long long msum = 0ull;
+#pragma unroll
+    for (int e = 0; e < kMaxEach; ++e) {
+        const int i = threadIdx.x * each + e;
+        c[e] = e < each ? __ldcg(gc + i) : 0u;
+        m[e] = e < each ? __ldcg(gm + i) : 0ull;
+        csum += c[e], msum += m[e];
+    }
+    if (threadIdx.x == 0) sm.found = 0u;
+    unsigned ca;
+    unsigned long long ma;
+    const unsigned long long total = smp_block_scan(csum, msum, ca, ma, sm);  // orders found = 0 first
+    if (frac > 0.0f) rem = smp_target(frac, total);
+#pragma unroll
+    for (int e = 0; e < kMaxEach; ++e) {
+        if (e >= each) break;
+        const bool hit = by_mass ? (ma < rem && rem <= ma + m[e]) : (ca < rem && rem <= (unsigned long long)ca + c[e]);
+        if (hit) {
+            sm.pick_idx = threadIdx.x * each + e;
+            sm.pick_count_above = ca, sm.pick_count_in = c[e];
+            sm.pick_mass_above = ma, sm.pick_mass_in = m[e];
+            sm.found = 1u;
+        }
+        ca += c[e], ma += m[e];
+    }
+    __syncthreads();
+    return sm.found != 0u;
+}
+
+// One histogram pass: local histogram, merge, barrier, scan. Returns false on inconsistent data.
+template <bool kLevel0>
+__device__ bool smp_pass(Smem& sm, const Tile& t, Ctx& cx, const Bucket& bk, int shift, bool by_mass,
+                         unsigned long long& rem, float frac) {
+    const int nb = kLevel0 ? kBins : kRadixBins;
+    smp_local_hist<kLevel0>(sm, t, bk, shift);
+    smp_merge(sm, cx, nb);
+    smp_barrier(cx);
+    const bool ok = smp_pick(sm, cx, nb, by_mass, rem, frac);
+    ++cx.hpass;
+    return ok;
+}
+
+struct Cut {
+    unsigned long long theta;  // kept: composite >= theta
+    unsigned long long mass;   // mass of the kept prefix; ~0: no cut (inconsistent data, keep all)
+};
+
+__device__ __forceinline__ bool smp_in_bucket(float d, unsigned id, const Bucket& bk) {
+    return smp_bin(d) == bk.bin && (smp_comp(d, id) & bk.mask) == bk.bits;
+}
+
+// The exact boundary among the bucket's n <= kCap tokens, collected in the row's candidate list:
+// each candidate's rank and the mass above it, over all candidates (every block does the same,
+// so every block finds the same boundary whatever the order of the list). With n <= 128 each
+// candidate gets S = 2..32 lanes that split the comparisons (then sum by shuffles).
+__device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem) {
+    const unsigned tid = threadIdx.x;
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = tid + e * kThreads;
+        if (i < n) {
+            const unsigned long long c = __ldcg(&cx.rs.cand[i].x);
+            sm.cand[i] = make_ulonglong2(c, smp_mass(smp_unkey((unsigned)(c >> 32))));
+        }
+    }
+    if (tid == 0) sm.found = 0u;
+    __syncthreads();
+    const unsigned lanes = n == 0u || n > (unsigned)kThreads ? 1u : min(32u, 1u << (31 - __clz(kThreads / n)));
+    const unsigned slots = (n + kThreads - 1) / kThreads, slice = tid % lanes;
+    unsigned long long mine[kCapEach], above[kCapEach];
+    unsigned rank[kCapEach];
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = tid / lanes + e * kThreads;
+        mine[e] = i < n ? sm.cand[i].x : ~0ull;  // ~0: nothing ranks above it (an unused slot)
+        above[e] = 0ull, rank[e] = 0u;
+    }
+    for (unsigned j = slice; j < n; j += lanes) {
+        const ulonglong2 cj = sm.cand[j];
+#pragma unroll
+        for (int e = 0; e < kCapEach; ++e) {
+            if ((unsigned)e >= slots) break;
+            const bool gt = cj.x > mine[e];
+            rank[e] += gt;
+            above[e] += gt ? cj.y : 0ull;
+        }
+    }
+    for (unsigned off = 1; off < lanes; off <<= 1) {  // lanes is uniform: every lane shuffles
+        rank[0] += __shfl_xor_sync(0xFFFFFFFFu, rank[0], off);
+        above[0] += __shfl_xor_sync(0xFFFFFFFFu, above[0], off);
+    }
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = tid / lanes + e * kThreads;
+        if (i >= n || slice != 0u) continue;
+        const unsigned long long m = sm.cand[i].y;
+        const bool hit = by_mass ? (above[e] < rem && rem <= above[e] + m) : (rank[e] + 1ull == rem);
+        if (hit) {
+            sm.theta = mine[e], sm.prefix = above[e] + m;
+            sm.found = 1u;
+        }
+    }
+    __syncthreads();
+    return sm.found != 0u;
+}
+
+// The boundary of the shortest prefix of the token order holding `want` tokens (by_mass false)
+// or reaching the mass `want` (by_mass true; with frac > 0 the mass ceil(frac * total)), narrowed
+// by histogram passes to a bucket of n <= kCap tokens: the composites in [bk.lo, bk.hi]. Every
+// token above the bucket is in the prefix, none below it; `rem` is what the bucket must supply,
+// `above` the mass above it. Returns false on inconsistent data.
+struct Narrow {
+    Bucket bk;
+    unsigned n;
+    unsigned long long rem, above;
+};
+
+__device__ bool smp_narrow(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
+                           float frac, Narrow& nr) {
+    Bucket& bk = nr.bk;
+    bk = Bucket{-1, 0ull, 0ull, 0ull, ~0ull};
+    nr.rem = want, nr.above = 0ull;
+    if (!smp_pass<true>(sm, t, cx, bk, 0, by_mass, nr.rem, frac)) return false;
+    bk.bin = (int)sm.pick_idx;
+    nr.rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
+    nr.above += sm.pick_mass_above;
+    nr.n = sm.pick_count_in;
+    __syncthreads();  // every thread has read the pick before the next pass writes it
+    smp_bin_range(bk.bin, V, bk);
+    // Radix passes over the 8 bits below the highest bit that varies in the bucket's range.
+    while (nr.n > (unsigned)kCap && bk.lo < bk.hi) {
+        const int high = 63 - __clzll((long long)(bk.lo ^ bk.hi));
+        const int shift = high > 7 ? high - 7 : 0;
+        if (!smp_pass<false>(sm, t, cx, bk, shift, by_mass, nr.rem, 0.0f)) return false;
+        const unsigned long long upper = shift + 8 >= 64 ? 0ull : ~0ull << (shift + 8);
+        const unsigned long long low = (1ull << shift) - 1ull;
+        bk.mask = ~0ull << shift;
+        bk.bits = (bk.lo & upper) | ((unsigned long long)(kRadixBins - 1 - (int)sm.pick_idx) << shift);
+        bk.lo = bk.lo > bk.bits ? bk.lo : bk.bits;
+        bk.hi = bk.hi < (bk.bits | low) ? bk.hi : (bk.bits | low);
+        nr.rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
+        nr.above += sm.pick_mass_above;
+        nr.n = sm.pick_count_in;
+        __syncthreads();
+    }
+    return nr.n <= (unsigned)kCap;
+}
+
+// The exact cut from a narrowed bucket: its tokens are collected in the row's candidate list
+// (counter `stage`), barrier, and every block ranks them.
+__device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, bool by_mass, int stage) {
+    unsigned* ncand = cx.rs.ncand + stage;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j) {
+        if (j >= t.n) break;
+        if (smp_in_bucket(t.v[j], t.first + j, nr.bk)) {
+            const unsigned slot = atomicAdd(ncand, 1u);
+            if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), 0ull);
+        }
+    }
+    smp_barrier(cx);
+    if (!smp_exact(sm, cx, nr.n, by_mass, nr.rem)) return Cut{0ull, ~0ull};
+    const Cut cut{sm.theta, nr.above + sm.prefix};
+    __syncthreads();  // sm.theta / sm.prefix are read before they are reused
+    return cut;
+}
+
+// ---- the race
+
+// The block's best race key among the tokens certainly kept: composite >= theta, min-p, and, with
+// a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
+// their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly.
+__device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta, float min_p,
+                                                       bool defer, const Narrow& nr, int stage, uint4 ctr,
+                                                       unsigned k0, unsigned k1) {
+    unsigned long long win = 0ull;
+#pragma unroll
+    for (int g = 0; g < kMaxPer; g += 4) {
+        if (g >= t.n) break;
+        bool rng[4], sure[4], cand[4], any_rng = false, any_cand = false;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = g + e;
+            const float d = t.v[j];
+            const unsigned long long c = smp_comp(d, t.first + j);
+            const bool live = j < t.n && d >= kNeverWins && c >= theta && (min_p <= 0.0f || expf(d) >= min_p);
+            cand[e] = defer && j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;  // the bucket is its range
+            sure[e] = live && !(defer && c <= nr.bk.hi);
+            rng[e] = live && (sure[e] || cand[e]);
+            any_rng |= rng[e], any_cand |= cand[e];
+        }
+        if (!(any_rng || any_cand)) continue;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (any_rng) {  // no Philox call for a group with nothing that can win
+            ctr.x = (t.first + g) >> 2;
+            x = fp4_philox4x32_10(ctr, k0, k1);
+        }
+        const unsigned words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            unsigned long long key = 0ull;
+            if (rng[e]) {
+                const float u = fp4_philox_uniform(words[e]);
+                const float gum = -logf(-logf(u));
+                key = ((unsigned long long)smp_key(__fadd_rn(t.v[g + e], gum)) << 32) | (unsigned)~(t.first + g + e);
+            }
+            if (sure[e]) win = key > win ? key : win;
+            if (cand[e]) {
+                const unsigned slot = atomicAdd(cx.rs.ncand + stage, 1u);
+                if (slot < (unsigned)kCap)
+                    cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[g + e], t.first + g + e), key);
+            }
+        }
+    }
+    return win;
+}
+
+// ---- one (row, block) unit
+
+struct Params {
+    float temp, top_p, min_p;
+    int top_k;
+    bool invalid;
+};
+
+// Per-row parameters, with invalid device values replaced as the reference says.
+__device__ __forceinline__ Params smp_params(unsigned b, const float* t_rows, float t_all, const int* k_rows,
+                                             int k_all, const float* p_rows, float p_all, const float* m_rows,
+                                             float m_all) {
+    Params p;
+    p.temp = t_rows ? t_rows[b] : t_all;
+    p.top_k = k_rows ? k_rows[b] : k_all;
+    p.top_p = p_rows ? p_rows[b] : p_all;
+    p.min_p = m_rows ? m_rows[b] : m_all;
+    p.invalid = false;
+    if (isnan(p.temp) || p.temp < 0.0f) p.invalid = true, p.temp = 0.0f;
+    if (p.top_k < 0) p.invalid = true, p.top_k = 0;
+    if (isnan(p.top_p) || p.top_p <= 0.0f || p.top_p > 1.0f) p.invalid = true, p.top_p = 1.0f;
+    if (isnan(p.min_p) || p.min_p < 0.0f || p.min_p >= 1.0f) p.invalid = true, p.min_p = 0.0f;
+    if (p.temp < SMP_FLT_MIN) p.temp = 0.0f;
+    return p;
+}
+
+// The deferred cut: the exact boundary among the candidates, then the best race key of those kept.
+__device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const Narrow& nr, bool by_mass) {
+    const unsigned long long theta = smp_exact(sm, cx, nr.n, by_mass, nr.rem) ? sm.theta : 0ull;
+    unsigned long long best = 0ull;
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = threadIdx.x + e * kThreads;
+        if (i < nr.n) {
+            const ulonglong2 c = __ldcg(&cx.rs.cand[i]);
+            if (c.x >= theta && c.y > best) best = c.y;
+        }
+    }
+    return smp_block_max(best, sm);
+}
+
+// The last block of the row to arrive writes the token (the best race key, with the deferred
+// cut's candidates when `defer`; the argmax when no race ran), puts the scratch back to zero,
+// then hands it to the group's next round (`next`; 0 after the last round). No block of the row
+// touches the scratch after arriving here.
+__device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned next, bool defer, const Narrow& nr,
+                           bool by_mass, int* out, unsigned* status) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        smp_fence();
+        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
+        sm.last = last;
+        if (last) smp_fence();
+    }
+    __syncthreads();
+    if (sm.last) {  // block-uniform
+        const unsigned long long from_cands = defer ? smp_cut_candidates(sm, cx, nr, by_mass) : 0ull;
+        if (threadIdx.x == 0) {
+            const unsigned long long race = atomicExch(cx.rs.race, 0ull);
+            const unsigned long long best = atomicExch(cx.rs.best, 0ull);
+            const unsigned long long win = race > from_cands ? race : from_cands;
+            const unsigned tok = ~(unsigned)(win ? win : best);
+            out[b] = (int)(tok < V ? tok : 0u);
+            if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, SMP_STATUS_INPUT);  // no finite logit
+            *cx.rs.arrive = 0u;
+            *cx.rs.done = 0u;
+            // The candidate slots written this unit (by either stage) go back to zero too.
+            const unsigned n0 = atomicExch(cx.rs.ncand, 0u), n1 = atomicExch(cx.rs.ncand + 1, 0u);
+            const unsigned n = n0 > n1 ? n0 : n1;
+            sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
+        }
+        __syncthreads();  // sm.nclear
+        for (unsigned i = threadIdx.x; i < sm.nclear; i += kThreads) cx.rs.cand[i] = make_ulonglong2(0ull, 0ull);
+        if (cx.hpass)
+            for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            smp_fence();
+            atomicExch(cx.rs.round, next);
+        }
+    }
+    __syncthreads();  // sm.last is read before a later unit writes it
 }
 
 template <typename T>
-__device__ __forceinline__ void sample_row(const T* __restrict__ logits, unsigned V, int vec,
-                                           const float* __restrict__ t_rows, float t_all,
-                                           const int* __restrict__ k_rows, int k_all,
-                                           const float* __restrict__ p_rows, float p_all,
-                                           const float* __restrict__ m_rows, float m_all,
-                                           const unsigned long long* __restrict__ seed,
-                                           unsigned long long* __restrict__ offset, unsigned* __restrict__ arrivals,
-                                           int* __restrict__ out, unsigned* __restrict__ status) {
-    __shared__ SelectSmem sm;
-    __shared__ unsigned long long s_offset, s_seed;
-    const unsigned b = blockIdx.x, tid = threadIdx.x;
+__device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, int per, bool vec, unsigned b,
+                            unsigned next, Ctx& cx, const Params& p, uint4 ctr, unsigned k0, unsigned k1,
+                            int* __restrict__ out, unsigned* __restrict__ status) {
+    const unsigned tid = threadIdx.x;
+    Tile t;
+    t.first = cx.chunk * (unsigned)(kThreads * per) + tid * (unsigned)per;
+    const bool odd = smp_load_tile(logits + (size_t)b * V, V, per, vec, t);
+
+    // 1. max / argmax, ties to the lower id; NaN, +inf and invalid parameters are events.
+    unsigned long long best = 0ull;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j) {
+        if (j >= t.n) break;
+        const unsigned long long c = ((unsigned long long)smp_key(t.v[j]) << 32) | (unsigned)~(t.first + j);
+        best = c > best ? c : best;
+    }
+    const bool flag = __syncthreads_or(odd || (p.invalid && cx.chunk == 0u));
+    best = smp_block_max(best, sm);
+    if (tid == 0) {
+        if (flag) atomicOr(status, SMP_STATUS_INPUT);
+        if (best) atomicMax(cx.rs.best, best);
+    }
+    Narrow nr;  // the deferred cut, when there is one
+    if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);
+    smp_barrier(cx);
+    const float lmax = smp_unkey((unsigned)(__ldcg(cx.rs.best) >> 32));
+    if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);  // +inf, or no finite logit
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)  // d = (canonical logit - l_max) / T <= 0 (or -inf)
+        t.v[j] = __fdiv_rn(__fsub_rn(t.v[j], lmax), p.temp) + 0.0f;
+
+    // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
+    //    filter's exact cut is left to the finisher (its bucket's tokens race as candidates).
+    Cut ck{0ull, 0ull};
+    unsigned long long theta = 0ull;
+    bool defer = false, defer_by_mass = false;
+    int defer_stage = 0;
+    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
+    const bool use_p = p.top_p < 1.0f;
+#pragma unroll 1
+    for (int stage = 0; stage < 2; ++stage) {  // one copy of the descent's code for both filters
+        if (stage == 0 ? !use_k : !(use_p && ck.mass != ~0ull)) continue;
+        const bool by_mass = stage == 1;
+        const unsigned long long want =
+            by_mass ? (use_k ? smp_target(p.top_p, ck.mass) : 0ull) : (unsigned long long)p.top_k;
+        const float frac = by_mass && !use_k ? p.top_p : 0.0f;  // the target comes from the histogram
+        Cut cut{0ull, ~0ull};  // inconsistent data: keep everything
+        if (smp_narrow(sm, t, cx, V, by_mass, want, frac, nr)) {
+            if (by_mass || !use_p) {
+                defer = true, defer_by_mass = by_mass, defer_stage = stage;
+                break;
+            }
+            cut = smp_resolve(sm, t, cx, nr, by_mass, stage);
+        }
+        if (!by_mass) ck = cut;
+        theta = cut.theta > theta ? cut.theta : theta;
+    }
+
+    // 3. the race over the kept tokens; the row's last block writes the winner.
+    ctr.y = b;
+    const unsigned long long win =
+        smp_block_max(smp_race(t, cx, theta, p.min_p, defer, nr, defer_stage, ctr, k0, k1), sm);
+    if (tid == 0 && win) atomicMax(cx.rs.race, win);
+    smp_finish(sm, cx, b, V, next, defer, nr, defer_by_mass, out, status);
+}
+
+template <typename T>
+__device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsigned B, unsigned V, int per, int G,
+                                            int vec, const float* __restrict__ t_rows, float t_all,
+                                            const int* __restrict__ k_rows, int k_all,
+                                            const float* __restrict__ p_rows, float p_all,
+                                            const float* __restrict__ m_rows, float m_all,
+                                            const unsigned long long* __restrict__ seed,
+                                            unsigned long long* __restrict__ offset, unsigned* __restrict__ arrivals,
+                                            unsigned* __restrict__ scratch, int* __restrict__ out,
+                                            unsigned* __restrict__ status) {
+    __shared__ Smem sm;
+    const unsigned tid = threadIdx.x;
 
     // Read the counter, then arrive; the last block to arrive advances it for the next launch.
     if (tid == 0) {
-        s_offset = *offset;
-        s_seed = *seed;
+        sm.s_offset = *offset;
+        sm.s_seed = *seed;
     }
     __syncthreads();
     if (tid == 0) {
-        __threadfence();
+        smp_fence();
         if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {
             *arrivals = 0u;
-            *offset = s_offset + 1ull;
-            __threadfence();
+            *offset = sm.s_offset + 1ull;
+            smp_fence();
         }
     }
-    const unsigned long long ctr_offset = s_offset, key = s_seed;
+    const unsigned long long ctr_offset = sm.s_offset, key = sm.s_seed;
+    const uint4 ctr = make_uint4(0u, 0u, (unsigned)ctr_offset, (unsigned)(ctr_offset >> 32));
 
-    // Per-row parameters, with invalid device values replaced as the reference says.
-    float temp = t_rows ? t_rows[b] : t_all;
-    int top_k = k_rows ? k_rows[b] : k_all;
-    float top_p = p_rows ? p_rows[b] : p_all;
-    float min_p = m_rows ? m_rows[b] : m_all;
-    bool flag = false;
-    if (isnan(temp) || temp < 0.0f) flag = true, temp = 0.0f;
-    if (top_k < 0) flag = true, top_k = 0;
-    if (isnan(top_p) || top_p <= 0.0f || top_p > 1.0f) flag = true, top_p = 1.0f;
-    if (isnan(min_p) || min_p < 0.0f || min_p >= 1.0f) flag = true, min_p = 0.0f;
-    if (temp < SMP_FLT_MIN) temp = 0.0f;
-
-    const T* row = logits + (size_t)b * V;
-    Row r;
-    const unsigned per = ((V + kThreads - 1) / kThreads + 3u) & ~3u;
-    r.begin = tid * per;
-    r.count = r.begin < V ? min(per, V - r.begin) : 0u;
-    r.vec = vec != 0;
-
-    // 1. max / argmax of the canonical logits, ties to the lower id; NaN and +inf are events.
-    unsigned long long best = 0ull;
-    smp_for_each(row, r, [&](unsigned i, const float* v, unsigned n) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if ((unsigned)j >= n) break;
-            flag |= isnan(v[j]) || v[j] == __int_as_float(0x7F800000);
-            const unsigned long long cand = ((unsigned long long)smp_key(v[j]) << 32) | (unsigned)~(i + j);
-            best = cand > best ? cand : best;
-        }
-    });
-    best = smp_block_max(best, sm.scan64);
-    const float lmax = smp_unkey((unsigned)(best >> 32));
-    const unsigned greedy = ~(unsigned)best;
-    flag |= lmax == SMP_NEG_INF;  // no finite logit (and no +inf)
-    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, SMP_STATUS_INPUT);
-    if (temp == 0.0f || !isfinite(lmax)) {
-        if (tid == 0) out[b] = (int)(greedy < V ? greedy : 0u);
-        return;
-    }
-    r.lmax = lmax, r.temp = temp;
-
-    // 2. top-k, 3. top-p: prefixes of the order (larger d first, lower id first).
-    const Prefix all{0u, 0u, 0xFFFFFFFFu};
-    Prefix pk = all, pp = all;
-    unsigned long long mass_k = 0ull;
-    const bool use_k = top_k > 0 && (unsigned)top_k < V;
-    const bool use_p = top_p < 1.0f;
-    if (use_k) pk = smp_select(row, r, false, (unsigned long long)top_k, &mass_k, sm);
-    if (use_p) {
-        if (!use_k) {  // the total mass: one block reduction
-            unsigned long long part = 0ull;
-            smp_for_each(row, r, [&](unsigned, const float* v, unsigned n) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if ((unsigned)j < n) part += smp_mass(smp_scaled(v[j], r));
-            });
-            const unsigned long long total = block_inclusive_scan(part, sm.scan64);
-            if (tid == kThreads - 1) sm.bin_mass = total;  // the inclusive scan ends with the block total
-            __syncthreads();
-            mass_k = sm.bin_mass;
+    const unsigned rows_per_round = gridDim.x / (unsigned)G, group = blockIdx.x / (unsigned)G;
+    Ctx cx;
+    cx.G = (unsigned)G;
+    cx.chunk = blockIdx.x % (unsigned)G;
+    cx.rs = smp_row_scratch(scratch + (size_t)group * kRowWords);
+    unsigned round = 0u;
+    for (unsigned b = group; b < B; b += rows_per_round, ++round) {
+        if (round) {  // wait for the previous round's finisher to clear the scratch
+            if (tid == 0) {
+                while (smp_ld_acquire(cx.rs.round) != round) {
+                }
+                smp_fence();
+            }
             __syncthreads();
         }
-        const unsigned long long target =
-            mass_k == ~0ull ? 1ull : (unsigned long long)ceil((double)top_p * (double)mass_k);
-        unsigned long long unused;
-        if (mass_k != ~0ull) pp = smp_select(row, r, true, target < 1ull ? 1ull : target, &unused, sm);
-    }
-
-    // 4. The race. Ranks among each prefix's boundary ties come from one scan of per-thread counts.
-    unsigned eq_k = 0u, eq_p = 0u;
-    smp_for_each(row, r, [&](unsigned, const float* v, unsigned n) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if ((unsigned)j >= n) break;
-            const unsigned key = smp_key(smp_scaled(v[j], r));
-            eq_k += (key & pk.mask) == pk.bits;
-            eq_p += (key & pp.mask) == pp.bits;
-        }
-    });
-    const unsigned long long mine = eq_k | ((unsigned long long)eq_p << 32);
-    const unsigned long long before = block_inclusive_scan(mine, sm.scan64) - mine;
-    unsigned rank_k = (unsigned)before, rank_p = (unsigned)(before >> 32);
-    const unsigned k0 = (unsigned)key, k1 = (unsigned)(key >> 32);
-    const uint4 ctr_base = make_uint4(0u, b, (unsigned)ctr_offset, (unsigned)(ctr_offset >> 32));
-    unsigned long long win = 0ull;
-    smp_for_each(row, r, [&](unsigned i, const float* v, unsigned n) {
-        uint4 ctr = ctr_base;
-        ctr.x = i >> 2;
-        const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
-        const unsigned words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if ((unsigned)j >= n) break;
-            const float d = smp_scaled(v[j], r);
-            const unsigned key_d = smp_key(d);
-            const bool in_k = smp_in_prefix(key_d, pk, rank_k);
-            const bool in_p = smp_in_prefix(key_d, pp, rank_p);
-            if (!(in_k && in_p)) continue;
-            if (min_p > 0.0f && !(expf(d) >= min_p)) continue;
-            const float u = fp4_philox_uniform(words[j]);
-            const float g = -logf(-logf(u));
-            const unsigned long long cand = ((unsigned long long)smp_key(__fadd_rn(d, g)) << 32) | (unsigned)~(i + j);
-            win = cand > win ? cand : win;
-        }
-    });
-    win = smp_block_max(win, sm.scan64);
-    if (tid == 0) {
-        const unsigned tok = ~(unsigned)win;
-        out[b] = (int)(win != 0ull && tok < V ? tok : greedy);
+        cx.nbar = 0u;
+        cx.hpass = 0u;
+        const unsigned next = b + rows_per_round < B ? round + 1u : 0u;
+        const Params p = smp_params(b, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all);
+        sample_unit(sm, logits, V, per, vec != 0, b, next, cx, p, ctr, (unsigned)key, (unsigned)(key >> 32), out,
+                    status);
     }
 }
 
-#define SMP_ARGS(T)                                                                                              \
-    const T *__restrict__ logits, unsigned V, int vec, const float *__restrict__ t_rows, float t_all,          \
-        const int *__restrict__ k_rows, int k_all, const float *__restrict__ p_rows, float p_all,               \
-        const float *__restrict__ m_rows, float m_all, const unsigned long long *__restrict__ seed,             \
-        unsigned long long *__restrict__ offset, unsigned *__restrict__ arrivals, int *__restrict__ out,        \
-        unsigned *__restrict__ status
-#define SMP_PASS logits, V, vec, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all, seed, offset, arrivals, out, status
+#define SMP_ARGS(T)                                                                                               \
+    const T *__restrict__ logits, unsigned B, unsigned V, int per, int G, int vec, const float *__restrict__ t_rows, \
+        float t_all, const int *__restrict__ k_rows, int k_all, const float *__restrict__ p_rows, float p_all,      \
+        const float *__restrict__ m_rows, float m_all, const unsigned long long *__restrict__ seed,                 \
+        unsigned long long *__restrict__ offset, unsigned *__restrict__ arrivals, unsigned *__restrict__ scratch,   \
+        int *__restrict__ out, unsigned *__restrict__ status
+#define SMP_PASS \
+    logits, B, V, per, G, vec, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all, seed, offset, arrivals, scratch, out, status
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) sample_f32(SMP_ARGS(float)) { sample_row<float>(SMP_PASS); }
+extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
-    sample_row<__nv_bfloat16>(SMP_PASS);
+extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
+    sample_rows<__nv_bfloat16>(SMP_PASS);
 }

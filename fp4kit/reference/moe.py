@@ -9,7 +9,8 @@ Routing (`route`), per token:
    experts form ``n_group`` groups, a group scores the sum of its two best selection scores, and
    only the ``topk_group`` best groups stay eligible;
 4. the ``top_k`` eligible experts with the largest selection scores, ties to the lower expert id;
-   **hash routing** (V4's first layers) instead reads the ids from ``tid2eid[token_id]``;
+   **hash routing** (V4's first layers) instead reads the ids from ``tid2eid[token_id]`` (an id
+   outside ``[0, vocab)`` reads row 0; the layers record it as a status event);
 5. ``weights = scores[ids]`` (unbiased), divided by their sum when ``renormalize``, times
    ``routed_scale``.
 
@@ -53,6 +54,12 @@ def top_k_lowest_index_ties(values: np.ndarray, k: int) -> np.ndarray:
     return order[..., :k]
 
 
+def token_ids_in_range(token_ids, tid2eid) -> bool:
+    """Whether every hash-routing token id indexes a row of ``tid2eid [vocab, top_k]``."""
+    t = np.asarray(token_ids)
+    return bool(((t >= 0) & (t < len(tid2eid))).all())
+
+
 def route(
     x,
     gate_weight,
@@ -72,7 +79,9 @@ def route(
     scores = scores_from_logits(logits, score_func)
     t, e = scores.shape
     if tid2eid is not None:
-        ids = np.asarray(tid2eid)[np.asarray(token_ids)].astype(np.int64)
+        rows = np.asarray(token_ids).astype(np.int64)
+        rows = np.where((rows >= 0) & (rows < len(tid2eid)), rows, 0)  # out of range: row 0 (a status event)
+        ids = np.asarray(tid2eid)[rows].astype(np.int64)
     else:
         sel = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
         if n_group > 1:

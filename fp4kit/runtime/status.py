@@ -19,7 +19,7 @@ INDEXER_INPUT = 2
 KV_COMP_OVERFLOW = 4
 #: the sampler met a NaN or +Inf logit, a row without a finite logit, or an invalid per-row parameter
 SAMPLER_INPUT = 8
-#: a token id outside [0, vocab) reached the embedding gather (row 0 was read instead)
+#: a token id outside [0, vocab) reached the embedding gather or hash routing (row 0 was read instead)
 TOKEN_RANGE = 16
 #: pairs of an expert-parallel MoE call did not fit the all-to-all capacity and were dropped
 EP_CAPACITY_OVERFLOW = 1 << 8
@@ -29,7 +29,7 @@ FLAG_NAMES = {
     INDEXER_INPUT: "indexer: a NaN score or a length outside [0, capacity]",
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
     SAMPLER_INPUT: "sampler: a NaN/+Inf logit, a row without a finite logit, or an invalid per-row parameter",
-    TOKEN_RANGE: "embedding: a token id outside [0, vocab) (row 0 read instead)",
+    TOKEN_RANGE: "embedding or hash routing: a token id outside [0, vocab) (row 0 read instead)",
     EP_CAPACITY_OVERFLOW: "expert-parallel MoE: pairs beyond the all-to-all capacity were dropped",
 }
 

@@ -45,15 +45,16 @@ def zeros_outside_capture(n: int, dtype):
 
     A lazily created buffer may first be needed while the current stream is capturing; a fill
     issued on that stream would become a graph node and re-zero the buffer on every replay.
-    The fill runs on a private side stream instead, which is then synchronised (allowed under
-    CuPy's relaxed capture mode).
+    The buffer is allocated and filled on a private side stream instead, which is then
+    synchronised (allowed under CuPy's relaxed capture mode). Allocating on the side stream
+    matters: CuPy's pool caches blocks per stream, and a block the current stream just freed may
+    still be written by its queued kernels, which would land after a side-stream fill.
     """
     import cupy
 
-    buf = cupy.empty(n, dtype=dtype)
     side = cupy.cuda.Stream(non_blocking=True)
     with side:
-        buf.fill(0)
+        buf = cupy.zeros(n, dtype=dtype)
     side.synchronize()
     return buf
 

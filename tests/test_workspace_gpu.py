@@ -1,0 +1,31 @@
+"""fp4kit.runtime.workspace on the GPU: a buffer zeroed outside capture stays zero when the current
+stream's pool has just freed a block that kernels still queued on that stream will write."""
+
+import numpy as np
+import pytest
+
+from fp4kit.runtime import workspace
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+SLOW_WRITE = r"""
+extern "C" __global__ void slow_write(unsigned* p, unsigned n, long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = 0xDEADBEEFu;
+}
+"""
+
+
+def test_zeros_outside_capture_survives_queued_writes():
+    n = 1 << 16
+    slow_write = cp.RawKernel(SLOW_WRITE, "slow_write")
+    for _ in range(3):
+        tmp = cp.empty(n, cp.uint32)
+        slow_write((4,), (256,), (tmp, np.uint32(n), np.int64(20_000_000)))  # ~10 ms of spinning, then writes
+        del tmp  # back to the pool while the kernel is still queued on the current stream
+        buf = workspace.zeros_outside_capture(n, cp.uint32)
+        cp.cuda.get_current_stream().synchronize()
+        assert int(cp.count_nonzero(buf)) == 0
