@@ -222,12 +222,13 @@ def geometry(batch: int, vocab: int, max_blocks: int) -> tuple[int, int, int]:
     """``(per, blocks_per_row, grid)`` of the kernel for ``[batch, vocab]`` logits.
 
     A row is split over ``blocks_per_row`` blocks of ``256 * per`` tokens (``per`` a multiple of 4
-    in [4, 16]): enough blocks for a small batch to fill the GPU (about ``max_blocks / 2``, one per
-    SM), but at least 2048 tokens a block on a long row. The cooperative grid holds whole rows and
-    at most ``max_blocks`` (co-resident) blocks; its blocks loop over the rows.
+    in [4, 16]): about ``max_blocks / 2`` blocks in all when the batch is small, so the GPU is
+    busy (more blocks per row measured slower on the H200: every block adds histogram atomics, a
+    histogram read and a barrier arrival). The cooperative grid holds whole rows and at most
+    ``max_blocks`` (co-resident) blocks; its blocks loop over the rows.
     """
     fill = max(1, max_blocks // 2)
-    g = max(-(-vocab // (_THREADS * _MAX_PER)), min(-(-vocab // (_THREADS * 8)), -(-fill // batch)))
+    g = max(-(-vocab // (_THREADS * _MAX_PER)), min(-(-vocab // (_THREADS * _MIN_PER)), -(-fill // batch)))
     quantum = _THREADS * _MIN_PER
     chunk = -(-(-(-vocab // g)) // quantum) * quantum
     per = chunk // _THREADS

@@ -66,6 +66,7 @@ constexpr int kRadixBins = 256;                // refinement: 8 bits of the comp
 constexpr int kCap = 512;                      // a bucket this small is resolved exactly
 constexpr int kCapEach = kCap / kThreads;
 constexpr float kMassScale = 68719476736.0f;   // 2^36: V <= 2^24 tokens of mass <= 2^36 fit in 64 bits
+constexpr int kMassSplit = 18;
 // Gumbel numbers lie in [-2.82, 16.64] (u in [2^-24, 1 - 2^-24]) and the max token (d = 0) is
 // always kept, so a token with d < -20 can never win the race: no Philox or logs for it.
 constexpr float kNeverWins = -20.0f;
@@ -77,7 +78,7 @@ constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
 constexpr int kRowWords = kCandOff + 4 * kCap;
 static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0, "64-bit fields need even word offsets");
-static_assert(kBins % kThreads == 0 && kRadixBins % kThreads == 0 && kCap % kThreads == 0, "per thread");
+static_assert(kBins % kThreads == 0 && kRadixBins == kThreads && kCap % kThreads == 0, "per thread");
 
 struct RowScratch {
     unsigned long long *best, *race;  // atomicMax slots: phase 1 argmax, race winner
@@ -156,16 +157,27 @@ __device__ __forceinline__ void smp_load4(const __nv_bfloat16* p, int n, bool ve
 
 // ---- block and row synchronisation
 
+// Global adds whose result nobody reads (no round trip; the row barrier's fence orders them).
+__device__ __forceinline__ void smp_red_add(unsigned* p, unsigned v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void smp_red_add(unsigned long long* p, unsigned long long v) {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 struct Smem {
-    unsigned count[kBins];
-    unsigned long long mass[kBins];
-    ulonglong2 cand[kCap];  // composite, mass
-    unsigned long long red64[kWarps];
+    // Block histogram: counts and masses split at bit kMassSplit (a token's mass is <= 2^36, a
+    // block holds <= 4096 tokens: each half sums below 2^31), so every update is a native 32-bit
+    // shared atomic (a 64-bit one is a compare-and-swap loop).
+    unsigned count[kBins], mass_hi[kBins], mass_lo[kBins];
+    // The exact cut: the candidates in list order with their race keys, and the last few.
+    unsigned long long cand_comp[kCap], cand_key[kCap], sorted[32];
+    unsigned long long red64[kWarps], red_and[kWarps];
     unsigned red32[kWarps];
     unsigned long long s_seed, s_offset;
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
-    unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear;
+    unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -182,6 +194,21 @@ __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v
     for (int w = 1; w < kWarps; ++w) v = sm.red64[w] > v ? sm.red64[w] : v;
     __syncthreads();  // red64 may be reused at once
     return v;
+}
+
+// Bitwise OR and AND of 64-bit values over the block (every thread gets both).
+__device__ __forceinline__ void smp_block_or_and(unsigned long long& v_or, unsigned long long& v_and, Smem& sm) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned long long o = ((unsigned long long)__reduce_or_sync(0xFFFFFFFFu, (unsigned)(v_or >> 32)) << 32) |
+                                 __reduce_or_sync(0xFFFFFFFFu, (unsigned)v_or);
+    const unsigned long long a = ((unsigned long long)__reduce_and_sync(0xFFFFFFFFu, (unsigned)(v_and >> 32)) << 32) |
+                                 __reduce_and_sync(0xFFFFFFFFu, (unsigned)v_and);
+    if (lane == 0) sm.red64[warp] = o, sm.red_and[warp] = a;
+    __syncthreads();
+    v_or = 0ull, v_and = ~0ull;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v_or |= sm.red64[w], v_and &= sm.red_and[w];
+    __syncthreads();  // red64 / red_and may be reused at once
 }
 
 // Exclusive block scan of (count, mass) pairs; also returns the block's total mass.
@@ -234,6 +261,22 @@ __device__ __forceinline__ void smp_row_barrier(unsigned* arrive, unsigned targe
         smp_fence();
     }
     __syncthreads();
+}
+
+// The first of `mine` consecutive candidate slots for this thread, from one atomic per warp.
+// Call with the whole warp (warp-uniform control flow).
+__device__ __forceinline__ unsigned smp_warp_slots(unsigned* counter, unsigned mine) {
+    const unsigned lane = threadIdx.x & 31;
+    unsigned incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= (unsigned)off) incl += x;
+    }
+    const unsigned total = __shfl_sync(0xFFFFFFFFu, incl, 31);
+    unsigned base = 0u;
+    if (lane == 31 && total) base = atomicAdd(counter, total);
+    return __shfl_sync(0xFFFFFFFFu, base, 31) + incl - mine;
 }
 
 // ---- the block's tokens
@@ -300,7 +343,10 @@ __device__ __forceinline__ void smp_bin_range(int bin, unsigned V, Bucket& bk) {
 __device__ __forceinline__ void smp_flush(Smem& sm, int run, unsigned c, unsigned long long m) {
     if (run < 0) return;
     atomicAdd(&sm.count[run], c);
-    if (m) atomicAdd(&sm.mass[run], m);
+    if (m) {
+        atomicAdd(&sm.mass_hi[run], (unsigned)(m >> kMassSplit));
+        atomicAdd(&sm.mass_lo[run], (unsigned)m & ((1u << kMassSplit) - 1u));
+    }
 }
 
 // Block-local histogram in shared memory. Level 0: every token by bin (the last bin only counted,
@@ -309,7 +355,7 @@ __device__ __forceinline__ void smp_flush(Smem& sm, int run, unsigned c, unsigne
 template <bool kLevel0>
 __device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int shift) {
     const int nb = kLevel0 ? kBins : kRadixBins;
-    for (int i = threadIdx.x; i < nb; i += kThreads) sm.count[i] = 0u, sm.mass[i] = 0ull;
+    for (int i = threadIdx.x; i < nb; i += kThreads) sm.count[i] = 0u, sm.mass_hi[i] = 0u, sm.mass_lo[i] = 0u;
     __syncthreads();
     int run = -1;
     unsigned rc = 0u, tail = 0u;
@@ -355,9 +401,9 @@ __device__ void smp_merge(const Smem& sm, const Ctx& cx, int nb) {
     unsigned long long* gm = cx.rs.mass + buf * kBins;
     for (int i = threadIdx.x; i < nb; i += kThreads) {
         const unsigned c = sm.count[i];
-        const unsigned long long m = sm.mass[i];
-        if (c) atomicAdd(gc + i, c);
-        if (m) atomicAdd(gm + i, m);
+        const unsigned long long m = ((unsigned long long)sm.mass_hi[i] << kMassSplit) + sm.mass_lo[i];
+        if (c) smp_red_add(gc + i, c);
+        if (m) smp_red_add(gm + i, m);
     }
     for (unsigned i = cx.chunk * kThreads + threadIdx.x; i < (unsigned)kBins; i += cx.G * kThreads) {
         cx.rs.count[next * kBins + i] = 0u;
@@ -435,56 +481,91 @@ __device__ __forceinline__ bool smp_in_bucket(float d, unsigned id, const Bucket
     return smp_bin(d) == bk.bin && (smp_comp(d, id) & bk.mask) == bk.bits;
 }
 
-// The exact boundary among the bucket's n <= kCap tokens, collected in the row's candidate list:
-// each candidate's rank and the mass above it, over all candidates (every block does the same,
-// so every block finds the same boundary whatever the order of the list). With n <= 128 each
-// candidate gets S = 2..32 lanes that split the comparisons (then sum by shuffles).
+// The exact boundary among the bucket's n <= kCap tokens, collected in the row's candidate list
+// (distinct composites), found in shared memory: 8-bit radix passes over the composite, each at
+// the highest bit that still varies among the remaining candidates (ties in d leave only id bits),
+// narrow them to at most 32, which one warp ranks exactly. Every block that calls it finds the same boundary whatever the order of the
+// list. Leaves the candidates' composites and race keys, in list order, in sm.cand_comp / cand_key.
 __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem) {
-    const unsigned tid = threadIdx.x;
+    const unsigned tid = threadIdx.x, lane = tid & 31;
+    unsigned long long c[kCapEach], m[kCapEach];
 #pragma unroll
     for (int e = 0; e < kCapEach; ++e) {
         const unsigned i = tid + e * kThreads;
+        c[e] = 0ull, m[e] = 0ull;  // 0: not a candidate (every composite is nonzero)
         if (i < n) {
-            const unsigned long long c = __ldcg(&cx.rs.cand[i].x);
-            sm.cand[i] = make_ulonglong2(c, smp_mass(smp_unkey((unsigned)(c >> 32))));
+            const ulonglong2 v = __ldcg(&cx.rs.cand[i]);
+            c[e] = sm.cand_comp[i] = v.x;
+            sm.cand_key[i] = v.y;
+            m[e] = smp_mass(smp_unkey((unsigned)(v.x >> 32)));
         }
     }
-    if (tid == 0) sm.found = 0u;
-    __syncthreads();
-    const unsigned lanes = n == 0u || n > (unsigned)kThreads ? 1u : min(32u, 1u << (31 - __clz(kThreads / n)));
-    const unsigned slots = (n + kThreads - 1) / kThreads, slice = tid % lanes;
-    unsigned long long mine[kCapEach], above[kCapEach];
-    unsigned rank[kCapEach];
+    if (tid == 0) sm.found = 0u, sm.nlast = 0u;
+    // Narrow: the candidates (c & mask) == bits; `above` is the mass of those ranked above them.
+    unsigned long long mask = 0ull, bits = 0ull, above = 0ull;
+    unsigned cnt = n;
+    while (cnt > 32u) {
+        unsigned long long all_or = 0ull, all_and = ~0ull;  // over the remaining candidates
 #pragma unroll
-    for (int e = 0; e < kCapEach; ++e) {
-        const unsigned i = tid / lanes + e * kThreads;
-        mine[e] = i < n ? sm.cand[i].x : ~0ull;  // ~0: nothing ranks above it (an unused slot)
-        above[e] = 0ull, rank[e] = 0u;
-    }
-    for (unsigned j = slice; j < n; j += lanes) {
-        const ulonglong2 cj = sm.cand[j];
+        for (int e = 0; e < kCapEach; ++e)
+            if (c[e] && (c[e] & mask) == bits) all_or |= c[e], all_and &= c[e];
+        smp_block_or_and(all_or, all_and, sm);
+        const unsigned long long varying = all_or ^ all_and;
+        if (!varying) return false;  // block-uniform: cnt > 1 equal composites, an inconsistent list
+        const int shift = max(63 - __clzll((long long)varying) - 7, 0);
+        sm.count[tid] = 0u, sm.mass_hi[tid] = 0u, sm.mass_lo[tid] = 0u;  // kRadixBins == kThreads
+        __syncthreads();
 #pragma unroll
         for (int e = 0; e < kCapEach; ++e) {
-            if ((unsigned)e >= slots) break;
-            const bool gt = cj.x > mine[e];
-            rank[e] += gt;
-            above[e] += gt ? cj.y : 0ull;
+            if (!c[e] || (c[e] & mask) != bits) continue;
+            const int idx = kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull);  // top digit first
+            atomicAdd(&sm.count[idx], 1u);
+            atomicAdd(&sm.mass_hi[idx], (unsigned)(m[e] >> kMassSplit));
+            atomicAdd(&sm.mass_lo[idx], (unsigned)m[e] & ((1u << kMassSplit) - 1u));
         }
-    }
-    for (unsigned off = 1; off < lanes; off <<= 1) {  // lanes is uniform: every lane shuffles
-        rank[0] += __shfl_xor_sync(0xFFFFFFFFu, rank[0], off);
-        above[0] += __shfl_xor_sync(0xFFFFFFFFu, above[0], off);
-    }
-#pragma unroll
-    for (int e = 0; e < kCapEach; ++e) {
-        const unsigned i = tid / lanes + e * kThreads;
-        if (i >= n || slice != 0u) continue;
-        const unsigned long long m = sm.cand[i].y;
-        const bool hit = by_mass ? (above[e] < rem && rem <= above[e] + m) : (rank[e] + 1ull == rem);
-        if (hit) {
-            sm.theta = mine[e], sm.prefix = above[e] + m;
+        __syncthreads();
+        const unsigned bc = sm.count[tid];
+        const unsigned long long bm = ((unsigned long long)sm.mass_hi[tid] << kMassSplit) + sm.mass_lo[tid];
+        unsigned ca;
+        unsigned long long ma;
+        smp_block_scan(bc, bm, ca, ma, sm);
+        if (by_mass ? (ma < rem && rem <= ma + bm) : (ca < rem && rem <= (unsigned long long)ca + bc)) {
+            sm.pick_idx = tid, sm.pick_count_above = ca, sm.pick_count_in = bc, sm.pick_mass_above = ma;
             sm.found = 1u;
         }
+        __syncthreads();
+        if (!sm.found) return false;  // block-uniform: inconsistent masses
+        const unsigned long long digit = (unsigned long long)(kRadixBins - 1 - (int)sm.pick_idx);
+        bits = (all_and & (shift + 8 >= 64 ? 0ull : ~0ull << (shift + 8))) | (digit << shift);  // above: common
+        mask = ~0ull << shift;
+        rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
+        above += sm.pick_mass_above;
+        cnt = sm.pick_count_in;
+        __syncthreads();  // every thread has read the pick before it is written again
+        if (tid == 0) sm.found = 0u;
+    }
+    // The last <= 32 candidates: compacted into sm.sorted, ranked by warp 0 (each lane one).
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        if (c[e] && (c[e] & mask) == bits) {
+            const unsigned slot = atomicAdd(&sm.nlast, 1u);
+            if (slot < 32u) sm.sorted[slot] = c[e];
+        }
+    }
+    __syncthreads();
+    if (tid < 32u) {
+        const unsigned k = min(sm.nlast, 32u);
+        const unsigned long long ci = lane < k ? sm.sorted[lane] : 0ull;
+        const unsigned long long mi = ci ? smp_mass(smp_unkey((unsigned)(ci >> 32))) : 0ull;
+        unsigned rank = 0u;
+        unsigned long long mass_above = 0ull;
+        for (unsigned j = 0; j < k; ++j) {
+            const unsigned long long cj = __shfl_sync(0xFFFFFFFFu, ci, j);
+            const unsigned long long mj = __shfl_sync(0xFFFFFFFFu, mi, j);
+            if (cj > ci) ++rank, mass_above += mj;
+        }
+        if (lane < k && (by_mass ? (mass_above < rem && rem <= mass_above + mi) : rank + 1ull == rem))
+            sm.theta = ci, sm.prefix = above + mass_above + mi, sm.found = 1u;
     }
     __syncthreads();
     return sm.found != 0u;
@@ -535,14 +616,18 @@ __device__ bool smp_narrow(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by
 // The exact cut from a narrowed bucket: its tokens are collected in the row's candidate list
 // (counter `stage`), barrier, and every block ranks them.
 __device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, bool by_mass, int stage) {
-    unsigned* ncand = cx.rs.ncand + stage;
+    unsigned in[kMaxPer], mine = 0u;
 #pragma unroll
     for (int j = 0; j < kMaxPer; ++j) {
-        if (j >= t.n) break;
-        if (smp_in_bucket(t.v[j], t.first + j, nr.bk)) {
-            const unsigned slot = atomicAdd(ncand, 1u);
-            if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), 0ull);
-        }
+        in[j] = j < t.n && smp_in_bucket(t.v[j], t.first + j, nr.bk);
+        mine += in[j];
+    }
+    unsigned slot = smp_warp_slots(cx.rs.ncand + stage, mine);
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j) {
+        if (!in[j]) continue;
+        if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), 0ull);
+        ++slot;
     }
     smp_barrier(cx);
     if (!smp_exact(sm, cx, nr.n, by_mass, nr.rem)) return Cut{0ull, ~0ull};
@@ -556,14 +641,27 @@ __device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, b
 // The block's best race key among the tokens certainly kept: composite >= theta, min-p, and, with
 // a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
 // their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly.
-__device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta, float min_p,
-                                                       bool defer, const Narrow& nr, int stage, uint4 ctr,
-                                                       unsigned k0, unsigned k1) {
+// The race key is exp(d) / E with E = -log(u) ~ Exp(1), whose log is d + Gumbel: the same order
+// with one log instead of two. The log is the accurate one (a small E, u near 1, decides the
+// winner); the fast exp and divide add ~1e-6 relative error, i.e. ~1e-6 in Gumbel space.
+__device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta,
+                                                       float min_p, bool defer, const Narrow& nr, int stage,
+                                                       uint4 ctr, unsigned k0, unsigned k1) {
     unsigned long long win = 0ull;
+    unsigned slot = 0u;  // this thread's next candidate slot
+    if (defer) {         // block-uniform: one atomic per warp for all the warp's bucket tokens
+        unsigned mine = 0u;
+#pragma unroll
+        for (int j = 0; j < kMaxPer; ++j) {
+            const unsigned long long c = smp_comp(t.v[j], t.first + j);
+            mine += j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;
+        }
+        slot = smp_warp_slots(cx.rs.ncand + stage, mine);
+    }
 #pragma unroll
     for (int g = 0; g < kMaxPer; g += 4) {
         if (g >= t.n) break;
-        bool rng[4], sure[4], cand[4], any_rng = false, any_cand = false;
+        bool rng[4], sure[4], cand[4], any_rng = false;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = g + e;
@@ -573,9 +671,8 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
             cand[e] = defer && j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;  // the bucket is its range
             sure[e] = live && !(defer && c <= nr.bk.hi);
             rng[e] = live && (sure[e] || cand[e]);
-            any_rng |= rng[e], any_cand |= cand[e];
+            any_rng |= rng[e];
         }
-        if (!(any_rng || any_cand)) continue;
         uint4 x = make_uint4(0u, 0u, 0u, 0u);
         if (any_rng) {  // no Philox call for a group with nothing that can win
             ctr.x = (t.first + g) >> 2;
@@ -586,15 +683,15 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
         for (int e = 0; e < 4; ++e) {
             unsigned long long key = 0ull;
             if (rng[e]) {
-                const float u = fp4_philox_uniform(words[e]);
-                const float gum = -logf(-logf(u));
-                key = ((unsigned long long)smp_key(__fadd_rn(t.v[g + e], gum)) << 32) | (unsigned)~(t.first + g + e);
+                const float expo = -logf(fp4_philox_uniform(words[e]));  // in [6e-8, 16.7]
+                const float r = __fdividef(__expf(t.v[g + e]), expo);      // d >= -20: r in [1e-10, 2e7]
+                key = ((unsigned long long)smp_key(r) << 32) | (unsigned)~(t.first + g + e);
             }
             if (sure[e]) win = key > win ? key : win;
             if (cand[e]) {
-                const unsigned slot = atomicAdd(cx.rs.ncand + stage, 1u);
                 if (slot < (unsigned)kCap)
                     cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[g + e], t.first + g + e), key);
+                ++slot;
             }
         }
     }
@@ -634,20 +731,17 @@ __device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const 
 #pragma unroll
     for (int e = 0; e < kCapEach; ++e) {
         const unsigned i = threadIdx.x + e * kThreads;
-        if (i < nr.n) {
-            const ulonglong2 c = __ldcg(&cx.rs.cand[i]);
-            if (c.x >= theta && c.y > best) best = c.y;
-        }
+        if (i < nr.n && sm.cand_comp[i] >= theta && sm.cand_key[i] > best) best = sm.cand_key[i];
     }
     return smp_block_max(best, sm);
 }
 
 // The last block of the row to arrive writes the token (the best race key, with the deferred
 // cut's candidates when `defer`; the argmax when no race ran), puts the scratch back to zero,
-// then hands it to the group's next round (`next`; 0 after the last round). No block of the row
-// touches the scratch after arriving here.
-__device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned next, bool defer, const Narrow& nr,
-                           bool by_mass, int* out, unsigned* status) {
+// then hands it to the group's next round (`next`; 0 after the last round, `round` is this one).
+// No block of the row touches the scratch after arriving here.
+__device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next, bool defer,
+                           const Narrow& nr, bool by_mass, int* out, unsigned* status) {
     __syncthreads();
     if (threadIdx.x == 0) {
         smp_fence();
@@ -657,18 +751,27 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned n
     }
     __syncthreads();
     if (sm.last) {  // block-uniform
+        unsigned long long race = 0ull, best = 0ull;
+        unsigned n0 = 0u, n1 = 0u;
+        if (threadIdx.x == 0) {  // issued together: one round trip, overlapping the candidates' load
+            race = __ldcg(cx.rs.race);
+            best = __ldcg(cx.rs.best);
+            n0 = __ldcg(cx.rs.ncand);
+            n1 = __ldcg(cx.rs.ncand + 1);
+        }
         const unsigned long long from_cands = defer ? smp_cut_candidates(sm, cx, nr, by_mass) : 0ull;
         if (threadIdx.x == 0) {
-            const unsigned long long race = atomicExch(cx.rs.race, 0ull);
-            const unsigned long long best = atomicExch(cx.rs.best, 0ull);
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
             out[b] = (int)(tok < V ? tok : 0u);
             if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, SMP_STATUS_INPUT);  // no finite logit
+            *cx.rs.race = 0ull;
+            *cx.rs.best = 0ull;
             *cx.rs.arrive = 0u;
             *cx.rs.done = 0u;
+            cx.rs.ncand[0] = 0u;
+            cx.rs.ncand[1] = 0u;
             // The candidate slots written this unit (by either stage) go back to zero too.
-            const unsigned n0 = atomicExch(cx.rs.ncand, 0u), n1 = atomicExch(cx.rs.ncand + 1, 0u);
             const unsigned n = n0 > n1 ? n0 : n1;
             sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
         }
@@ -676,23 +779,46 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned n
         for (unsigned i = threadIdx.x; i < sm.nclear; i += kThreads) cx.rs.cand[i] = make_ulonglong2(0ull, 0ull);
         if (cx.hpass)
             for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            smp_fence();
-            atomicExch(cx.rs.round, next);
+        if (next != round) {  // the next round's blocks wait for `next`; a single round leaves 0 in place
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                smp_fence();
+                atomicExch(cx.rs.round, next);
+            }
         }
     }
     __syncthreads();  // sm.last is read before a later unit writes it
 }
 
+// The Philox key and counter of this launch, read once by thread 0 (in flight while the block
+// loads its tokens); the last block of the grid to arrive advances the counter for the next
+// launch, at its end (the arrival's result is waited for only there).
+struct Rng {
+    unsigned long long key, ctr;
+    unsigned ticket;
+    bool taken;
+};
+
+__device__ __forceinline__ void smp_take_counter(Smem& sm, Rng& rng, unsigned* arrivals) {
+    if (rng.taken) return;
+    rng.taken = true;
+    if (threadIdx.x == 0) {
+        sm.s_seed = rng.key;
+        sm.s_offset = rng.ctr;
+        smp_fence();  // the read of offset happens before the arrival
+        rng.ticket = atomicAdd(arrivals, 1u);
+    }
+}
+
 template <typename T>
 __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, int per, bool vec, unsigned b,
-                            unsigned next, Ctx& cx, const Params& p, uint4 ctr, unsigned k0, unsigned k1,
-                            int* __restrict__ out, unsigned* __restrict__ status) {
+                            unsigned round, unsigned next, Ctx& cx, const Params& p, Rng& rng,
+                            unsigned* __restrict__ arrivals, int* __restrict__ out, unsigned* __restrict__ status) {
     const unsigned tid = threadIdx.x;
     Tile t;
     t.first = cx.chunk * (unsigned)(kThreads * per) + tid * (unsigned)per;
     const bool odd = smp_load_tile(logits + (size_t)b * V, V, per, vec, t);
+    smp_take_counter(sm, rng, arrivals);  // sm.s_seed / s_offset are read after the barriers below
 
     // 1. max / argmax, ties to the lower id; NaN, +inf and invalid parameters are events.
     unsigned long long best = 0ull;
@@ -709,13 +835,14 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         if (best) atomicMax(cx.rs.best, best);
     }
     Narrow nr;  // the deferred cut, when there is one
-    if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);
+    if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     smp_barrier(cx);
     const float lmax = smp_unkey((unsigned)(__ldcg(cx.rs.best) >> 32));
-    if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, next, false, nr, false, out, status);  // +inf, or no finite logit
+    if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
+    const float inv_t = __frcp_rn(p.temp);  // T >= FLT_MIN: finite
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j)  // d = (canonical logit - l_max) / T <= 0 (or -inf)
-        t.v[j] = __fdiv_rn(__fsub_rn(t.v[j], lmax), p.temp) + 0.0f;
+    for (int j = 0; j < kMaxPer; ++j)  // d = (canonical logit - l_max) * (1 / T) <= 0 (or -inf)
+        if (j < t.n) t.v[j] = __fmul_rn(__fsub_rn(t.v[j], lmax), inv_t) + 0.0f;
 
     // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
     //    filter's exact cut is left to the finisher (its bucket's tokens race as candidates).
@@ -745,11 +872,13 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     }
 
     // 3. the race over the kept tokens; the row's last block writes the winner.
-    ctr.y = b;
-    const unsigned long long win =
-        smp_block_max(smp_race(t, cx, theta, p.min_p, defer, nr, defer_stage, ctr, k0, k1), sm);
+    const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
+    const unsigned long long win = smp_block_max(
+        smp_race(t, cx, theta, p.min_p, defer, nr, defer_stage, ctr, (unsigned)sm.s_seed,
+                 (unsigned)(sm.s_seed >> 32)),
+        sm);
     if (tid == 0 && win) atomicMax(cx.rs.race, win);
-    smp_finish(sm, cx, b, V, next, defer, nr, defer_by_mass, out, status);
+    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);
 }
 
 template <typename T>
@@ -764,23 +893,8 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
                                             unsigned* __restrict__ status) {
     __shared__ Smem sm;
     const unsigned tid = threadIdx.x;
-
-    // Read the counter, then arrive; the last block to arrive advances it for the next launch.
-    if (tid == 0) {
-        sm.s_offset = *offset;
-        sm.s_seed = *seed;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        smp_fence();
-        if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {
-            *arrivals = 0u;
-            *offset = sm.s_offset + 1ull;
-            smp_fence();
-        }
-    }
-    const unsigned long long ctr_offset = sm.s_offset, key = sm.s_seed;
-    const uint4 ctr = make_uint4(0u, 0u, (unsigned)ctr_offset, (unsigned)(ctr_offset >> 32));
+    Rng rng{0ull, 0ull, 0u, false};
+    if (tid == 0) rng.key = __ldcg(seed), rng.ctr = __ldcg(offset);  // waited for after the tile load
 
     const unsigned rows_per_round = gridDim.x / (unsigned)G, group = blockIdx.x / (unsigned)G;
     Ctx cx;
@@ -801,8 +915,11 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
         cx.hpass = 0u;
         const unsigned next = b + rows_per_round < B ? round + 1u : 0u;
         const Params p = smp_params(b, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all);
-        sample_unit(sm, logits, V, per, vec != 0, b, next, cx, p, ctr, (unsigned)key, (unsigned)(key >> 32), out,
-                    status);
+        sample_unit(sm, logits, V, per, vec != 0, b, round, next, cx, p, rng, arrivals, out, status);
+    }
+    if (tid == 0 && rng.ticket == gridDim.x - 1) {  // every block has read the counter
+        *arrivals = 0u;
+        *offset = rng.ctr + 1ull;
     }
 }
 
@@ -815,8 +932,8 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
 #define SMP_PASS \
     logits, B, V, per, G, vec, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all, seed, offset, arrivals, scratch, out, status
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
+extern "C" __global__ void __launch_bounds__(kThreads, 3) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
+extern "C" __global__ void __launch_bounds__(kThreads, 3) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
     sample_rows<__nv_bfloat16>(SMP_PASS);
 }
