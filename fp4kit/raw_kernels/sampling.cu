@@ -29,25 +29,29 @@
 // The G blocks of a row meet at row barriers (a counter in the row's scratch):
 //   1. max / argmax of the canonical logits: block maxima -> atomicMax -> barrier. Greedy rows
 //      (T == 0) skip the barrier: the finisher (below) writes the argmax.
-//      d_i = (l_i - l_max) / T <= 0 from here on; tokens are ordered by the composite
+//      d_i = (l_i - l_max) * (1 / T) <= 0 from here on; tokens are ordered by the composite
 //      key(d_i) << 32 | ~i (larger d first, equal d: lower id first), every filter keeps a prefix
 //      of that order, so a filter is one threshold `theta` on the composite.
 //   2. top-k (by count), then top-p (by mass, target ceil(p * mass(top-k))): a histogram of 1024
-//      bins of width 1/32 in d (36-bit fixed-point masses exp(d) * 2^36, counts), block-local in
-//      shared memory, summed into the row's global histogram by atomics, barrier, a scan finds the
-//      boundary bin. If it holds more than kCap tokens (ties, clusters, the d < -32 tail), radix
+//      bins of width 1/32 in d (36-bit fixed-point masses exp(d) * 2^36, counts; masses only when
+//      top-p is on), block-local in shared memory, summed into the row's global histogram by
+//      fire-and-forget reductions, barrier, a scan finds the boundary bin. If it holds more than kCap tokens (ties, clusters, the d < -32 tail), radix
 //      passes over the 8 composite bits below the highest bit that varies within it narrow it.
 //      For top-k followed by top-p, the top-k bucket's tokens are appended to a candidate list,
-//      barrier, and every block finds the exact boundary token among them (each candidate's rank
-//      and the mass above it): top-p's target needs the top-k mass. The last filter's cut is
+//      barrier, and every block finds the exact boundary token among them (in-block radix passes
+//      on the bits that vary among them, then one warp ranks the last <= 32): top-p's target
+//      needs the top-k mass. The last filter's cut is
 //      deferred to step 3 instead, saving a barrier.
-//   3. race: each kept token's d_i - log(-log u_i) (u from Philox, min-p checked as exp(d) >= m),
+//   3. race: each kept token's exp(d_i) / -log(u_i) (the exponential race; its log is the
+//      reference's d_i - log(-log u_i); u from Philox, min-p checked as exp(d) >= m),
 //      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
 //      go to the candidate list with their race keys. The last block of the row to arrive cuts
 //      the candidates exactly, writes the best kept token (the argmax for special rows) and puts
 //      the row's scratch back to zero for the next launch.
 // Masses and counts are integers and the maxima are order-independent, so the result does not
-// depend on the order of the atomics: the same seed and offset give the same tokens.
+// depend on the order of the atomics: the same seed and offset give the same tokens. The seed and
+// offset are read by thread 0 of every block while its tokens load; the grid's last block to
+// arrive advances the offset at its end.
 #include <cuda_bf16.h>
 
 #include "common/philox.cuh"
@@ -311,6 +315,7 @@ struct Ctx {
     unsigned G, chunk;
     unsigned nbar;   // row barriers passed in this launch
     unsigned hpass;  // histogram passes in this launch (buffer hpass % 3)
+    bool with_mass;  // the histograms carry masses (top-p needs them; top-k alone only counts)
 };
 
 __device__ __forceinline__ void smp_barrier(Ctx& cx) {
@@ -353,7 +358,7 @@ __device__ __forceinline__ void smp_flush(Smem& sm, int run, unsigned c, unsigne
 // per warp); radix: the bucket's tokens by the composite's 8 bits at `shift`, top digit first.
 // Runs of equal bins within a thread are summed before the atomics (ties and clusters).
 template <bool kLevel0>
-__device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int shift) {
+__device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int shift, bool with_mass) {
     const int nb = kLevel0 ? kBins : kRadixBins;
     for (int i = threadIdx.x; i < nb; i += kThreads) sm.count[i] = 0u, sm.mass_hi[i] = 0u, sm.mass_lo[i] = 0u;
     __syncthreads();
@@ -383,7 +388,7 @@ __device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int sh
             run = idx, rc = 0u, rm = 0ull;
         }
         ++rc;
-        rm += smp_mass(d);
+        if (with_mass) rm += smp_mass(d);
     }
     smp_flush(sm, run, rc, rm);
     if (kLevel0) {
@@ -435,7 +440,7 @@ __device__ bool smp_pick(Smem& sm, const Ctx& cx, int nb, bool by_mass, unsigned
     for (int e = 0; e < kMaxEach; ++e) {
         const int i = threadIdx.x * each + e;
         c[e] = e < each ? __ldcg(gc + i) : 0u;
-        m[e] = e < each ? __ldcg(gm + i) : 0ull;
+        m[e] = e < each && cx.with_mass ? __ldcg(gm + i) : 0ull;
         csum += c[e], msum += m[e];
     }
     if (threadIdx.x == 0) sm.found = 0u;
@@ -464,7 +469,7 @@ template <bool kLevel0>
 __device__ bool smp_pass(Smem& sm, const Tile& t, Ctx& cx, const Bucket& bk, int shift, bool by_mass,
                          unsigned long long& rem, float frac) {
     const int nb = kLevel0 ? kBins : kRadixBins;
-    smp_local_hist<kLevel0>(sm, t, bk, shift);
+    smp_local_hist<kLevel0>(sm, t, bk, shift, cx.with_mass);
     smp_merge(sm, cx, nb);
     smp_barrier(cx);
     const bool ok = smp_pick(sm, cx, nb, by_mass, rem, frac);
@@ -638,23 +643,37 @@ __device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, b
 
 // ---- the race
 
-// The block's best race key among the tokens certainly kept: composite >= theta, min-p, and, with
-// a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
-// their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly.
 // The race key is exp(d) / E with E = -log(u) ~ Exp(1), whose log is d + Gumbel: the same order
 // with one log instead of two. The log is the accurate one (a small E, u near 1, decides the
 // winner); the fast exp and divide add ~1e-6 relative error, i.e. ~1e-6 in Gumbel space.
+__device__ __forceinline__ unsigned long long smp_word_key(float d, unsigned id, unsigned word) {
+    const float expo = -logf(fp4_philox_uniform(word));  // in [6e-8, 16.7]
+    const float r = __fdividef(__expf(d), expo);          // d >= -20: r in [1e-10, 2e7]
+    return ((unsigned long long)smp_key(r) << 32) | (unsigned)~id;
+}
+
+// The block's best race key among the tokens certainly kept: composite >= theta, min-p, and, with
+// a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
+// their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly. One
+// Philox call covers a thread's 4 consecutive tokens.
+template <bool defer>  // compiled twice: a row without a deferred cut has no candidate bookkeeping
 __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta,
-                                                       float min_p, bool defer, const Narrow& nr, int stage,
-                                                       uint4 ctr, unsigned k0, unsigned k1) {
+                                                       float min_p, const Narrow& nr, int stage, uint4 ctr,
+                                                       unsigned k0, unsigned k1) {
     unsigned long long win = 0ull;
+    // Float bounds first (composite >= c implies d >= the d of c's key): most tokens of a top-k or
+    // top-p row lie below the bucket and are dismissed with one compare.
+    const float bucket_d = defer ? smp_unkey((unsigned)(nr.bk.lo >> 32)) : SMP_NEG_INF;
+    const float live_d = theta ? fmaxf(smp_unkey((unsigned)(theta >> 32)), kNeverWins) : kNeverWins;
+    const float low_d = defer ? fminf(bucket_d, live_d) : live_d;
     unsigned slot = 0u;  // this thread's next candidate slot
     if (defer) {         // block-uniform: one atomic per warp for all the warp's bucket tokens
         unsigned mine = 0u;
 #pragma unroll
         for (int j = 0; j < kMaxPer; ++j) {
+            if (j >= t.n || t.v[j] < bucket_d) continue;
             const unsigned long long c = smp_comp(t.v[j], t.first + j);
-            mine += j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;
+            mine += nr.bk.lo <= c && c <= nr.bk.hi;
         }
         slot = smp_warp_slots(cx.rs.ncand + stage, mine);
     }
@@ -666,9 +685,11 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
         for (int e = 0; e < 4; ++e) {
             const int j = g + e;
             const float d = t.v[j];
+            rng[e] = sure[e] = cand[e] = false;
+            if (j >= t.n || d < low_d) continue;
             const unsigned long long c = smp_comp(d, t.first + j);
-            const bool live = j < t.n && d >= kNeverWins && c >= theta && (min_p <= 0.0f || expf(d) >= min_p);
-            cand[e] = defer && j < t.n && nr.bk.lo <= c && c <= nr.bk.hi;  // the bucket is its range
+            const bool live = d >= kNeverWins && c >= theta && (min_p <= 0.0f || expf(d) >= min_p);
+            cand[e] = defer && nr.bk.lo <= c && c <= nr.bk.hi;  // the bucket is its range
             sure[e] = live && !(defer && c <= nr.bk.hi);
             rng[e] = live && (sure[e] || cand[e]);
             any_rng |= rng[e];
@@ -681,16 +702,11 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
         const unsigned words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            unsigned long long key = 0ull;
-            if (rng[e]) {
-                const float expo = -logf(fp4_philox_uniform(words[e]));  // in [6e-8, 16.7]
-                const float r = __fdividef(__expf(t.v[g + e]), expo);      // d >= -20: r in [1e-10, 2e7]
-                key = ((unsigned long long)smp_key(r) << 32) | (unsigned)~(t.first + g + e);
-            }
+            const unsigned id = t.first + g + e;
+            const unsigned long long key = rng[e] ? smp_word_key(t.v[g + e], id, words[e]) : 0ull;
             if (sure[e]) win = key > win ? key : win;
             if (cand[e]) {
-                if (slot < (unsigned)kCap)
-                    cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[g + e], t.first + g + e), key);
+                if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[g + e], id), key);
                 ++slot;
             }
         }
@@ -852,6 +868,7 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     int defer_stage = 0;
     const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
     const bool use_p = p.top_p < 1.0f;
+    cx.with_mass = use_p;
 #pragma unroll 1
     for (int stage = 0; stage < 2; ++stage) {  // one copy of the descent's code for both filters
         if (stage == 0 ? !use_k : !(use_p && ck.mass != ~0ull)) continue;
@@ -873,10 +890,11 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
 
     // 3. the race over the kept tokens; the row's last block writes the winner.
     const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
-    const unsigned long long win = smp_block_max(
-        smp_race(t, cx, theta, p.min_p, defer, nr, defer_stage, ctr, (unsigned)sm.s_seed,
-                 (unsigned)(sm.s_seed >> 32)),
-        sm);
+    const unsigned k0 = (unsigned)sm.s_seed, k1 = (unsigned)(sm.s_seed >> 32);
+    const unsigned long long win =
+        smp_block_max(defer ? smp_race<true>(t, cx, theta, p.min_p, nr, defer_stage, ctr, k0, k1)
+                            : smp_race<false>(t, cx, theta, p.min_p, nr, defer_stage, ctr, k0, k1),
+                      sm);
     if (tid == 0 && win) atomicMax(cx.rs.race, win);
     smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);
 }
@@ -932,8 +950,8 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
 #define SMP_PASS \
     logits, B, V, per, G, vec, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all, seed, offset, arrivals, scratch, out, status
 
-extern "C" __global__ void __launch_bounds__(kThreads, 3) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
+extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 3) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
+extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
     sample_rows<__nv_bfloat16>(SMP_PASS);
 }

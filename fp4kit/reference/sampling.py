@@ -33,9 +33,10 @@ For each row ``b`` of logits ``[B, V]`` with parameters ``T = temperature[b]``, 
   or ``+inf`` logit, and a row with no finite logit are reported as a status event
   (`row_events`).
 
-The reference computes in float64; the kernels compute ``(l - l_max) / T`` and the Gumbel numbers
-in fp32 and the top-p masses in 36-bit fixed point, so they can differ from it only when two
-candidates (or a cumulative mass and its target) lie within rounding of each other.
+The reference computes in float64; the kernels compute ``(l - l_max) * (1 / T)`` in fp32, race
+with the equivalent key ``exp(d_i) / -log(u_i)`` in fp32 (one accurate log, fast exp and divide:
+~1e-6 relative) and keep the top-p masses in 36-bit fixed point, so they can differ from it only
+when two candidates (or a cumulative mass and its target) lie within rounding of each other.
 """
 
 from __future__ import annotations
