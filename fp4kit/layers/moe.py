@@ -35,6 +35,7 @@ from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
 from ..reference import fp32
 from ..reference import moe as moe_ref
+from ..reference.elementwise import token_rows
 from ..runtime import arrays, status
 from ..runtime.workspace import zeros_outside_capture
 from .shared_expert import interleave_rows
@@ -56,7 +57,7 @@ def check_token_ids(token_ids, x, tid2eid):
     if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype != np.int32:
         raise ValueError(f"token_ids: expected int32 [{x.shape[0]}], got {arrays.describe(token_ids)}")
     arrays.check_same_device(x=x, token_ids=token_ids)
-    if not arrays.is_device_array(token_ids) and token_ids.size and not moe_ref.token_ids_in_range(token_ids, tid2eid):
+    if not arrays.is_device_array(token_ids) and token_rows(token_ids, len(tid2eid))[1]:
         status.record_host(status.TOKEN_RANGE)
     return token_ids
 

@@ -63,11 +63,18 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6) -> np.ndarray:
     return (resid * _rsqrt_mean_square(resid, eps) * np.asarray(weight, np.float32)).astype(BF16)
 
 
+def token_rows(tokens, vocab: int) -> tuple[np.ndarray, bool]:
+    """The rows a table of ``vocab`` rows is read at for ``tokens`` (an id outside ``[0, vocab)``
+    reads row 0, as the kernels do) and whether any id was out of range."""
+    tokens = np.asarray(tokens).astype(np.int64)
+    bad = (tokens < 0) | (tokens >= vocab)
+    return np.where(bad, 0, tokens), bool(bad.any())
+
+
 def embed(table, tokens) -> tuple[np.ndarray, bool]:
     """fp32 rows ``[B, H]`` of ``table [V, H]`` and whether a token was out of range (read as 0)."""
-    tokens = np.asarray(tokens).astype(np.int64)
-    bad = (tokens < 0) | (tokens >= np.shape(table)[0])
-    return np.asarray(table)[np.where(bad, 0, tokens)].astype(np.float32), bool(bad.any())
+    rows, bad = token_rows(tokens, np.shape(table)[0])
+    return np.asarray(table)[rows].astype(np.float32), bad
 
 
 def all_entries(comp_len, n: int) -> np.ndarray:

@@ -30,6 +30,7 @@ import numpy as np
 from ..formats import Nvfp4Tensor
 from . import gemm as gemm_ref
 from . import quant as quant_ref
+from .elementwise import token_rows
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -54,12 +55,6 @@ def top_k_lowest_index_ties(values: np.ndarray, k: int) -> np.ndarray:
     return order[..., :k]
 
 
-def token_ids_in_range(token_ids, tid2eid) -> bool:
-    """Whether every hash-routing token id indexes a row of ``tid2eid [vocab, top_k]``."""
-    t = np.asarray(token_ids)
-    return bool(((t >= 0) & (t < len(tid2eid))).all())
-
-
 def route(
     x,
     gate_weight,
@@ -79,8 +74,7 @@ def route(
     scores = scores_from_logits(logits, score_func)
     t, e = scores.shape
     if tid2eid is not None:
-        rows = np.asarray(token_ids).astype(np.int64)
-        rows = np.where((rows >= 0) & (rows < len(tid2eid)), rows, 0)  # out of range: row 0 (a status event)
+        rows, _ = token_rows(token_ids, len(tid2eid))  # out of range: row 0 (a status event)
         ids = np.asarray(tid2eid)[rows].astype(np.int64)
     else:
         sel = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
