@@ -28,9 +28,16 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 GLOBAL_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: S = 2688 / amax
 
-SCALE_LAYOUTS = ("linear", "swizzled")
+SCALE_LAYOUTS = ("linear", "swizzled", "tiled")
 SWIZZLE_ROWS = 128  # rows of one swizzled tile
 SWIZZLE_COLS = 4  # block-scale columns of one swizzled tile
+
+# The tiled GEMM weight layout (``scale_layout="tiled"``, see `to_tiled`).
+TILE_ROWS = 16  # weight rows of one tile: the MMA's M dimension
+TILE_K = 64  # k of one tile ("chunk"): 4 MMA k16 steps, one 16-byte load per lane
+GROUP_CHUNKS = 4  # chunks whose block scales one lane reads with one 8-byte load
+TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512: codes of one tile, 16 bytes for each of 32 lanes
+GROUP_SCALE_BYTES = TILE_ROWS * TILE_K * GROUP_CHUNKS // BLOCK_SIZE  # 256: 8 bytes per lane
 
 #: value of every E2M1 code, index = 4-bit code (bit 3 = sign).
 E2M1_VALUES = np.array(
@@ -127,6 +134,10 @@ def block_scale_shape(shape: tuple[int, ...], scale_layout: str) -> tuple[int, .
     k = shape[-1]
     if scale_layout == "linear":
         return (*shape[:-1], k // BLOCK_SIZE)
+    if scale_layout == "tiled":
+        _check_tiled_shape(shape)
+        row_tiles, _, groups = tiled_dims(shape[-2], k)
+        return (*shape[:-2], row_tiles * groups * GROUP_SCALE_BYTES)
     if scale_layout == "swizzled":
         if len(shape) != 2:
             raise ValueError(
@@ -144,15 +155,17 @@ class Nvfp4Tensor:
     Attributes
     ----------
     packed : uint8 ``[..., K/2]``
-        E2M1 codes, two per byte, element ``2i`` in the low nibble.
+        E2M1 codes, two per byte, element ``2i`` in the low nibble; for ``scale_layout="tiled"``
+        the tiled GEMM weight layout ``[..., N/16 * K/64 * 512]`` (see `to_tiled`).
     block_scales : uint8
         One FP8 E4M3 byte per 16-element block: ``[..., K/16]`` for ``scale_layout="linear"``;
         a flat zero-padded ``[round_up(rows,128) * round_up(K/16,4)]`` buffer for
-        ``"swizzled"``.
+        ``"swizzled"``; ``[..., N/16 * K/256 * 256]`` for ``"tiled"`` (dimensions rounded up).
     global_scale : fp32 0-d array
         The encode scale ``S = 2688 / amax``, in the same memory (host or device) as ``packed``.
     scale_layout : str
-        ``"linear"`` or ``"swizzled"``.
+        ``"linear"``, ``"swizzled"`` or ``"tiled"`` (codes and scales both in the order the
+        GEMM reads them; produced by `to_tiled` when a layer is built, undone by `to_linear`).
     shape : tuple of int
         The logical (unpacked) shape.
     """
@@ -169,8 +182,7 @@ class Nvfp4Tensor:
             raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {self.scale_layout!r}")
         if not self.shape or self.shape[-1] % BLOCK_SIZE:
             raise ValueError(f"shape: last dimension must be a multiple of {BLOCK_SIZE}, got {self.shape}")
-        expected = (*self.shape[:-1], self.shape[-1] // 2)
-        _check_buffer("packed", self.packed, expected, np.uint8)
+        _check_buffer("packed", self.packed, packed_shape(self.shape, self.scale_layout), np.uint8)
         _check_buffer("block_scales", self.block_scales, block_scale_shape(self.shape, self.scale_layout), np.uint8)
         _check_buffer("global_scale", self.global_scale, (), np.float32)
         kinds = {array_module(a).__name__ for a in (self.packed, self.block_scales, self.global_scale)}
@@ -187,11 +199,20 @@ class Nvfp4Tensor:
 
     @property
     def linear_block_scales(self):
-        """The block scales as ``[..., K/16]``, unswizzling if needed."""
+        """The block scales as ``[..., K/16]``, unswizzling or untiling if needed."""
         if self.scale_layout == "linear":
             return self.block_scales
+        if self.scale_layout == "tiled":
+            return untile_scales(self.block_scales, self.shape)
         lin = unswizzle_scales(self.block_scales, self.rows, self.shape[-1] // BLOCK_SIZE)
         return lin.reshape(*self.shape[:-1], self.shape[-1] // BLOCK_SIZE)
+
+    @property
+    def linear_packed(self):
+        """The codes as ``[..., K/2]`` (element ``2i`` in the low nibble), untiling if needed."""
+        if self.scale_layout == "tiled":
+            return untile_codes(self.packed, self.shape)
+        return self.packed
 
 
 def _check_buffer(name: str, arr, shape: tuple[int, ...], dtype) -> None:
@@ -202,3 +223,147 @@ def _check_buffer(name: str, arr, shape: tuple[int, ...], dtype) -> None:
             f"{name}: expected shape {tuple(shape)} and dtype {np.dtype(dtype).name}, "
             f"got shape {tuple(arr.shape)} and dtype {arr.dtype}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiled GEMM weight layout.
+#
+# A weight [..., N, K] is cut into tiles of 16 rows x 64 k. Inside a tile, lane l = 4g + t of a
+# warp owns rows g and g + 8 and the 16 k of block t; its 16 bytes are four 32-bit words, word s
+# holding the 8 codes of MMA step s (an m16n8k16 bf16 A fragment: pairs a0 = row g, a1 = row g+8,
+# both at k = 16t + 4s + {0, 1}; a2 = row g, a3 = row g+8, both at 16t + 4s + {2, 3}). The GEMM
+# multiplies activations read in the same k order, so the permutation of k costs nothing.
+#
+# Inside a word the bits are placed so that each pair becomes two bf16 values (e2m1 * 2^-126:
+# sign at bit 15, exponent/mantissa bits e1 e0 m at bits 8..6 of each half) with few integer
+# operations: a0 = q & M, a1 = (q << 6) & M, a2 = (q << 3) & M with M = 0x81C081C0, and a3 from the
+# eight bits left over (bits 10, 11, 13, 14 of each half) with three shifts.
+#
+# Block scales: lane l of tile row r reads, for each group of 4 chunks, 8 bytes: for chunk j the
+# scale of (row g, block t) then (row g + 8, block t). Padding rows, k and chunks are zero.
+# Tiles are stored row-tile major: [row tile][chunk][lane][16 bytes]; scales
+# [row tile][group][lane][8 bytes].
+
+# _CODE_BIT_POS[a][half][bit]: where bit (0 m, 1 e0, 2 e1, 3 sign) of the code of pair a
+# (a0..a3) in lane half 0 (lower k) or 1 lands in the 32-bit word.
+_CODE_BIT_POS = np.array([
+    [[6, 7, 8, 15], [22, 23, 24, 31]],  # a0: the word itself
+    [[0, 1, 2, 9], [16, 17, 18, 25]],  # a1: shifted left by 6
+    [[3, 4, 5, 12], [19, 20, 21, 28]],  # a2: shifted left by 3
+    [[10, 11, 13, 14], [26, 27, 29, 30]],  # a3: the bits left over
+], dtype=np.uint32)
+
+
+def tiled_dims(n: int, k: int) -> tuple[int, int, int]:
+    """``(row_tiles, chunks, groups)`` of an ``[N, K]`` weight in the tiled layout."""
+    row_tiles = -(-n // TILE_ROWS)
+    chunks = -(-k // TILE_K)
+    return row_tiles, chunks, -(-chunks // GROUP_CHUNKS)
+
+
+def _check_tiled_shape(shape) -> None:
+    if len(shape) < 2:
+        raise ValueError(f"scale_layout='tiled' describes [..., N, K] weights, got shape {tuple(shape)}")
+
+
+def packed_shape(shape: tuple[int, ...], scale_layout: str) -> tuple[int, ...]:
+    """Shape of the code buffer of a tensor of logical ``shape`` in ``scale_layout``."""
+    if scale_layout == "tiled":
+        _check_tiled_shape(shape)
+        row_tiles, chunks, _ = tiled_dims(shape[-2], shape[-1])
+        return (*shape[:-2], row_tiles * chunks * TILE_BYTES)
+    return (*shape[:-1], shape[-1] // 2)
+
+
+def _pad_last2(x, rows: int, cols: int):
+    xp = array_module(x)
+    if x.shape[-2:] == (rows, cols):
+        return x
+    out = xp.zeros((*x.shape[:-2], rows, cols), dtype=x.dtype)
+    out[..., : x.shape[-2], : x.shape[-1]] = x
+    return out
+
+
+def tile_codes(packed, shape):
+    """Codes ``[..., N, K/2]`` (linear) to the tiled code buffer ``[..., tiles * 512]``."""
+    xp = array_module(packed)
+    *lead, n, k = shape
+    row_tiles, chunks, _ = tiled_dims(n, k)
+    codes = _pad_last2(unpack_nibbles(packed), row_tiles * TILE_ROWS, chunks * TILE_K)
+    # axes: lead, row tile, row half h, g, chunk, t, step s, pair p (k + 0/1 or + 2/3), half e
+    codes = codes.reshape(*lead, row_tiles, 2, 8, chunks, 4, 4, 2, 2)
+    nl = len(lead)
+    codes = codes.transpose(*range(nl), nl, nl + 3, nl + 2, nl + 4, nl + 5, nl + 1, nl + 6, nl + 7)
+    words = xp.zeros(codes.shape[:-3], dtype=np.uint32)  # lead, tile, chunk, g, t, s
+    for h in range(2):
+        for p in range(2):
+            pair = 2 * p + h  # a0 = (h0, p0), a1 = (h1, p0), a2 = (h0, p1), a3 = (h1, p1)
+            for e in range(2):
+                c = codes[..., h, p, e].astype(np.uint32)
+                for bit in range(4):
+                    words |= ((c >> bit) & 1) << _CODE_BIT_POS[pair, e, bit]
+    return words.reshape(*lead, -1).view(np.uint8)
+
+
+def untile_codes(tiled, shape):
+    """Inverse of `tile_codes`: the tiled code buffer back to linear codes ``[..., N, K/2]``."""
+    xp = array_module(tiled)
+    *lead, n, k = shape
+    row_tiles, chunks, _ = tiled_dims(n, k)
+    words = xp.ascontiguousarray(tiled).view(np.uint32).reshape(*lead, row_tiles, chunks, 8, 4, 4)
+    codes = xp.zeros((*words.shape, 2, 2, 2), dtype=np.uint8)  # ..., h, p, e
+    for h in range(2):
+        for p in range(2):
+            pair = 2 * p + h
+            for e in range(2):
+                c = xp.zeros(words.shape, dtype=np.uint32)
+                for bit in range(4):
+                    c |= ((words >> _CODE_BIT_POS[pair, e, bit]) & 1) << bit
+                codes[..., h, p, e] = c.astype(np.uint8)
+    nl = len(lead)
+    # back to: lead, tile, h, g, chunk, t, s, p, e
+    codes = codes.transpose(*range(nl), nl, nl + 5, nl + 2, nl + 1, nl + 3, nl + 4, nl + 6, nl + 7)
+    codes = codes.reshape(*lead, row_tiles * TILE_ROWS, chunks * TILE_K)[..., :n, :k]
+    return pack_nibbles(codes)
+
+
+def tile_scales(linear, shape):
+    """Linear block scales ``[..., N, K/16]`` to the tiled scale buffer."""
+    *lead, n, k = shape
+    row_tiles, _, groups = tiled_dims(n, k)
+    sf = _pad_last2(linear, row_tiles * TILE_ROWS, groups * GROUP_CHUNKS * 4)
+    sf = sf.reshape(*lead, row_tiles, 2, 8, groups, GROUP_CHUNKS, 4)  # tile, h, g, group, j, t
+    nl = len(lead)
+    sf = sf.transpose(*range(nl), nl, nl + 3, nl + 2, nl + 5, nl + 4, nl + 1)  # tile, group, g, t, j, h
+    return array_module(linear).ascontiguousarray(sf).reshape(*lead, -1)
+
+
+def untile_scales(tiled, shape):
+    """Inverse of `tile_scales`: the tiled scale buffer back to ``[..., N, K/16]``."""
+    *lead, n, k = shape
+    row_tiles, _, groups = tiled_dims(n, k)
+    sf = tiled.reshape(*lead, row_tiles, groups, 8, 4, GROUP_CHUNKS, 2)
+    nl = len(lead)
+    sf = sf.transpose(*range(nl), nl, nl + 5, nl + 2, nl + 1, nl + 4, nl + 3)  # tile, h, g, group, j, t
+    sf = sf.reshape(*lead, row_tiles * TILE_ROWS, groups * GROUP_CHUNKS * 4)
+    return array_module(tiled).ascontiguousarray(sf[..., :n, : k // BLOCK_SIZE])
+
+
+def to_tiled(q: "Nvfp4Tensor") -> "Nvfp4Tensor":
+    """The GEMM weight layout of ``q`` (``[..., N, K]``), exactly and invertibly (`to_linear`).
+
+    Done once when a layer is built: the tiled tensor replaces the linear one. Returns ``q``
+    itself if it is already tiled.
+    """
+    if q.scale_layout == "tiled":
+        return q
+    _check_tiled_shape(q.shape)
+    return Nvfp4Tensor(tile_codes(q.packed, q.shape), tile_scales(q.linear_block_scales, q.shape),
+                       q.global_scale, "tiled", q.shape)
+
+
+def to_linear(q: "Nvfp4Tensor") -> "Nvfp4Tensor":
+    """The checkpoint layout (codes ``[..., K/2]``, linear scales) of any `Nvfp4Tensor`."""
+    if q.scale_layout == "linear":
+        return q
+    return Nvfp4Tensor(q.linear_packed, q.linear_block_scales, q.global_scale, "linear", q.shape)

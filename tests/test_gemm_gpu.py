@@ -1,13 +1,15 @@
 """NVFP4 GEMMs on the GPU against a float64 GEMM of the dequantized operands (calc_diff), both
-paths (decode kernel and the prefill cuBLAS path), W4A16 and W4A4, odd shapes, determinism, and
-the layers captured in a CUDA graph."""
+paths (the tiled decode kernel with and without split-K, and the prefill cuBLAS path), W4A16 and
+W4A4, odd shapes, determinism, graph replay, and the layers captured in a CUDA graph."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import fp4kit
+from fp4kit.formats import to_linear, to_tiled
 from fp4kit.layers import Linear, SharedExpert, fuse_gate_up
+from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops.gemm import gemm
 from fp4kit.reference import gemm as ref
 from fp4kit.reference import quant as qref
@@ -16,6 +18,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 BF16 = ml_dtypes.bfloat16
 BOUND = 1e-5  # calc_diff of a bf16 output against float64: the output rounding is about 1e-6
+BOUND_F32 = 1e-9  # fp32 output: exact products, fp32 sums (a 0.4 % scale error gives ~1e-5)
 
 
 def to_device(q):
@@ -23,43 +26,94 @@ def to_device(q):
                               q.scale_layout, q.shape)
 
 
+def tiled(q):
+    """A host weight on the device in the GEMM's tiled layout."""
+    return to_tiled(to_device(q))
+
+
 def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-@pytest.mark.parametrize("k", [16, 2048, 7168, 1040])
-@pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("k", [16, 48, 1040, 2048, 7168])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 300])
 def test_gemm_paths_match_float64(rng, m, k):
-    n = 2056  # not a multiple of the 16-row tile
+    n = 2056  # not a multiple of the 16-row tile nor of a 128-row group
     w = weight(rng, n, k)
-    wd = to_device(w)
+    wd = tiled(w)
     x = (rng.standard_normal((m, k)) * 2).astype(BF16)
     bias = rng.standard_normal(n).astype(np.float32)
     for act in ("bf16", "nvfp4"):
         a = x if act == "bf16" else qref.quantize(x)
         ad = cp.asarray(x) if act == "bf16" else to_device(a)
         expect = ref.gemm(a, w, bias, None, np.float64)
-        for out_dtype in (BF16, np.float32):
-            out = cp.full((m, n), np.nan, out_dtype)
-            y = gemm(ad, wd, bias=cp.asarray(bias), out=out)
-            assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND, (act, out_dtype)
-        if m <= 64:  # the same call forced through the prefill path
-            y = gemm(ad, wd, bias=cp.asarray(bias), out_dtype=np.float32, decode_max_m=0)
-            assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND, (act, "prefill")
+        for out_dtype, bound in ((BF16, BOUND), (np.float32, BOUND_F32)):
+            # m = 65 and 300 run the decode kernel once per 64 rows; the prefill path too
+            for decode_max_m in ({64, m} if m > 64 else {64, 0}):
+                out = cp.full((m, n), np.nan, out_dtype)
+                y = gemm(ad, wd, bias=cp.asarray(bias), out=out, decode_max_m=decode_max_m)
+                diff = ref.calc_diff(cp.asnumpy(y), expect)
+                assert diff < bound, (act, out_dtype, decode_max_m, diff)
+
+
+@pytest.mark.parametrize("n,k", [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129, 4096)])
+def test_split_k_is_deterministic_and_exact(rng, n, k):
+    """Small weights split K over many blocks; the reduction adds the splits in a fixed order."""
+    w = weight(rng, n, k)
+    wd = tiled(w)
+    for m in (1, 16, 64):
+        *_, splits, _ = gemm_ops.launch_config(m, n, k)
+        x = rng.standard_normal((m, k)).astype(BF16)
+        expect = ref.gemm(x, w, None, None, np.float64)
+        first = cp.full((m, n), np.nan, np.float32)
+        gemm(cp.asarray(x), wd, out=first)
+        assert ref.calc_diff(cp.asnumpy(first), expect) < BOUND_F32, (m, splits)
+        for _ in range(3):
+            again = cp.full((m, n), np.nan, np.float32)
+            gemm(cp.asarray(x), wd, out=again)
+            assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
+    assert gemm_ops.launch_config(1, 2048, 7168)[3] > 1  # the split path is exercised
+
+
+def test_graph_replay_equals_eager(rng):
+    w = tiled(weight(rng, 2048, 7168))
+    xs = [cp.asarray(rng.standard_normal((m, 7168)).astype(BF16)) for m in (1, 8, 64)]
+    eager = [gemm(x, w, out_dtype=np.float32) for x in xs]
+    outs = [cp.full(e.shape, np.nan, np.float32) for e in eager]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for x, o in zip(xs, outs):
+            gemm(x, w, out=o)  # first use on this stream allocates its split-K scratch outside the graph
+        stream.begin_capture()
+        for x, o in zip(xs, outs):
+            gemm(x, w, out=o)
+        graph = stream.end_capture()
+        for o in outs:
+            o.fill(np.nan)
+        for _ in range(2):
+            graph.launch(stream)
+        stream.synchronize()
+    for e, o in zip(eager, outs):
+        assert cp.array_equal(e.view(cp.uint32), o.view(cp.uint32))
 
 
 def test_large_m_prefill_and_decode(rng):
     m, n, k = 4096, 1040, 7168
     w, x = weight(rng, n, k), rng.standard_normal((m, k)).astype(BF16)
     expect = ref.gemm(x, w, None, None, np.float64)
-    y = gemm(cp.asarray(x), to_device(w))
-    assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND
-    y = gemm(cp.asarray(x[:300]), to_device(w), decode_max_m=1 << 30)  # decode kernel, 64-row groups
+    y = gemm(cp.asarray(x), tiled(w), out_dtype=np.float32)
+    assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND_F32
+    y = gemm(cp.asarray(x[:300]), tiled(w), decode_max_m=1 << 30)  # decode kernel, 64-row groups
     assert ref.calc_diff(cp.asnumpy(y), expect[:300]) < BOUND
 
 
+def test_linear_weight_on_device_is_refused_with_a_pointer_to_to_tiled(rng):
+    with pytest.raises(ValueError, match="to_tiled"):
+        gemm(cp.ones((1, 64), BF16), to_device(weight(rng, 32, 64)))
+
+
 def test_decode_is_deterministic_and_writes_every_output(rng):
-    w = to_device(weight(rng, 4096, 7168))
+    w = tiled(weight(rng, 4096, 7168))
     x = cp.asarray(rng.standard_normal((16, 7168)).astype(BF16))
     a = cp.full((16, 4096), np.nan, BF16)
     b = cp.full((16, 4096), np.nan, BF16)
@@ -76,7 +130,7 @@ def test_row_decode_for_fused_shards(rng):
     fused_h, row_decode_h = fuse_gate_up(gate, up)
     assert np.array_equal(cp.asnumpy(row_decode), row_decode_h)
     x = rng.standard_normal((4, 2048)).astype(BF16)
-    y = gemm(cp.asarray(x), fused, w_row_decode=row_decode, out_dtype=np.float32)
+    y = gemm(cp.asarray(x), to_tiled(fused), w_row_decode=row_decode, out_dtype=np.float32)
     expect = ref.gemm(x, fused_h, None, row_decode_h, np.float64)
     assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND
 
@@ -113,7 +167,8 @@ def test_linear_from_float_on_device_equals_reference(rng):
     w = rng.standard_normal((256, 512)).astype(np.float32)
     lin = Linear.from_float(cp.asarray(w))
     r = qref.quantize(w)
-    assert np.array_equal(cp.asnumpy(lin.weight.packed), r.packed)
+    assert lin.weight.scale_layout == "tiled"
+    assert np.array_equal(cp.asnumpy(to_linear(lin.weight).packed), r.packed)
     x = rng.standard_normal((3, 512)).astype(BF16)
     y = lin(cp.asarray(x))
     expect = Linear(r)(x)
@@ -121,7 +176,7 @@ def test_linear_from_float_on_device_equals_reference(rng):
 
 
 def test_device_bad_inputs(rng):
-    w = to_device(weight(rng, 32, 64))
+    w = tiled(weight(rng, 32, 64))
     with pytest.raises(ValueError, match="arrays must live on one device"):
         gemm(np.ones((2, 64), BF16), w)
     with pytest.raises(ValueError, match="bias: expected an array on the same device as w"):

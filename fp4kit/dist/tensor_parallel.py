@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor
+from ..formats import Nvfp4Tensor, to_linear
 from ..layers.linear import MODES, Linear
 from ..ops import quant as quant_ops
 from ..runtime import arrays
@@ -40,8 +40,8 @@ def _check_comm(comm) -> None:
 def _check_linear(name: str, linear) -> None:
     if not isinstance(linear, Linear):
         raise TypeError(f"{name}: expected an fp4kit.layers.Linear, got {type(linear).__name__}")
-    if linear.weight.scale_layout != "linear":
-        raise ValueError(f"{name}: expected a weight with linear block scales, got {linear.weight.scale_layout!r}")
+    if linear.weight.scale_layout == "swizzled":
+        raise ValueError(f"{name}: expected a weight with linear or tiled block scales, got 'swizzled'")
 
 
 def shard_slice(size: int, comm: Communicator, what: str, multiple: int = 1) -> slice:
@@ -123,7 +123,7 @@ class ColumnParallelLinear:
         """This rank's rows of an existing layer (bytes and global scale kept)."""
         _check_linear("linear", linear)
         _check_comm(comm)
-        w = linear.weight
+        w = to_linear(linear.weight)  # shards are cut in the checkpoint layout, then tiled by Linear
         rows = shard_slice(w.shape[0], comm, "linear: out_features N")
         part = Nvfp4Tensor(w.packed[rows].copy(), w.block_scales[rows].copy(), w.global_scale.copy(), "linear",
                            (rows.stop - rows.start, w.shape[1]))
@@ -233,7 +233,7 @@ class RowParallelLinear:
         added after the all-reduce)."""
         _check_linear("linear", linear)
         _check_comm(comm)
-        w = linear.weight
+        w = to_linear(linear.weight)  # shards are cut in the checkpoint layout, then tiled by Linear
         cols = shard_slice(w.shape[1], comm, "linear: in_features K", multiple=16)
         k0, k1 = cols.start, cols.stop
         part = Nvfp4Tensor(w.packed[:, k0 // 2: k1 // 2].copy(), w.block_scales[:, k0 // 16: k1 // 16].copy(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor
+from ..formats import Nvfp4Tensor, to_tiled
 from ..ops import gemm as gemm_ops
 from ..ops import quant as quant_ops
 from ..runtime import arrays
@@ -28,7 +28,9 @@ class Linear:
 
     Parameters
     ----------
-    weight : Nvfp4Tensor ``[N, K]`` (linear scale layout)
+    weight : Nvfp4Tensor ``[N, K]``
+        Any layout. A device weight is converted once to the tiled GEMM layout, which replaces it
+        (`Linear.weight` is then tiled; `fp4kit.formats.to_linear` gives the checkpoint layout back).
     bias : fp32 or bf16 ``[N]``, optional
     mode : "w4a4" or "w4a16"
     input_scale : 0-d fp32 array, optional
@@ -45,6 +47,8 @@ class Linear:
             raise TypeError(f"weight: expected a 2-D Nvfp4Tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
         if input_scale is not None:
             input_scale = arrays.as_scalar_fp32("input_scale", input_scale, weight.packed)
+        if arrays.is_device_array(weight.packed):
+            weight = to_tiled(weight)
         self.weight, self.bias, self.mode = weight, bias, mode
         self.input_scale, self.w_row_decode = input_scale, w_row_decode
         self._buffers: dict[tuple, tuple] = {}

@@ -1,28 +1,41 @@
 """NVFP4 GEMM ops: ``y = alpha * A @ W^T (+ bias)`` with W an NVFP4 weight, launching
 ``raw_kernels/gemm.cu``.
 
-Two paths, picked by the number of activation rows M (``decode_max_m``, default 64):
+On the GPU the weight must be in the tiled layout (`fp4kit.formats.to_tiled`, done once when a
+layer is built); numpy arrays run the reference with either layout. Two paths, picked by the number
+of activation rows M (``decode_max_m``, default 64):
 
 * **decode** (M <= 64): one kernel that streams the weight once, dequantizing it in registers
-  and multiplying on the bf16 tensor cores; no library call, so it can be captured in a CUDA graph.
-* **prefill** (M > 64): the weight (and an NVFP4 activation) dequantized exactly into a reusable
-  bf16 workspace, a cuBLAS bf16 GEMM with fp32 output, then one epilogue kernel for alpha, bias and
-  the output cast. cuBLAS cannot be captured in a CuPy graph; prefill is not captured.
+  and multiplying on the bf16 tensor cores for up to 64 rows at once; small weights are split along
+  K over more blocks with a deterministic reduction. No library call, so it can be captured in a
+  CUDA graph. Above 64 rows (with a larger ``decode_max_m``) it runs once per 64 rows.
+* **prefill** (M > ``decode_max_m``): the weight (and an NVFP4 activation) dequantized exactly into
+  a reusable bf16 workspace, a cuBLAS bf16 GEMM with fp32 output, then one epilogue kernel for
+  alpha, bias and the output cast. cuBLAS cannot be captured in a CuPy graph.
 
-The threshold was chosen from ``benchmarks/bench_linear.py`` on an H200 (README); override it
-per call with ``decode_max_m``.
+The threshold and the launch shape were chosen from ``benchmarks/bench_linear.py`` on an H200
+(README); override the threshold per call with ``decode_max_m``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..formats import BLOCK_SIZE, Nvfp4Tensor
+from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
 DECODE_MAX_M = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
+#: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
+ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 2, 8: 2}
+#: split K until the grid has this many 8-warp blocks per SM (when K allows)
+BLOCKS_PER_SM = 2
+_WARPS = 8
+_WINDOW_CHUNKS = 8  # tiles of 64 k per staged activation window (gemm_engine.cuh)
+_ACT_STRIDE = _WINDOW_CHUNKS * TILE_K + 8  # bf16 per staged token row
+_PARTIALS_BYTES = 16 << 20  # split-K scratch per stream
+_MAX_ROW_GROUPS = 1 << 16  # split-K counters per stream
 _MODULE = "gemm"
 _U32 = np.uint32
 _I32 = np.int32
@@ -40,8 +53,12 @@ def _check_weight(w) -> None:
         raise TypeError(f"w: expected an Nvfp4Tensor [N, K], got {type(w).__name__}")
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D [N, K] weight, got shape {w.shape}")
-    if w.scale_layout != "linear":
-        raise ValueError("w: expected scale_layout 'linear' (the Hopper GEMM reads [N, K/16] scales), got 'swizzled'")
+    if w.scale_layout == "swizzled":
+        raise ValueError("w: expected scale_layout 'tiled' (or 'linear' on numpy), got 'swizzled'; "
+                         "convert with fp4kit.formats.to_tiled(w)")
+    if w.scale_layout == "linear" and arrays.is_device_array(w.packed):
+        raise ValueError("w: the GPU GEMM reads the tiled weight layout, got scale_layout 'linear'; convert it "
+                         "once with fp4kit.formats.to_tiled(w) (Linear and the other layers do this when built)")
     for name in ("packed", "block_scales"):
         arrays.check_contiguous(f"w.{name}", getattr(w, name))
     arrays.check_aligned("w.packed", w.packed)
@@ -143,19 +160,71 @@ def gemm(
     if m == 0:
         return out
     epilogue = (w.global_scale, _ptr(w_row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
-                _I32(out_dtype == np.float32), _U32(m), _U32(n), _U32(k))
-    if m <= decode_max_m:
-        tiles = next((t for t in _TOKEN_TILES if 8 * t >= m), _TOKEN_TILES[-1])
-        grid = -(-n // 16)
-        if isinstance(a, Nvfp4Tensor):
-            kernel = loader.get_kernel(_MODULE, f"gemm_decode_nvfp4_{tiles}")
-            kernel(grid, 256, (w.packed, w.block_scales, a.packed, a.block_scales, a.global_scale, *epilogue))
-        else:
-            kernel = loader.get_kernel(_MODULE, f"gemm_decode_bf16_{tiles}")
-            kernel(grid, 256, (w.packed, w.block_scales, a, *epilogue))
+                _I32(out_dtype == np.float32))
+    if m > decode_max_m:
+        _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and w_row_decode is None)
         return out
-    _prefill(a, w, m, n, k, epilogue, plain=bias is None and w_row_decode is None)
+    rows = out.reshape(m, n)
+    for m0 in range(0, m, 64):  # 64 rows per launch: the weight is streamed once per 64 rows
+        ms = min(64, m - m0)
+        if isinstance(a, Nvfp4Tensor):
+            act = (a.packed.reshape(m, k // 2)[m0:], a.block_scales.reshape(m, k // BLOCK_SIZE)[m0:], a.global_scale)
+        else:
+            act = (a.reshape(m, k)[m0:],)
+        _launch_tiled(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k)
     return out
+
+
+def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM.
+
+    Splits K over more blocks until the grid has `BLOCKS_PER_SM` blocks per SM, in whole activation
+    windows (512 k) and within the split-K scratch (`_PARTIALS_BYTES`).
+    """
+    import cupy
+
+    tiles = next(t for t in _TOKEN_TILES if 8 * t >= m)
+    r = ROW_TILES_PER_WARP[tiles]
+    row_tiles, chunks, _ = tiled_dims(n, k)
+    groups = -(-row_tiles // (_WARPS * r))
+    windows = -(-chunks // _WINDOW_CHUNKS)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    splits = max(1, min(windows, -(-BLOCKS_PER_SM * sms // groups)))
+    splits = max(1, min(splits, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))
+    per_split = -(-windows // splits) * _WINDOW_CHUNKS
+    return tiles, r, groups, -(-chunks // per_split), per_split
+
+
+def _split_scratch():
+    """Per-stream split-K scratch: fp32 partials and zeroed row-group counters (never reallocated,
+    so a captured graph keeps valid pointers)."""
+    import cupy
+
+    key = ("gemm.splitk", cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    scratch = _SPLIT_SCRATCH.get(key)
+    if scratch is None:
+        scratch = (workspace.device_buffer("gemm.partials", _PARTIALS_BYTES).view(np.float32),
+                   workspace.zeros_outside_capture(_MAX_ROW_GROUPS, np.uint32))
+        _SPLIT_SCRATCH[key] = scratch
+    return scratch
+
+
+_SPLIT_SCRATCH: dict = {}
+
+
+def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int) -> None:
+    tiles, r, groups, splits, per_split = launch_config(m, n, k)
+    if groups > _MAX_ROW_GROUPS:
+        raise ValueError(f"w: N={n} has more than {_MAX_ROW_GROUPS} row groups; split the weight")
+    kind = "nvfp4" if len(act) == 3 else "bf16"
+    kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}")
+    smem = 8 * tiles * _ACT_STRIDE * 2
+    if kernel.function.max_dynamic_shared_size_bytes < smem:
+        kernel.function.max_dynamic_shared_size_bytes = smem
+    partials, counters = _split_scratch()
+    kernel.function((groups, splits), (32 * _WARPS,),
+                    (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
+                     _U32(splits), _U32(per_split)), shared_mem=smem)
 
 
 def _ptr(v):
@@ -178,6 +247,16 @@ def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str):
     return buf
 
 
+def _dequantize_tiled_unscaled(w: Nvfp4Tensor, n: int, k: int):
+    """``e2m1 * fp32(scale)`` of the tiled weight ``w`` as bf16 ``[N, K]`` in a reusable workspace."""
+    buf = workspace.device_buffer("gemm.w", n * k * 2).view(arrays.BF16)[: n * k].reshape(n, k)
+    kernel = loader.get_kernel(_MODULE, "dequantize_tiled_unscaled_bf16")
+    row_tiles, chunks, _ = tiled_dims(n, k)
+    kernel(max(1, min(-(-(row_tiles * chunks * 32) // 256), kernel.max_blocks * 4)), 256,
+           (w.packed, w.block_scales, buf, _U32(n), _U32(k)))
+    return buf
+
+
 def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: bool) -> None:
     """Exact bf16 dequantization into workspaces + one cuBLAS bf16 GEMM (fp32 accumulation).
 
@@ -195,7 +274,7 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: 
             "pip install nvidia-cublas (CUDA 13) or nvidia-cublas-cu12 (CUDA 12)"
         ) from e
     w_global, out = epilogue[0], epilogue[4]
-    w_vals = _dequantize_unscaled(w, n, k, "gemm.w")
+    w_vals = _dequantize_tiled_unscaled(w, n, k)
     if isinstance(a, Nvfp4Tensor):
         a_vals, a_global = _dequantize_unscaled(a, m, k, "gemm.a"), a.global_scale
     else:

@@ -57,6 +57,7 @@ def _dtype(dtype) -> np.dtype:
 
 def _prepare_out(out: Nvfp4Tensor | None, shape, scale_layout: str, like) -> Nvfp4Tensor:
     """Validate ``out`` for a result of ``shape`` or allocate one next to ``like``."""
+    ref._check_quantize_layout(scale_layout)
     formats.block_scale_shape(shape, scale_layout)  # validates the layout for this shape
     if out is None:
         xp = arrays.array_module(like)

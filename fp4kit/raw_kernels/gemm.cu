@@ -1,64 +1,96 @@
-// NVFP4 GEMM on Hopper, which has no FP4 tensor cores: y[M, N] = alpha * A @ W^T (+ bias).
-// The weight is dequantized to bf16 in registers (e2m1 * fp32(block scale) is exact in bf16) and
-// multiplied on the bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation).
+// NVFP4 GEMM on Hopper, which has no FP4 tensor cores: y[M, N] = alpha * A @ W^T (+ bias), with W
+// in the tiled weight layout (fp4kit/formats.py `to_tiled`). The method is in common/gemm_engine.cuh.
 //
 // Arguments (row-major, contiguous):
-//   w_packed   uint8 [N, K/2]     E2M1 codes, element 2i in the low nibble; w_scales uint8 [N, K/16] (linear E4M3)
+//   w_codes    uint8 tiled codes, [N/16 * K/64 * 512];  w_scales uint8 tiled E4M3 scales [N/16 * K/256 * 256]
 //   w_global   fp32 [1]           encode scale S_w; or w_row_decode fp32 [N]: a decode factor per output row
 //                                 (fused weights whose shards had different global scales)
 //   act        bf16 [M, K] (W4A16), or uint8 [M, K/2] with act_scales uint8 [M, K/16] and act_global fp32 [1]
-//              (W4A4: the activation quantized by quant.cu)
+//              (W4A4: the activation quantized by quant.cu, linear layout)
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
 //   alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
-// gemm_decode_*: small M; larger M loops over groups of 8 * kTokenTiles tokens, re-reading the weight. "Swap AB": weight rows are the MMA's M dimension (16
-// per block), tokens its N dimension (8 per tile), so one pass streams the weight once. Launch: grid
-// ceil(N/16) blocks of 8 warps; warp w takes the 128-wide K chunks w, w+8, ...; partial sums are
-// reduced across warps in shared memory (deterministic). The dot product does not depend on the
-// order of k, so each thread reads 16 contiguous weight bytes per row (32 k) and the activation is
-// read in the same permuted order: nibbles (i, i+4) of a 32-bit word form one bf16x2 operand.
+// gemm_tiled_{bf16,nvfp4}_<T>x<R>: M <= 8 * T tokens, R row tiles per warp. Grid (ceil(N / (128 R)),
+//   splits), 256 threads, 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
+//   (i, s) covers tiles [s * chunks_per_split, ...) of K and the blocks of row group i meet through
+//   counters[i] (zero on entry, zero again on exit) and partials [splits][M][N rounded to 16].
 //
-// Nibble to bf16: (q & 0x80008000) | ((q >> 6) & 0x01C001C0) turns the nibbles at bits 12-15 and
-// 28-31 into bf16 values e2m1 * 2^-126 (0.5 becomes a subnormal, exact; bf16 arithmetic keeps
-// subnormals). One bf16x2 multiply by fp32(scale) * 2^100 gives e2m1 * scale * 2^-26, a normal bf16,
-// exactly; the epilogue multiplies by 2^26 per dequantized operand.
-//
-// dequantize_unscaled_bf16 / epilogue_*: the large-M path dequantizes into a bf16 workspace for a
-// cuBLAS bf16 GEMM with fp32 output, then applies alpha, bias and the output cast.
-#include "common/gemm_decode.cuh"
+// dequantize_tiled_unscaled_bf16 / dequantize_unscaled_bf16 / gemm_epilogue: the large-M path
+// dequantizes the weight (and an NVFP4 activation) exactly into bf16 workspaces for a cuBLAS bf16
+// GEMM with fp32 output, then applies alpha, bias and the output cast.
+#include "common/gemm_engine.cuh"
+
+using namespace gemm;
 
 #define FP4_GEMM_EPILOGUE_ARGS                                                                            \
     const float *w_global, const float *w_row_decode, const void *bias, int bias_kind, void *out, int out_f32, \
         unsigned M, unsigned N, unsigned K
 
-#define FP4_DEFINE_GEMM_DECODE(TILES)                                                                     \
-    extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_bf16_##TILES(                   \
-        const unsigned char* w_packed, const unsigned char* w_scales, const __nv_bfloat16* act,           \
-        FP4_GEMM_EPILOGUE_ARGS) {                                                                         \
-        for (unsigned m0 = 0; m0 < M; m0 += 8 * TILES) {                                                 \
-            Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};                  \
-            ep.out_row_base = m0;                                                                         \
-            gemm_decode<TILES>(w_packed, w_scales, ActBf16{act, RowMap{nullptr, m0}}, ep, min(M - m0, 8u * TILES), N, K); \
-        }                                                                                                 \
+#define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
+
+#define FP4_DEFINE_GEMM_TILED(T, R)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kThreads) gemm_tiled_bf16_##T##x##R(                     \
+        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
+        FP4_GEMM_SPLIT_ARGS) {                                                                            \
+        const Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};                \
+        gemm_block<T, R>(w_codes, w_scales, ActBf16{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x,    \
+                         blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kWarps * 32) gemm_decode_nvfp4_##TILES(                  \
-        const unsigned char* w_packed, const unsigned char* w_scales, const unsigned char* act_packed,    \
-        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS) {               \
-        for (unsigned m0 = 0; m0 < M; m0 += 8 * TILES) {                                                 \
-            Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};               \
-            ep.out_row_base = m0;                                                                         \
-            gemm_decode<TILES>(w_packed, w_scales, ActNvfp4{act_packed, act_scales, RowMap{nullptr, m0}}, ep, \
-                               min(M - m0, 8u * TILES), N, K);                                            \
-        }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kThreads) gemm_tiled_nvfp4_##T##x##R(                    \
+        const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
+        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
+        FP4_GEMM_SPLIT_ARGS) {                                                                            \
+        const Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};             \
+        gemm_block<T, R>(w_codes, w_scales, ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, \
+                         K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
     }
 
-FP4_DEFINE_GEMM_DECODE(1)
-FP4_DEFINE_GEMM_DECODE(2)
-FP4_DEFINE_GEMM_DECODE(4)
-FP4_DEFINE_GEMM_DECODE(8)
+FP4_DEFINE_GEMM_TILED(1, 1)
+FP4_DEFINE_GEMM_TILED(1, 2)
+FP4_DEFINE_GEMM_TILED(2, 1)
+FP4_DEFINE_GEMM_TILED(2, 2)
+FP4_DEFINE_GEMM_TILED(4, 1)
+FP4_DEFINE_GEMM_TILED(4, 2)
+FP4_DEFINE_GEMM_TILED(8, 1)
+FP4_DEFINE_GEMM_TILED(8, 2)
 
-// e2m1 * fp32(scale) as bf16 [rows, K] (exact), the operand of the large-M cuBLAS path. One
-// 16-element block per thread per step.
+// e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
+// cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.
+extern "C" __global__ void __launch_bounds__(256) dequantize_tiled_unscaled_bf16(const uint4* codes,
+                                                                                 const uint2* scales,
+                                                                                 __nv_bfloat16* out, unsigned N,
+                                                                                 unsigned K) {
+    const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
+    const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks;
+    const size_t total = (size_t)row_tiles * chunks * 32;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned lane = i % 32, chunk = (i / 32) % chunks, tile = i / 32 / chunks;
+        const unsigned g = lane >> 2, t = lane & 3, j = chunk % kGroupChunks;
+        const uint4 q4 = codes[i];
+        const uint2 sw = scales[((size_t)tile * groups + chunk / kGroupChunks) * 32 + lane];
+        unsigned sc_g, sc_g8;
+        if (j == 0) scale_pairs<0>(sw, sc_g, sc_g8);
+        if (j == 1) scale_pairs<1>(sw, sc_g, sc_g8);
+        if (j == 2) scale_pairs<2>(sw, sc_g, sc_g8);
+        if (j == 3) scale_pairs<3>(sw, sc_g, sc_g8);
+        const unsigned k0 = chunk * kTileK + 16 * t, n0 = tile * 16 + g;
+        if (k0 >= K) continue;
+        const unsigned q[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            unsigned a[4];
+            dequant_step(q[s], sc_g, sc_g8, a);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {  // a0: row g, k + 0/1; a1: row g + 8; a2: row g, k + 2/3; a3: row g + 8
+                const unsigned n = n0 + 8 * (p & 1), k = k0 + 4 * s + 2 * (p >> 1);
+                if (n < N) *reinterpret_cast<unsigned*>(out + (size_t)n * K + k) = bf16x2_mul(a[p], 0x4C804C80u);  // * 2^26
+            }
+        }
+    }
+}
+
+// e2m1 * fp32(scale) of a linear NVFP4 tensor as bf16 [rows, K] (exact): the activation operand of
+// the large-M path. One 16-element block per thread per step.
 extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const unsigned char* packed,
                                                                            const unsigned char* scales,
                                                                            __nv_bfloat16* out, unsigned rows,
@@ -81,10 +113,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc
     Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};
     ep.init();
     const size_t total = (size_t)M * N;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        const unsigned n = (unsigned)(i % N);
-        ep.store(i, n, __fmul_rn(acc[i], ep.alpha(n, 1.0f)));
-    }
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
+        ep.store((unsigned)(i / N), (unsigned)(i % N), N, acc[i], 1.0f);
 }
 
 // alpha_beta[0] = alpha (w_row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a

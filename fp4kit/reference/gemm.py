@@ -1,6 +1,7 @@
 """NVFP4 GEMM specification: ``y[M, N] = alpha * A_vals @ W_vals.T (+ bias)``.
 
-* ``W`` is an `Nvfp4Tensor` ``[N, K]``; its values are ``e2m1 * fp32(block_scale)`` (exact in
+* ``W`` is an `Nvfp4Tensor` ``[N, K]`` (any layout: the tiled GEMM layout is read through
+  `Nvfp4Tensor.linear_packed`); its values are ``e2m1 * fp32(block_scale)`` (exact in
   bf16, fp16 and fp32) and its decode factor is ``1 / S_w`` — or, for a fused weight whose row
   ranges came from shards with different global scales, a per-row decode vector ``[N]``.
 * ``A`` is an `Nvfp4Tensor` ``[M, K]`` (W4A4: values ``e2m1 * fp32(block_scale)``, decode
@@ -23,7 +24,7 @@ from .fp32 import F32
 
 def unscaled_values(q: Nvfp4Tensor) -> np.ndarray:
     """``e2m1 * fp32(block_scale)`` as float64 ``[..., K]`` (the global scale left out)."""
-    codes = unpack_nibbles(np.asarray(q.packed))
+    codes = unpack_nibbles(np.asarray(q.linear_packed))
     sf = E4M3_VALUES[np.asarray(q.linear_block_scales)].astype(np.float64)
     vals = E2M1_VALUES[codes].astype(np.float64).reshape(*sf.shape, BLOCK_SIZE)
     return (vals * sf[..., None]).reshape(q.shape)

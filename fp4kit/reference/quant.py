@@ -117,6 +117,7 @@ def quantize(x, global_scale=None, scale_layout: str = "linear") -> Nvfp4Tensor:
     ``global_scale`` is the encode scale ``S``; ``None`` computes it from ``amax(x)``.
     """
     xf = to_float32(x)
+    _check_quantize_layout(scale_layout)
     s = global_scale_from_amax(abs_max(xf)) if global_scale is None else np.asarray(global_scale, F32).reshape(())
     sf, codes = block_scales_and_codes(xf, s)
     if scale_layout == "swizzled":
@@ -126,9 +127,15 @@ def quantize(x, global_scale=None, scale_layout: str = "linear") -> Nvfp4Tensor:
     return Nvfp4Tensor(formats.pack_nibbles(codes), sf, np.array(s, F32), scale_layout, xf.shape)
 
 
+def _check_quantize_layout(scale_layout: str) -> None:
+    if scale_layout == "tiled":
+        raise ValueError("scale_layout: quantize writes 'linear' or 'swizzled' scales; the tiled GEMM weight layout "
+                         "comes from fp4kit.formats.to_tiled(q)")
+
+
 def dequantize(q: Nvfp4Tensor, dtype=np.float32) -> np.ndarray:
     """``e2m1 * (fp32(block_scale) / S)``, rounded to ``dtype`` (bf16, fp16 or fp32)."""
-    codes = formats.unpack_nibbles(np.asarray(q.packed))
+    codes = formats.unpack_nibbles(np.asarray(q.linear_packed))
     sf = np.asarray(q.linear_block_scales)
     block_decode = fp32.div(E4M3_VALUES[sf], F32(np.asarray(q.global_scale)))
     vals = E2M1_VALUES[codes].reshape(*sf.shape, BLOCK_SIZE)

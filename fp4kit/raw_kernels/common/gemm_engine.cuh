@@ -1,0 +1,360 @@
+// The NVFP4 GEMM engine, shared by gemm.cu (dense) and moe.cu (grouped experts): the tiled weight
+// layout's fragment loads, the E2M1 -> bf16 conversion, the block-scale application, the mainloop
+// and the epilogue with its deterministic split-K reduction. The weight must be in the tiled
+// layout of fp4kit/formats.py (`to_tiled`); the activation is bf16 (W4A16) or NVFP4 (W4A4, linear
+// layout), read through a row map (identity, or the rows routed to one expert).
+//
+// Method. Hopper has no FP4 tensor cores: the weight is dequantized in registers to bf16 and
+// multiplied on the bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) with weight rows in
+// the MMA's 16-row slot and tokens in its 8-wide slot, so one pass streams the weight once for up
+// to 8 * T tokens. A block of 8 warps owns 8 * R row tiles (16 rows each) and a K range (its
+// split); each warp streams its R row tiles through registers one group (4 tiles of 64 k) ahead,
+// with an L2 evict-first policy, and every dequantized fragment is used for all T token tiles.
+// The activation of the block's K range is staged in shared memory one window (512 k) at a time as
+// exact bf16 values (an NVFP4 activation is dequantized there, once per block, not per warp).
+//
+// Numerics. A tile word gives a bf16 pair e2m1 * 2^-126 per mask and shift (see formats.py); the
+// block scale byte b shifted left by 4 is the bf16 of s * 2^-120 (E4M3 subnormals included), and
+// two exact bf16 multiplies make it s * 2^100, so one multiply per pair gives e2m1 * s * 2^-26, a
+// normal bf16, exactly. Products with the bf16 activation are exact in fp32; the epilogue
+// multiplies by alpha * 2^26. Splits write fp32 partials; the last block of a row group to finish
+// (an atomic counter it then resets) adds them in split order, so results do not depend on timing.
+#pragma once
+
+#include "nvfp4.cuh"
+
+namespace gemm {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileK = 64;         // k of one tile
+constexpr int kGroupChunks = 4;    // tiles per scale load
+constexpr int kWindowChunks = 8;   // tiles per staged activation window
+constexpr int kWindowK = kWindowChunks * kTileK;
+constexpr int kActStride = kWindowK + 8;  // bf16 per staged token row: 16 bytes of padding, no bank conflicts
+constexpr float kWeightUnscale = 67108864.0f;  // 2^26
+
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// A weight stream load: read once, so it neither stays in L1 nor pushes reused data out of L2.
+__device__ __forceinline__ uint4 load_stream(const uint4* p, unsigned long long policy) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+    return v;
+}
+
+__device__ __forceinline__ uint2 load_stream(const uint2* p, unsigned long long policy) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
+        : "=r"(v.x), "=r"(v.y)
+        : "l"(p), "l"(policy));
+    return v;
+}
+
+// The A fragment of one MMA step from its tile word q: a0 (row g) and a2 (row g) scaled by sc_g,
+// a1 and a3 (row g + 8) by sc_g8. 0x81C081C0 keeps sign and e1 e0 m of both halves.
+__device__ __forceinline__ void dequant_step(unsigned q, unsigned sc_g, unsigned sc_g8, unsigned a[4]) {
+    constexpr unsigned kMask = 0x81C081C0u;
+    a[0] = bf16x2_mul(q & kMask, sc_g);
+    a[1] = bf16x2_mul((q << 6) & kMask, sc_g8);
+    a[2] = bf16x2_mul((q << 3) & kMask, sc_g);
+    a[3] = bf16x2_mul(((q >> 4) & 0x00C000C0u) | ((q >> 5) & 0x01000100u) | ((q << 1) & 0x80008000u), sc_g8);
+}
+
+// Block scales of tile j (0..3) of a group: (s_g, s_g) and (s_g8, s_g8) times 2^100 as bf16 pairs.
+// The scale word holds bytes (row g, row g + 8) of tiles 0, 1 (x) and 2, 3 (y); sign bits are
+// dropped (block scales are non-negative; the layout converter refuses negative ones).
+template <int j>
+__device__ __forceinline__ void scale_pairs(uint2 sw, unsigned& sc_g, unsigned& sc_g8) {
+    constexpr unsigned b = 2 * (j & 1);
+    const unsigned w = (j < 2 ? sw.x : sw.y) & 0x7F7F7F7Fu;
+    // bytes (b_g, 0, b_g8, 0): selector 4 reads byte 0 of the zero operand
+    const unsigned v = prmt(w, 0u, b | (4u << 4) | ((b + 1) << 8) | (4u << 12));
+    const unsigned s = bf16x2_mul(bf16x2_mul(v << 4, 0x7B807B80u), 0x71807180u);  // * 2^120 * 2^100
+    sc_g = prmt(s, s, 0x1010u);
+    sc_g8 = prmt(s, s, 0x3232u);
+}
+
+// Activation row of local token i: rows[base + i] (e.g. the tokens routed to one expert) or base + i.
+struct RowMap {
+    const unsigned* rows;
+    unsigned base;
+    __device__ __forceinline__ size_t operator()(unsigned i) const { return rows ? rows[base + i] : base + i; }
+};
+
+// Stage k0 .. k0 + kWindowK of tokens 0 .. M - 1 into act_s [8T][kActStride] as bf16 (zero past M
+// and K). K is a multiple of 16, so a 16-element piece is either inside K or past it.
+struct ActBf16 {
+    const __nv_bfloat16* x;  // [rows, K]
+    RowMap row;
+    __device__ __forceinline__ void stage(__nv_bfloat16* act_s, int tokens, unsigned M, unsigned k0, unsigned K) const {
+        for (int i = threadIdx.x; i < tokens * (kWindowK / 8); i += kThreads) {
+            const unsigned m = i / (kWindowK / 8), kk = (i % (kWindowK / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (m < M && k0 + kk < K) v = *reinterpret_cast<const uint4*>(x + row(m) * K + k0 + kk);
+            *reinterpret_cast<uint4*>(act_s + m * kActStride + kk) = v;
+        }
+    }
+};
+
+struct ActNvfp4 {
+    const unsigned char* packed;  // [rows, K/2], linear layout
+    const unsigned char* scales;  // [rows, K/16]
+    RowMap row;
+    // one 16-element block per step: e2m1 * fp32(scale), exact in bf16
+    __device__ __forceinline__ void stage(__nv_bfloat16* act_s, int tokens, unsigned M, unsigned k0, unsigned K) const {
+        for (int i = threadIdx.x; i < tokens * (kWindowK / 16); i += kThreads) {
+            const unsigned m = i / (kWindowK / 16), kk = (i % (kWindowK / 16)) * 16;
+            uint2 codes = make_uint2(0u, 0u);
+            float sf = 0.0f;
+            if (m < M && k0 + kk < K) {
+                const size_t r = row(m);
+                codes = *reinterpret_cast<const uint2*>(packed + r * (K / 2) + (k0 + kk) / 2);
+                sf = fp4_e4m3_value(scales[r * (K / 16) + (k0 + kk) / 16]);
+            }
+            unsigned h[8];
+#pragma unroll
+            for (int p = 0; p < 8; ++p) {
+                const unsigned word = p < 4 ? codes.x : codes.y, byte = (word >> (8 * (p % 4))) & 0xFFu;
+                const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(byte & 0xFu), sf),
+                                                               __fmul_rn(fp4_e2m1_value(byte >> 4), sf));
+                h[p] = *reinterpret_cast<const unsigned*>(&v);
+            }
+            uint4* dst = reinterpret_cast<uint4*>(act_s + m * kActStride + kk);
+            dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+            dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+        }
+    }
+};
+
+struct Epilogue {
+    const float* w_global;      // encode scale S_w (unused with w_decode or w_row_decode)
+    const float* w_row_decode;  // nullptr: one decode factor for every row
+    const float* act_global;    // nullptr: W4A16
+    const void* bias;
+    int bias_kind;  // 0 none, 1 fp32, 2 bf16
+    void* out;
+    int out_f32;
+    const float* w_decode = nullptr;  // a precomputed decode factor 1/S_w (per-expert weights)
+    unsigned out_ld = 0;              // output row stride (0: N)
+    unsigned out_row_base = 0;        // output row of local token 0
+    unsigned out_col = 0;             // output column of weight row 0
+
+    float w_dec, a_dec;  // 1 / S_w (unused with w_row_decode) and 1 / S_a (1 for W4A16)
+
+    __device__ __forceinline__ void init() {
+        w_dec = w_row_decode ? 0.0f : (w_decode ? *w_decode : __fdiv_rn(1.0f, *w_global));
+        a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+    }
+
+    __device__ __forceinline__ float alpha(unsigned n, float unscale) const {
+        return __fmul_rn(__fmul_rn(w_row_decode ? w_row_decode[n] : w_dec, a_dec), unscale);
+    }
+
+    // y = sum * alpha * unscale (+ bias) into out[token, n]
+    __device__ __forceinline__ void store(unsigned token, unsigned n, unsigned N, float sum,
+                                          float unscale = kWeightUnscale) const {
+        float y = __fmul_rn(sum, alpha(n, unscale));
+        if (bias_kind == 1) y = __fadd_rn(y, static_cast<const float*>(bias)[n]);
+        if (bias_kind == 2) y = __fadd_rn(y, __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]));
+        const size_t index = (size_t)(out_row_base + token) * (out_ld ? out_ld : N) + out_col + n;
+        if (out_f32) static_cast<float*>(out)[index] = y;
+        else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(y);
+    }
+};
+
+// Split-K scratch: fp32 partials [splits][M][row_tiles * 16] and one counter per row group (zero
+// between launches: the last block of a group resets it).
+struct SplitK {
+    float* partials;
+    unsigned* counters;
+    unsigned splits;
+    unsigned chunks_per_split;  // a multiple of kWindowChunks
+};
+
+template <int R>
+struct WeightGroup {
+    uint4 codes[R][kGroupChunks];
+    uint2 scales[R];
+};
+
+// One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T)
+// over the K range of split `split`. w_codes / w_scales point at one [N, K] weight.
+template <int T, int R, class Act>
+__device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, const Act& act, const Epilogue& ep_in,
+                           unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
+    extern __shared__ uint4 smem_raw[];
+    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __shared__ unsigned last_block;
+
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
+    const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks;
+    const unsigned tile0 = (group * kWarps + warp) * R;
+    const bool active = tile0 < row_tiles;  // warp-uniform; idle warps still take part in the barriers
+    const unsigned c_begin = split * sk.chunks_per_split, c_end = min(chunks, c_begin + sk.chunks_per_split);
+    const unsigned long long policy = evict_first_policy();
+
+    // per row tile: the next tile and scale group to fetch; tiles past N repeat the last one
+    const uint4* code_next[R];
+    const uint2* scale_next[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const size_t tile = min(tile0 + r, row_tiles - 1);
+        code_next[r] = w_codes + (tile * chunks + c_begin) * 32 + lane;
+        scale_next[r] = w_scales + (tile * groups + c_begin / kGroupChunks) * 32 + lane;
+    }
+    // the group of tiles c .. c + 3 (those at or past c_end read as zero); c advances by 4 per call
+    auto fetch = [&](unsigned c, WeightGroup<R>& wg) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int j = 0; j < kGroupChunks; ++j)
+                wg.codes[r][j] = c + j < c_end ? load_stream(code_next[r] + j * 32, policy) : make_uint4(0u, 0u, 0u, 0u);
+            wg.scales[r] = load_stream(scale_next[r], policy);
+            code_next[r] += kGroupChunks * 32;
+            scale_next[r] += 32;
+        }
+    };
+
+    float acc[R][T][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < T; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
+
+    // tiles j < valid of a group whose activation starts at act_tile (window column of tile 0)
+    auto compute = [&](const WeightGroup<R>& wg, const __nv_bfloat16* act_tile, unsigned valid) {
+#pragma unroll
+        for (int j = 0; j < kGroupChunks; ++j) {
+            if (j >= valid) break;
+            unsigned sc_g[R], sc_g8[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (j == 0) scale_pairs<0>(wg.scales[r], sc_g[r], sc_g8[r]);
+                if (j == 1) scale_pairs<1>(wg.scales[r], sc_g[r], sc_g8[r]);
+                if (j == 2) scale_pairs<2>(wg.scales[r], sc_g[r], sc_g8[r]);
+                if (j == 3) scale_pairs<3>(wg.scales[r], sc_g[r], sc_g8[r]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // steps 2h, 2h + 1 share one 16-byte activation load per token tile
+                uint4 b[T];
+#pragma unroll
+                for (int i = 0; i < T; ++i)
+                    b[i] = *reinterpret_cast<const uint4*>(act_tile + j * kTileK + (8 * i + g) * kActStride + 8 * h);
+#pragma unroll
+                for (int ss = 0; ss < 2; ++ss) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 q4 = wg.codes[r][j];
+                        const unsigned step = 2 * h + ss;
+                        const unsigned q = step == 0 ? q4.x : step == 1 ? q4.y : step == 2 ? q4.z : q4.w;
+                        unsigned a[4];
+                        dequant_step(q, sc_g[r], sc_g8[r], a);
+#pragma unroll
+                        for (int i = 0; i < T; ++i) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
+                    }
+                }
+            }
+        }
+    };
+
+    // Two register groups: while one is multiplied the other is in flight (a window is two groups).
+    WeightGroup<R> first, second;
+    if (active && c_begin < c_end) fetch(c_begin, first);
+    const __nv_bfloat16* act_tile = act_s + 16 * t;
+    unsigned cw = c_begin;
+    for (; cw + kWindowChunks <= c_end; cw += kWindowChunks) {  // full windows
+        __syncthreads();  // every warp is done with the previous window
+        act.stage(act_s, 8 * T, M, cw * kTileK, K);
+        __syncthreads();
+        if (!active) continue;
+        fetch(cw + kGroupChunks, second);
+        compute(first, act_tile, kGroupChunks);
+        if (cw + kWindowChunks < c_end) fetch(cw + kWindowChunks, first);
+        compute(second, act_tile + kGroupChunks * kTileK, kGroupChunks);
+    }
+    if (cw < c_end) {  // the last, partial window
+        __syncthreads();
+        act.stage(act_s, 8 * T, M, cw * kTileK, K);
+        __syncthreads();
+        const unsigned left = c_end - cw;
+        if (active) {
+            if (left > kGroupChunks) fetch(cw + kGroupChunks, second);
+            compute(first, act_tile, min(left, (unsigned)kGroupChunks));
+            if (left > kGroupChunks) compute(second, act_tile + kGroupChunks * kTileK, left - kGroupChunks);
+        }
+    }
+
+    Epilogue ep = ep_in;
+    ep.init();
+    // D fragment: acc[r][i] = (row g, tokens 8i + 2t, 8i + 2t + 1), (row g + 8, the same tokens)
+    if (sk.splits == 1) {
+        if (!active) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M && n < N) ep.store(token, n, N, acc[r][i][v]);
+                }
+        return;
+    }
+    const unsigned ld = row_tiles * 16;
+    if (active) {
+        float* part = sk.partials + (size_t)split * M * ld;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M && tile0 + r < row_tiles) __stcg(part + (size_t)token * ld + n, acc[r][i][v]);
+                }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_block = atomicAdd(sk.counters + group, 1u) == sk.splits - 1;
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+    const unsigned rows = kWarps * R * 16, n0 = group * rows;
+    for (unsigned i = threadIdx.x; i < rows * M; i += kThreads) {
+        const unsigned n = n0 + i % rows, token = i / rows;
+        if (n >= N) continue;
+        float sum = 0.0f;
+        for (unsigned s = 0; s < sk.splits; ++s) sum = __fadd_rn(sum, __ldcg(sk.partials + ((size_t)s * M + token) * ld + n));
+        ep.store(token, n, N, sum);
+    }
+    if (threadIdx.x == 0) sk.counters[group] = 0u;
+}
+
+}  // namespace gemm

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Instructions per weight of the NVFP4 GEMM mainloop, read off its SASS (no GPU needed).
+
+Compiles ``raw_kernels/gemm.cu`` for sm_90a through fp4kit's own NVRTC path (the same source and
+options the loader uses), disassembles it with ``cuobjdump -sass`` and, for each
+``gemm_tiled_*`` kernel, counts the instructions of its mainloop: the loop over activation
+windows, without the nested staging loop. One pass of that loop is 8 weight tiles of 64 k for
+each of the warp's R row tiles, i.e. ``8 * 32 * R`` weights per thread (every branch counted as
+taken, so the figure is an upper bound for full windows). Prints the count per weight, split into
+integer/logic instructions on the ALU pipe (LOP3, SHF, PRMT, LEA, IADD3, ...), IMAD (integer
+multiply-add, FMA pipe: left shifts and address arithmetic), bf16 multiplies (HMUL2), tensor-core
+MMAs and memory instructions.
+
+    python scripts/gemm_sass.py [--arch sm_90a] [--json FILE]
+
+``cuobjdump`` (and the ``nvdisasm`` it calls) come from the PATH or from the pip packages
+``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ALU = {"LOP3", "SHF", "PRMT", "LEA", "IADD3", "ISETP", "SEL", "LOP", "FLO", "POPC", "VIADD", "IABS", "IMNMX",
+       "VIMNMX", "BMSK", "SGXT"}
+MEM = {"LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS", "LD", "ST", "LDC", "ULDC"}
+WINDOW_WEIGHTS = 8 * 32  # weights per thread and row tile in one window
+
+
+def _tool(name: str) -> str:
+    exe = shutil.which(name)
+    if exe:
+        return exe
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for path in glob.glob(os.path.join(base, "nvidia", "*", "bin", name)):
+            return path
+    sys.exit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (no GPU needed)")
+
+
+def disassemble(arch: str) -> str:
+    from fp4kit.runtime import loader
+
+    cubin = loader.compile_offline("gemm", arch)
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin + b"\0")  # CuPy's compile path drops the ELF's last byte
+        f.flush()
+        result = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, env=env)
+    if result.returncode:
+        sys.exit(result.stderr.strip())
+    return result.stdout
+
+
+def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
+    functions, current = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);", line)
+        if m and current is not None:
+            current.append((int(m.group(1), 16), m.group(2), m.group(4)))
+    return functions
+
+
+def loops(ins) -> list[tuple[int, int]]:
+    """(start, end) of every backward branch."""
+    found = []
+    for addr, op, args in ins:
+        if op == "BRA":
+            m = re.search(r"0x([0-9a-f]+)", args)
+            if m and int(m.group(1), 16) <= addr:
+                found.append((int(m.group(1), 16), addr))
+    return found
+
+
+def mainloop_mix(ins) -> collections.Counter:
+    """Opcode counts of the innermost loop holding the MMAs, without the loops nested in it."""
+    mma = [a for a, op, _ in ins if op == "HMMA"]
+    all_loops = loops(ins)
+    holding = [lp for lp in all_loops if any(lp[0] <= a <= lp[1] for a in mma)]
+    start, end = min(holding, key=lambda lp: lp[1] - lp[0])
+    nested = [lp for lp in all_loops if lp != (start, end) and start <= lp[0] and lp[1] <= end]
+    return collections.Counter(op for a, op, _ in ins
+                               if start <= a <= end and not any(s <= a <= e for s, e in nested))
+
+
+def report(arch: str) -> list[dict]:
+    rows = []
+    for name, ins in parse(disassemble(arch)).items():
+        m = re.fullmatch(r"gemm_tiled_(bf16|nvfp4)_(\d+)x(\d+)", name)
+        if not m:
+            continue
+        tiles, r = int(m.group(2)), int(m.group(3))
+        ops = mainloop_mix(ins)
+        per = WINDOW_WEIGHTS * r
+        alu = sum(v for k, v in ops.items() if k in ALU)
+        rows.append({"kernel": name, "token_tiles": tiles, "row_tiles_per_warp": r,
+                     "instructions_per_weight": sum(ops.values()) / per,
+                     "alu_int_logic_per_weight": alu / per, "imad_per_weight": ops["IMAD"] / per,
+                     "int_total_per_weight": (alu + ops["IMAD"]) / per, "hmul2_per_weight": ops["HMUL2"] / per,
+                     "mma_per_weight": ops["HMMA"] / per,
+                     "mem_per_weight": sum(v for k, v in ops.items() if k in MEM) / per,
+                     "top_ops": dict(ops.most_common(10))})
+    return sorted(rows, key=lambda row: row["kernel"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    rows = report(args.arch)
+    print(f"NVFP4 GEMM mainloop, {args.arch}: instructions per weight and thread (static, one window)")
+    print("| kernel | all | ALU int/logic | IMAD | int total | HMUL2 | HMMA | memory |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['kernel']} | {row['instructions_per_weight']:.2f} | {row['alu_int_logic_per_weight']:.2f} | "
+              f"{row['imad_per_weight']:.2f} | {row['int_total_per_weight']:.2f} | {row['hmul2_per_weight']:.2f} | "
+              f"{row['mma_per_weight']:.3f} | {row['mem_per_weight']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

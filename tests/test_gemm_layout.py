@@ -1,0 +1,118 @@
+"""The tiled GEMM weight layout: exact and invertible on numpy, and the bit operations the kernel
+applies to it (gemm_engine.cuh: dequant_step, scale_pairs) give back every weight value at the
+(row, k) the MMA fragment expects. No GPU needed: the kernel's integer steps are replayed here."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4kit import formats
+from fp4kit.formats import E2M1_VALUES, E4M3_VALUES, Nvfp4Tensor, to_linear, to_tiled
+from fp4kit.reference import gemm as ref
+from fp4kit.reference import quant as qref
+
+MASK = np.uint32(0x81C081C0)
+
+
+def bf16_pair_values(words):
+    """float64 values of the two bf16 halves (low, high) of uint32 words."""
+    w = np.asarray(words, np.uint32)
+    lo = (w & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    hi = (w >> 16).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    return lo, hi
+
+
+def kernel_pairs(q):
+    """dequant_step without the scale multiply: the four bf16 pairs of each word (e2m1 * 2^-126)."""
+    q = np.asarray(q, np.uint32)
+    a3 = ((q >> 4) & 0x00C000C0) | ((q >> 5) & 0x01000100) | ((q << 1) & 0x80008000)
+    return [q & MASK, (q << 6) & MASK, (q << 3) & MASK, a3.astype(np.uint32)]
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (17, 48), (40, 16), (2056, 1040), (3, 33, 272), (1, 16)])
+def test_tiling_is_exact_and_invertible(rng, shape):
+    q = qref.quantize(rng.standard_normal(shape).astype(np.float32) * 3)
+    t = to_tiled(q)
+    assert t.scale_layout == "tiled" and t.shape == q.shape
+    assert t.packed.shape == formats.packed_shape(q.shape, "tiled")
+    back = to_linear(t)
+    assert np.array_equal(back.packed, q.packed) and np.array_equal(back.block_scales, q.block_scales)
+    assert np.array_equal(qref.dequantize(t), qref.dequantize(q))
+    assert to_tiled(t) is t and to_linear(q) is q
+
+
+def test_every_byte_pattern_round_trips(rng):
+    n, k = 48, 320  # padding in both directions
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 256, (n, k // 16), dtype=np.uint8)
+    assert np.array_equal(formats.untile_codes(formats.tile_codes(codes, (n, k)), (n, k)), codes)
+    assert np.array_equal(formats.untile_scales(formats.tile_scales(scales, (n, k)), (n, k)), scales)
+    # padding is zero: a padded code is +0 and a padded scale is 0
+    tiled = formats.tile_codes(codes, (n, k))
+    assert tiled.size == 3 * 5 * 512 and formats.tile_scales(scales, (n, k)).size == 3 * 2 * 256
+
+
+def test_kernel_bit_operations_recover_each_fragment(rng):
+    """Word s of lane (g, t) in tile (r, c) holds a0 = row g, a1 = row g+8 at k = 16t+4s+{0,1} and a2, a3
+    at k + {2, 3}; the masks and shifts give e2m1 * 2^-126 there, for every code."""
+    n, k = 32, 128
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    words = formats.tile_codes(formats.pack_nibbles(codes), (n, k)).view(np.uint32).reshape(2, 2, 8, 4, 4)
+    values = E2M1_VALUES[codes].astype(np.float64)
+    for tile in range(2):
+        for chunk in range(2):
+            for g in range(8):
+                for t in range(4):
+                    for s in range(4):
+                        pairs = kernel_pairs(words[tile, chunk, g, t, s])
+                        for p, pair in enumerate(pairs):
+                            row = tile * 16 + g + 8 * (p & 1)
+                            kk = chunk * 64 + 16 * t + 4 * s + 2 * (p >> 1)
+                            lo, hi = bf16_pair_values(pair)
+                            assert lo * 2.0**126 == values[row, kk] and hi * 2.0**126 == values[row, kk + 1]
+                            # the sign of -0 survives too
+                            assert np.signbit(lo) == bool(codes[row, kk] & 8)
+
+
+def test_kernel_scale_conversion_is_exact_for_every_e4m3_byte():
+    """scale_pairs: (b & 0x7F) << 4 read as bf16 is s * 2^-120, subnormals and zero included; the kernel
+    multiplies by 2^120 and 2^100 (exact bf16 multiplies) to get s * 2^100."""
+    b = np.arange(0x7F, dtype=np.uint32)  # 0x7F is the NaN byte, refused by the loader
+    lo, _ = bf16_pair_values(b << 4)
+    assert np.array_equal(lo * 2.0**120, E4M3_VALUES[b].astype(np.float64))
+    # every E2M1 x E4M3 product is a normal, exactly representable bf16 after the 2^-26 scaling
+    prod = np.outer(E2M1_VALUES[:8], E4M3_VALUES[:0x7F]).astype(np.float64) * 2.0**-26
+    assert np.array_equal(prod.astype(ml_dtypes.bfloat16).astype(np.float64), prod)
+    assert prod[prod > 0].min() >= 2.0**-126
+
+
+def test_tiled_scale_bytes_are_where_the_kernel_reads_them(rng):
+    n, k = 32, 512
+    scales = rng.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)
+    tiled = formats.tile_scales(scales, (n, k)).reshape(2, 2, 8, 4, 8)  # tile, group, g, t, bytes
+    for tile in range(2):
+        for group in range(2):
+            for g in range(8):
+                for t in range(4):
+                    for j in range(4):
+                        block = (group * 4 + j) * 4 + t
+                        got = tiled[tile, group, g, t]
+                        assert got[2 * j] == scales[tile * 16 + g, block]
+                        assert got[2 * j + 1] == scales[tile * 16 + g + 8, block]
+
+
+def test_reference_gemm_reads_tiled_weights(rng):
+    w = qref.quantize(rng.standard_normal((40, 96)).astype(np.float32))
+    x = rng.standard_normal((3, 96)).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(ref.gemm(x, to_tiled(w)), ref.gemm(x, w))
+
+
+def test_tiled_layout_bad_inputs():
+    q = qref.quantize(np.ones(64, np.float32))
+    with pytest.raises(ValueError, match="tiled' describes \\[..., N, K\\] weights"):
+        to_tiled(q)
+    with pytest.raises(ValueError, match="the tiled GEMM weight layout comes from fp4kit.formats.to_tiled"):
+        qref.quantize(np.ones((16, 64), np.float32), scale_layout="tiled")
+    w = to_tiled(qref.quantize(np.ones((16, 64), np.float32)))
+    with pytest.raises(ValueError, match="packed: expected shape"):
+        Nvfp4Tensor(w.packed[:-16], w.block_scales, w.global_scale, "tiled", w.shape)
