@@ -92,7 +92,7 @@ def sweep(table, w_list, x, xq, out, m, n, k):
     tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= m)
     results = []
     try:
-        for r, per_sm in itertools.product((1, 2), (1, 2, 4, 8)):
+        for r, per_sm in itertools.product((1, 2) if tiles <= 2 else (1,), (1, 2, 4, 8)):
             gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.BLOCKS_PER_SM = r, per_sm
             t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
             splits = gemm_ops.launch_config(m, n, k)[3]

@@ -28,12 +28,17 @@ from ..runtime import arrays, loader, workspace
 DECODE_MAX_M = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
-ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 2, 8: 2}
+ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
 #: split K until the grid has this many 8-warp blocks per SM (when K allows)
-BLOCKS_PER_SM = 2
+BLOCKS_PER_SM = 4
 _WARPS = 8
-_WINDOW_CHUNKS = 8  # tiles of 64 k per staged activation window (gemm_engine.cuh)
-_ACT_STRIDE = _WINDOW_CHUNKS * TILE_K + 8  # bf16 per staged token row
+
+
+def _window_chunks(tiles: int) -> int:
+    """Tiles of 64 k per staged activation window (gemm_engine.cuh ``Window<T>``)."""
+    return 8 if tiles <= 2 else 4
+
+
 _PARTIALS_BYTES = 16 << 20  # split-K scratch per stream
 _MAX_ROW_GROUPS = 1 << 16  # split-K counters per stream
 _MODULE = "gemm"
@@ -187,11 +192,12 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     r = ROW_TILES_PER_WARP[tiles]
     row_tiles, chunks, _ = tiled_dims(n, k)
     groups = -(-row_tiles // (_WARPS * r))
-    windows = -(-chunks // _WINDOW_CHUNKS)
+    window = _window_chunks(tiles)
+    windows = -(-chunks // window)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     splits = max(1, min(windows, -(-BLOCKS_PER_SM * sms // groups)))
     splits = max(1, min(splits, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))
-    per_split = -(-windows // splits) * _WINDOW_CHUNKS
+    per_split = -(-windows // splits) * window
     return tiles, r, groups, -(-chunks // per_split), per_split
 
 
@@ -218,7 +224,7 @@ def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k
         raise ValueError(f"w: N={n} has more than {_MAX_ROW_GROUPS} row groups; split the weight")
     kind = "nvfp4" if len(act) == 3 else "bf16"
     kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}")
-    smem = 8 * tiles * _ACT_STRIDE * 2
+    smem = 2 * 8 * tiles * (_window_chunks(tiles) * TILE_K + 8) * 2  # two activation windows
     if kernel.function.max_dynamic_shared_size_bytes < smem:
         kernel.function.max_dynamic_shared_size_bytes = smem
     partials, counters = _split_scratch()

@@ -11,7 +11,7 @@
 //   alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
 // gemm_tiled_{bf16,nvfp4}_<T>x<R>: M <= 8 * T tokens, R row tiles per warp. Grid (ceil(N / (128 R)),
-//   splits), 256 threads, 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
+//   splits), 256 threads, 2 * 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
 //   (i, s) covers tiles [s * chunks_per_split, ...) of K and the blocks of row group i meet through
 //   counters[i] (zero on entry, zero again on exit) and partials [splits][M][N rounded to 16].
 //
@@ -29,19 +29,19 @@ using namespace gemm;
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
 
 #define FP4_DEFINE_GEMM_TILED(T, R)                                                                       \
-    extern "C" __global__ void __launch_bounds__(kThreads) gemm_tiled_bf16_##T##x##R(                     \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_bf16_##T##x##R(                     \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
         const Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};                \
-        gemm_block<T, R>(w_codes, w_scales, ActBf16{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x,    \
+        gemm_block<T, R>(w_codes, w_scales, ActBf16<T>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x,    \
                          blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads) gemm_tiled_nvfp4_##T##x##R(                    \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_nvfp4_##T##x##R(                    \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
         const Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};             \
-        gemm_block<T, R>(w_codes, w_scales, ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, \
+        gemm_block<T, R>(w_codes, w_scales, ActNvfp4<T>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, \
                          K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
     }
 
@@ -50,9 +50,7 @@ FP4_DEFINE_GEMM_TILED(1, 2)
 FP4_DEFINE_GEMM_TILED(2, 1)
 FP4_DEFINE_GEMM_TILED(2, 2)
 FP4_DEFINE_GEMM_TILED(4, 1)
-FP4_DEFINE_GEMM_TILED(4, 2)
 FP4_DEFINE_GEMM_TILED(8, 1)
-FP4_DEFINE_GEMM_TILED(8, 2)
 
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
 // cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.

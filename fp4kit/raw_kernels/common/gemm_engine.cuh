@@ -29,9 +29,17 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileK = 64;         // k of one tile
 constexpr int kGroupChunks = 4;    // tiles per scale load
-constexpr int kWindowChunks = 8;   // tiles per staged activation window
-constexpr int kWindowK = kWindowChunks * kTileK;
-constexpr int kActStride = kWindowK + 8;  // bf16 per staged token row: 16 bytes of padding, no bank conflicts
+
+// The staged activation window of a kernel with T token tiles: 8 tiles (512 k) for T <= 2, 4 tiles
+// for more tokens, so that two windows stay small enough for several blocks per SM. A staged token
+// row has 16 bytes of padding: the 8 lanes of a 16-byte shared load phase hit 8 different banks.
+template <int T>
+struct Window {
+    static constexpr int kChunks = T <= 2 ? 8 : 4;
+    static constexpr int kK = kChunks * kTileK;
+    static constexpr int kStride = kK + 8;                    // bf16 per staged token row
+    static constexpr int kBytes = 8 * T * kStride * 2;        // one buffer
+};
 constexpr float kWeightUnscale = 67108864.0f;  // 2^26
 
 __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
@@ -47,10 +55,11 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
 }
 
 __device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    // not volatile: the compiler may schedule the next step's dequantization around it
 }
 
 __device__ __forceinline__ unsigned long long evict_first_policy() {
@@ -107,45 +116,86 @@ struct RowMap {
     __device__ __forceinline__ size_t operator()(unsigned i) const { return rows ? rows[base + i] : base + i; }
 };
 
-// Stage k0 .. k0 + kWindowK of tokens 0 .. M - 1 into act_s [8T][kActStride] as bf16 (zero past M
-// and K). K is a multiple of 16, so a 16-element piece is either inside K or past it.
+// Activation staging: the window k0 .. k0 + Window<T>::kK of tokens 0 .. 8T - 1 into a shared
+// buffer [8T][Window<T>::kStride] as exact bf16 values, zero past M and past K (K is a multiple of 16, so a
+// 16-element block is either inside K or past it). `start` issues the loads, `finish` completes
+// the buffer; the mainloop multiplies the current window between the two, so the loads of the
+// next window are in flight meanwhile.
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
+}
+
+// bf16: copied straight into shared memory (cp.async, zero-filled where invalid); no registers.
+template <int T>
 struct ActBf16 {
     const __nv_bfloat16* x;  // [rows, K]
     RowMap row;
-    __device__ __forceinline__ void stage(__nv_bfloat16* act_s, int tokens, unsigned M, unsigned k0, unsigned K) const {
-        for (int i = threadIdx.x; i < tokens * (kWindowK / 8); i += kThreads) {
-            const unsigned m = i / (kWindowK / 8), kk = (i % (kWindowK / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (m < M && k0 + kk < K) v = *reinterpret_cast<const uint4*>(x + row(m) * K + k0 + kk);
-            *reinterpret_cast<uint4*>(act_s + m * kActStride + kk) = v;
+    struct Pending {};
+    __device__ __forceinline__ void init(unsigned*) {}
+    __device__ __forceinline__ void start(Pending&, __nv_bfloat16* act_s, unsigned M, unsigned k0, unsigned K) const {
+        using Win = Window<T>;
+#pragma unroll
+        for (int p = 0; p < T * 8 * (Win::kK / 8) / kThreads; ++p) {
+            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 8), kk = (i % (Win::kK / 8)) * 8;
+            const bool valid = m < M && k0 + kk < K;
+            cp_async16(act_s + m * Win::kStride + kk, valid ? x + row(m) * K + k0 + kk : x, valid);
         }
+        asm volatile("cp.async.commit_group;");
+    }
+    __device__ __forceinline__ void finish(Pending&, __nv_bfloat16*, unsigned, unsigned, unsigned) const {
+        asm volatile("cp.async.wait_all;" ::: "memory");
     }
 };
 
+// NVFP4 (linear layout): the codes and scale bytes of one 16-element block per thread and token
+// tile are loaded into registers, then dequantized into the buffer, once per block rather than once
+// per warp: a 256-entry table in shared memory gives the bf16 pair (e2m1 * 2^-100) of a code byte,
+// and one exact bf16 multiply by s * 2^100 (the weight's scale conversion) makes e2m1 * s.
+template <int T>
 struct ActNvfp4 {
-    const unsigned char* packed;  // [rows, K/2], linear layout
+    const unsigned char* packed;  // [rows, K/2]
     const unsigned char* scales;  // [rows, K/16]
     RowMap row;
-    // one 16-element block per step: e2m1 * fp32(scale), exact in bf16
-    __device__ __forceinline__ void stage(__nv_bfloat16* act_s, int tokens, unsigned M, unsigned k0, unsigned K) const {
-        for (int i = threadIdx.x; i < tokens * (kWindowK / 16); i += kThreads) {
-            const unsigned m = i / (kWindowK / 16), kk = (i % (kWindowK / 16)) * 16;
-            uint2 codes = make_uint2(0u, 0u);
-            float sf = 0.0f;
+    unsigned* table;              // [256] in shared memory, filled by init()
+    static constexpr int kBlocks = T * 8 * (Window<T>::kK / 16) / kThreads;  // per thread and window
+    struct Pending {
+        uint2 codes[kBlocks];
+        unsigned scale[kBlocks];
+    };
+    __device__ __forceinline__ void init(unsigned* shared_table) {
+        table = shared_table;
+        const unsigned b = threadIdx.x;  // kThreads == 256: one entry per thread
+        const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(b & 0xFu), 7.8886090522101181e-31f),
+                                                       __fmul_rn(fp4_e2m1_value(b >> 4), 7.8886090522101181e-31f));
+        table[b] = *reinterpret_cast<const unsigned*>(&v);  // 7.88e-31 = 2^-100
+    }
+    __device__ __forceinline__ void start(Pending& pd, __nv_bfloat16*, unsigned M, unsigned k0, unsigned K) const {
+        using Win = Window<T>;
+#pragma unroll
+        for (int p = 0; p < T * 8 * (Win::kK / 16) / kThreads; ++p) {  // blocks of 16 per thread
+            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 16), kk = (i % (Win::kK / 16)) * 16;
+            pd.codes[p] = make_uint2(0u, 0u);
+            pd.scale[p] = 0u;
             if (m < M && k0 + kk < K) {
                 const size_t r = row(m);
-                codes = *reinterpret_cast<const uint2*>(packed + r * (K / 2) + (k0 + kk) / 2);
-                sf = fp4_e4m3_value(scales[r * (K / 16) + (k0 + kk) / 16]);
+                pd.codes[p] = *reinterpret_cast<const uint2*>(packed + r * (K / 2) + (k0 + kk) / 2);
+                pd.scale[p] = scales[r * (K / 16) + (k0 + kk) / 16];
             }
+        }
+    }
+    __device__ __forceinline__ void finish(Pending& pd, __nv_bfloat16* act_s, unsigned, unsigned, unsigned) const {
+        using Win = Window<T>;
+#pragma unroll
+        for (int p = 0; p < T * 8 * (Win::kK / 16) / kThreads; ++p) {
+            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 16), kk = (i % (Win::kK / 16)) * 16;
+            const unsigned b = pd.scale[p] & 0x7Fu;
+            const unsigned sc = bf16x2_mul(bf16x2_mul((b << 4) | (b << 20), 0x7B807B80u), 0x71807180u);  // s * 2^100
             unsigned h[8];
 #pragma unroll
-            for (int p = 0; p < 8; ++p) {
-                const unsigned word = p < 4 ? codes.x : codes.y, byte = (word >> (8 * (p % 4))) & 0xFFu;
-                const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(byte & 0xFu), sf),
-                                                               __fmul_rn(fp4_e2m1_value(byte >> 4), sf));
-                h[p] = *reinterpret_cast<const unsigned*>(&v);
-            }
-            uint4* dst = reinterpret_cast<uint4*>(act_s + m * kActStride + kk);
+            for (int q = 0; q < 8; ++q)
+                h[q] = bf16x2_mul(table[((q < 4 ? pd.codes[p].x : pd.codes[p].y) >> (8 * (q % 4))) & 0xFFu], sc);
+            uint4* dst = reinterpret_cast<uint4*>(act_s + m * Win::kStride + kk);
             dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
             dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
         }
@@ -194,7 +244,7 @@ struct SplitK {
     float* partials;
     unsigned* counters;
     unsigned splits;
-    unsigned chunks_per_split;  // a multiple of kWindowChunks
+    unsigned chunks_per_split;  // a multiple of the window (Window<T>::kChunks)
 };
 
 template <int R>
@@ -204,13 +254,15 @@ struct WeightGroup {
 };
 
 // One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T)
-// over the K range of split `split`. w_codes / w_scales point at one [N, K] weight.
+// over the K range of split `split`. w_codes / w_scales point at one [N, K] weight. Dynamic shared
+// memory: two activation buffers (2 * Window<T>::kBytes).
 template <int T, int R, class Act>
-__device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, const Act& act, const Epilogue& ep_in,
+__device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ unsigned last_block;
+    __shared__ unsigned code_table[256];
 
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
@@ -219,6 +271,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, const Ac
     const bool active = tile0 < row_tiles;  // warp-uniform; idle warps still take part in the barriers
     const unsigned c_begin = split * sk.chunks_per_split, c_end = min(chunks, c_begin + sk.chunks_per_split);
     const unsigned long long policy = evict_first_policy();
+    using Win = Window<T>;
 
     // per row tile: the next tile and scale group to fetch; tiles past N repeat the last one
     const uint4* code_next[R];
@@ -266,7 +319,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, const Ac
                 uint4 b[T];
 #pragma unroll
                 for (int i = 0; i < T; ++i)
-                    b[i] = *reinterpret_cast<const uint4*>(act_tile + j * kTileK + (8 * i + g) * kActStride + 8 * h);
+                    b[i] = *reinterpret_cast<const uint4*>(act_tile + j * kTileK + (8 * i + g) * Win::kStride + 8 * h);
 #pragma unroll
                 for (int ss = 0; ss < 2; ++ss) {
 #pragma unroll
@@ -284,30 +337,55 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, const Ac
         }
     };
 
-    // Two register groups: while one is multiplied the other is in flight (a window is two groups).
+    // Two register groups of weights and two activation buffers: while one group is multiplied,
+    // the next group's weights and the next window's activations are in flight.
     WeightGroup<R> first, second;
     if (active && c_begin < c_end) fetch(c_begin, first);
-    const __nv_bfloat16* act_tile = act_s + 16 * t;
-    unsigned cw = c_begin;
-    for (; cw + kWindowChunks <= c_end; cw += kWindowChunks) {  // full windows
-        __syncthreads();  // every warp is done with the previous window
-        act.stage(act_s, 8 * T, M, cw * kTileK, K);
-        __syncthreads();
-        if (!active) continue;
-        fetch(cw + kGroupChunks, second);
-        compute(first, act_tile, kGroupChunks);
-        if (cw + kWindowChunks < c_end) fetch(cw + kWindowChunks, first);
-        compute(second, act_tile + kGroupChunks * kTileK, kGroupChunks);
+    // activation buffer `slot` (0 or 1); arithmetic rather than an array, which would live in local memory
+    auto act_buf = [&](unsigned slot) { return act_s + slot * (8 * T * Win::kStride); };
+    typename Act::Pending pending;
+    act.init(code_table);
+    __syncthreads();
+    if (c_begin < c_end) {
+        act.start(pending, act_buf(0), M, c_begin * kTileK, K);
+        act.finish(pending, act_buf(0), M, c_begin * kTileK, K);
+    }
+    // multiply group `cur` (tiles c .. c + 3, `valid` of them) while `nxt` fetches tiles c + 4 ..
+    auto group_step = [&](WeightGroup<R>& cur, WeightGroup<R>& nxt, unsigned c, const __nv_bfloat16* act_tile,
+                          unsigned valid) {
+        if (c + kGroupChunks < c_end) fetch(c + kGroupChunks, nxt);
+        compute(cur, act_tile, valid);
+    };
+    constexpr int kGroups = Win::kChunks / kGroupChunks;  // per window: 1 or 2
+    unsigned cw = c_begin, slot = 0, odd = 0;  // odd: the current group is in `second`
+    for (; cw + Win::kChunks <= c_end; cw += Win::kChunks, slot ^= 1, odd ^= kGroups & 1) {  // full windows
+        __syncthreads();  // this window's activation is in place; every warp is done with the other buffer
+        const bool more = cw + Win::kChunks < c_end;
+        const unsigned k_next = (cw + Win::kChunks) * kTileK;
+        if (more) act.start(pending, act_buf(slot ^ 1), M, k_next, K);
+        if (active) {
+            const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
+#pragma unroll
+            for (int gi = 0; gi < kGroups; ++gi) {
+                if ((odd ^ gi) & 1) group_step(second, first, cw + gi * kGroupChunks, act_tile + gi * kGroupChunks * kTileK, kGroupChunks);
+                else group_step(first, second, cw + gi * kGroupChunks, act_tile + gi * kGroupChunks * kTileK, kGroupChunks);
+            }
+        }
+        if (more) act.finish(pending, act_buf(slot ^ 1), M, k_next, K);
     }
     if (cw < c_end) {  // the last, partial window
         __syncthreads();
-        act.stage(act_s, 8 * T, M, cw * kTileK, K);
-        __syncthreads();
-        const unsigned left = c_end - cw;
         if (active) {
-            if (left > kGroupChunks) fetch(cw + kGroupChunks, second);
-            compute(first, act_tile, min(left, (unsigned)kGroupChunks));
-            if (left > kGroupChunks) compute(second, act_tile + kGroupChunks * kTileK, left - kGroupChunks);
+            const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
+#pragma unroll
+            for (int gi = 0; gi < kGroups; ++gi) {
+                const unsigned c = cw + gi * kGroupChunks;
+                if (c < c_end) {
+                    const unsigned valid = min(c_end - c, (unsigned)kGroupChunks);
+                    if ((odd ^ gi) & 1) group_step(second, first, c, act_tile + gi * kGroupChunks * kTileK, valid);
+                    else group_step(first, second, c, act_tile + gi * kGroupChunks * kTileK, valid);
+                }
+            }
         }
     }
 

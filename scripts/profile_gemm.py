@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Run one decode GEMM a few times, for a profiler (``ncu -k regex:gemm_tiled -s 2 -c 1``).
+
+    python scripts/profile_gemm.py M N K [w4a4]
+"""
+
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+import fp4kit
+from fp4kit.formats import to_tiled
+from fp4kit.ops.gemm import gemm
+
+m, n, k = (int(v) for v in sys.argv[1:4])
+rng = np.random.default_rng(0)
+w = to_tiled(fp4kit.quantize(cp.asarray(rng.standard_normal((n, k), dtype=np.float32))))
+x = cp.asarray(rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16))
+a = fp4kit.quantize(x) if "w4a4" in sys.argv[4:] else x
+out = cp.empty((m, n), ml_dtypes.bfloat16)
+for _ in range(3):
+    gemm(a, w, out=out)
+cp.cuda.Device().synchronize()
