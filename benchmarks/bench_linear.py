@@ -88,12 +88,12 @@ def fp8_rowwise(torch, x_t, w_t):
 
 def sweep(table, w_list, x, xq, out, m, n, k):
     """Every launch shape of the decode kernel for this (M, N, K): µs of W4A16 per variant."""
-    saved = dict(gemm_ops.ROW_TILES_PER_WARP), gemm_ops.BLOCKS_PER_SM
+    saved = dict(gemm_ops.ROW_TILES_PER_WARP), dict(gemm_ops.BLOCKS_PER_SM)
     tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= m)
     results = []
     try:
         for r, per_sm in itertools.product((1, 2) if tiles <= 2 else (1,), (1, 2, 4, 8)):
-            gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.BLOCKS_PER_SM = r, per_sm
+            gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, per_sm
             t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
             splits = gemm_ops.launch_config(m, n, k)[3]
             results.append((t, r, per_sm, splits))
@@ -102,7 +102,8 @@ def sweep(table, w_list, x, xq, out, m, n, k):
     finally:
         gemm_ops.ROW_TILES_PER_WARP.clear()
         gemm_ops.ROW_TILES_PER_WARP.update(saved[0])
-        gemm_ops.BLOCKS_PER_SM = saved[1]
+        gemm_ops.BLOCKS_PER_SM.clear()
+        gemm_ops.BLOCKS_PER_SM.update(saved[1])
     return min(results)
 
 

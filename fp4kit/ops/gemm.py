@@ -29,8 +29,9 @@ DECODE_MAX_M = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
-#: split K until the grid has this many 8-warp blocks per SM (when K allows)
-BLOCKS_PER_SM = 4
+#: split K until the grid has this many 8-warp blocks per SM (when K allows), by token tiles:
+#: more tokens make the split-K partials larger, and their kernels are less bound by latency
+BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
 _WARPS = 8
 
 
@@ -184,7 +185,7 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM.
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` blocks per SM, in whole activation
-    windows (512 k) and within the split-K scratch (`_PARTIALS_BYTES`).
+    windows and within the split-K scratch (`_PARTIALS_BYTES`).
     """
     import cupy
 
@@ -195,7 +196,7 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     window = _window_chunks(tiles)
     windows = -(-chunks // window)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    splits = max(1, min(windows, -(-BLOCKS_PER_SM * sms // groups)))
+    splits = max(1, min(windows, -(-BLOCKS_PER_SM[tiles] * sms // groups)))
     splits = max(1, min(splits, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))
     per_split = -(-windows // splits) * window
     return tiles, r, groups, -(-chunks // per_split), per_split
