@@ -18,8 +18,10 @@ BOUND = 1e-4  # kernel vs reference differ by fp32 summation order, seen through
 
 
 def host_stack(s: ExpertStack) -> ExpertStack:
-    return ExpertStack(*(None if a is None else cp.asnumpy(a) for a in
-                         (s.packed, s.block_scales, s.global_scale, s.decode, s.row_decode)))
+    """The device stack on the host, in the checkpoint layout (the layer keeps it tiled)."""
+    host = ExpertStack(*(None if a is None else cp.asnumpy(a) for a in
+                         (s.packed, s.block_scales, s.global_scale, s.decode, s.row_decode)), layout=s.layout, nk=s.nk)
+    return host.to_linear()
 
 
 def build(rng, e, h, i, routing, **kwargs):

@@ -43,6 +43,8 @@ all-to-alls, and drops what does not fit (`fp4kit.dist.EP_CAPACITY_OVERFLOW`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -79,8 +81,9 @@ def slice_stack(stack: ExpertStack | None, experts: range) -> ExpertStack | None
     def take(a):
         return None if a is None else a[sl].copy()
 
-    return ExpertStack(take(stack.packed), take(stack.block_scales), take(stack.global_scale), take(stack.decode),
-                       take(stack.row_decode))
+    return dataclasses.replace(stack, packed=take(stack.packed), block_scales=take(stack.block_scales),
+                               global_scale=take(stack.global_scale), decode=take(stack.decode),
+                               row_decode=take(stack.row_decode))
 
 
 @dataclass
@@ -176,6 +179,8 @@ class ExpertParallelMoE:
         check = MoE(gate_weight, _FullShape.of(w2, comm.world_size), routing, **full, bias=bias, tid2eid=tid2eid,
                     limit=limit, weight_before_down=weight_before_down, mode=mode, shared=shared)
         self.gate_weight, self.bias, self.tid2eid = check.gate_weight, check.bias, check.tid2eid
+        if arrays.is_device_array(w2.packed):  # the grouped GEMM reads the tiled layout
+            w13, w1, w3, w2 = (None if st is None else st.to_tiled() for st in (w13, w1, w3, w2))
         self.w13, self.w1, self.w3, self.w2 = w13, w1, w3, w2
         self.routing, self.limit, self.weight_before_down, self.mode, self.shared = (
             routing, limit, weight_before_down, mode, shared)

@@ -26,10 +26,12 @@ decode factors for experts fused from shards with different global scales).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import formats
 from ..formats import Nvfp4Tensor
 from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
@@ -66,9 +68,11 @@ def check_token_ids(token_ids, x, tid2eid):
 class ExpertStack:
     """NVFP4 weights of E experts, ``[E, N, K]`` logically.
 
-    ``packed`` uint8 ``[E, N, K/2]``; ``block_scales`` uint8 ``[E, N, K/16]`` (linear);
-    ``global_scale`` fp32 ``[E]`` (encode scales); ``decode`` fp32 ``[E]`` = ``fp32(1 / S_e)``;
-    ``row_decode`` fp32 ``[E, N]`` or None (overrides ``decode`` row by row).
+    ``packed`` uint8 ``[E, N, K/2]``; ``block_scales`` uint8 ``[E, N, K/16]`` (``layout="linear"``),
+    or each expert in the tiled GEMM layout, ``[E, tiled bytes]`` (``layout="tiled"``, see
+    `to_tiled`; ``nk`` then holds ``(N, K)``); ``global_scale`` fp32 ``[E]`` (encode scales);
+    ``decode`` fp32 ``[E]`` = ``fp32(1 / S_e)``; ``row_decode`` fp32 ``[E, N]`` or None (overrides
+    ``decode`` row by row).
     """
 
     packed: object
@@ -76,11 +80,34 @@ class ExpertStack:
     global_scale: object
     decode: object
     row_decode: object = None
+    layout: str = "linear"
+    nk: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        if self.layout == "tiled":
+            return (self.packed.shape[0], *self.nk)
         e, n, half_k = self.packed.shape
         return e, n, 2 * half_k
+
+    def to_tiled(self) -> "ExpertStack":
+        """The stack in the tiled GEMM layout the grouped expert GEMM reads (exact; `to_linear`
+        undoes it). Done once when a device layer is built; the tiled stack replaces this one."""
+        if self.layout == "tiled":
+            return self
+        shape = self.shape
+        return dataclasses.replace(self, packed=formats.tile_codes(self.packed, shape),
+                                   block_scales=formats.tile_scales(self.block_scales, shape), layout="tiled",
+                                   nk=shape[1:])
+
+    def to_linear(self) -> "ExpertStack":
+        """The checkpoint layout: codes ``[E, N, K/2]``, linear scales ``[E, N, K/16]``."""
+        if self.layout == "linear":
+            return self
+        shape = self.shape
+        return dataclasses.replace(self, packed=formats.untile_codes(self.packed, shape),
+                                   block_scales=formats.untile_scales(self.block_scales, shape), layout="linear",
+                                   nk=None)
 
     @classmethod
     def from_tensors(cls, experts: list[Nvfp4Tensor], row_decode=None) -> "ExpertStack":
@@ -103,6 +130,8 @@ class ExpertStack:
         chunks of 16, every byte kept, a decode factor per row (exact with different scales)."""
         if w1.shape != w3.shape:
             raise ValueError(f"w1/w3: expected equal shapes, got {w1.shape} and {w3.shape}")
+        if w1.layout != "linear" or w3.layout != "linear":
+            raise ValueError("w1/w3: fuse linear stacks (to_linear()), then tile the fused one")
         xp = arrays.array_module(w1.packed)
 
         def rows(a, b):  # [E, I, ...] x 2 -> [E, 2I, ...], chunks of 16 rows alternating
@@ -117,7 +146,7 @@ class ExpertStack:
     def expert(self, e: int) -> Nvfp4Tensor:
         """Expert ``e`` as an `Nvfp4Tensor` (views)."""
         _, n, k = self.shape
-        return Nvfp4Tensor(self.packed[e], self.block_scales[e], self.global_scale[e].reshape(()), "linear", (n, k))
+        return Nvfp4Tensor(self.packed[e], self.block_scales[e], self.global_scale[e].reshape(()), self.layout, (n, k))
 
 
 @dataclass
@@ -205,6 +234,8 @@ class MoE:
         arrays.check_same_device(gate_weight=self.gate_weight, w2=w2.packed, bias=bias, tid2eid=tid2eid)
         if self.gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"gate_weight: expected bfloat16 or float32, got {self.gate_weight.dtype}")
+        if arrays.is_device_array(w2.packed):  # the grouped GEMM reads the tiled layout; it replaces the linear one
+            w13, w1, w3, w2 = (None if st is None else st.to_tiled() for st in (w13, w1, w3, w2))
         self.w13, self.w1, self.w3, self.w2 = w13, w1, w3, w2
         self.routing, self.bias, self.tid2eid = routing, bias, tid2eid
         self.limit, self.weight_before_down, self.mode, self.shared = limit, weight_before_down, mode, shared
@@ -349,12 +380,13 @@ class MoE:
             act = x if x.dtype == arrays.BF16 else None
             if act is None:
                 raise TypeError("x: mode 'w4a16' takes bfloat16 input")
+        tokens = x.shape[0]  # an expert gets at most one row per token
         if self.fused:
-            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True)
+            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=tokens)
             layout = "interleaved"
         else:
-            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True)
-            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner)
+            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows=tokens)
+            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner, max_rows=tokens)
             layout = "concatenated"
         row_scale = plan.row_weight if self.weight_before_down else None
         if self.mode == "w4a4":
@@ -362,7 +394,7 @@ class MoE:
                                               out=plan.h_act)
         else:
             h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
-        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False)
+        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=tokens)
         shared = self.shared(x) if self.shared is not None else None
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
         return plan.out

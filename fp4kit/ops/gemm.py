@@ -181,6 +181,21 @@ def gemm(
     return out
 
 
+def token_tiles(m: int) -> int:
+    """Token tiles (8 rows each) of the decode kernel that serves ``m`` rows in one pass."""
+    return next(t for t in _TOKEN_TILES if 8 * t >= min(m, 64))
+
+
+def shared_bytes(tiles: int) -> int:
+    """Dynamic shared memory of an engine kernel with ``tiles`` token tiles: two activation windows."""
+    return 2 * 8 * tiles * (_window_chunks(tiles) * TILE_K + 8) * 2
+
+
+def row_groups(n: int, row_tiles_per_warp: int) -> int:
+    """Blocks along N: 8 warps of ``row_tiles_per_warp`` tiles of 16 rows each."""
+    return -(-tiled_dims(n, TILE_K)[0] // (_WARPS * row_tiles_per_warp))
+
+
 def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM.
 
@@ -189,10 +204,10 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """
     import cupy
 
-    tiles = next(t for t in _TOKEN_TILES if 8 * t >= m)
+    tiles = token_tiles(m)
     r = ROW_TILES_PER_WARP[tiles]
     row_tiles, chunks, _ = tiled_dims(n, k)
-    groups = -(-row_tiles // (_WARPS * r))
+    groups = row_groups(n, r)
     window = _window_chunks(tiles)
     windows = -(-chunks // window)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -225,7 +240,7 @@ def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k
         raise ValueError(f"w: N={n} has more than {_MAX_ROW_GROUPS} row groups; split the weight")
     kind = "nvfp4" if len(act) == 3 else "bf16"
     kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}")
-    smem = 2 * 8 * tiles * (_window_chunks(tiles) * TILE_K + 8) * 2  # two activation windows
+    smem = shared_bytes(tiles)
     if kernel.function.max_dynamic_shared_size_bytes < smem:
         kernel.function.max_dynamic_shared_size_bytes = smem
     partials, counters = _split_scratch()

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..formats import Nvfp4Tensor
 from ..runtime import arrays, loader, status
+from . import gemm as gemm_ops
 
 _MODULE = "moe"
 _U32 = np.uint32
@@ -50,23 +51,31 @@ def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
                   plan.num_active, plan.slot_row, plan.row_token, plan.row_weight))
 
 
-def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0) -> None:
+def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
     every active expert ``e``; ``act`` an `Nvfp4Tensor` or bf16, gathered through the sorted rows'
-    tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input)."""
+    tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input).
+    ``stack`` is tiled (`ExpertStack.to_tiled`). ``max_rows`` bounds the rows of one expert (the
+    token count; default: every row): it picks how many rows one pass of the weights serves."""
+    if stack.layout != "tiled":
+        raise ValueError("stack: the grouped GEMM reads tiled expert stacks; convert with stack.to_tiled()")
     n, k = stack.shape[1:]
     slots = min(stack.shape[0], plan.slot_row.size)
-    grid = (-(-n // 16), slots)
+    rows = min(64, plan.slot_row.size if max_rows is None else max_rows)
+    tiles = gemm_ops.token_tiles(rows)
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
               plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
     if isinstance(act, Nvfp4Tensor):
-        kernel = loader.get_kernel(_MODULE, "moe_gemm_nvfp4")
+        kernel = loader.get_kernel(_MODULE, f"moe_gemm_nvfp4_{tiles}")
         args = (act.packed, act.block_scales, act.global_scale, *common)
     else:
-        kernel = loader.get_kernel(_MODULE, "moe_gemm_bf16")
+        kernel = loader.get_kernel(_MODULE, f"moe_gemm_bf16_{tiles}")
         args = (act, *common)
-    kernel.function(grid, (256,), args)
+    smem = gemm_ops.shared_bytes(tiles)
+    if kernel.function.max_dynamic_shared_size_bytes < smem:
+        kernel.function.max_dynamic_shared_size_bytes = smem
+    kernel.function((gemm_ops.row_groups(n, 1), slots), (256,), args, shared_mem=smem)
 
 
 def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:

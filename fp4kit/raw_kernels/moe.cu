@@ -14,18 +14,19 @@
 //                  the active experts in id order (active [E], num_active [1]), each pair's row in
 //                  expert-sorted order (slot_row [T * top_k]), the token and weight of every sorted
 //                  row (row_token, row_weight); then zeroes counts for the next call.
-//   moe_gemm_*     grid (ceil(N / 16), min(E, T * top_k)): block (i, s) computes weight rows
-//                  16i .. 16i+15 of active expert active[s] for all its rows (one 8-token tile when
-//                  it has at most 8, else groups of 64); blocks with s >= num_active exit at once. The weights are stacked
-//                  [E, N, K/2] and [E, N, K/16] with a decode factor per expert [E] (or per row
-//                  [E, N]); the activation rows are gathered through row_token (L1, from the token
-//                  order) or taken in sorted order (L2); the output is written in sorted order.
+//   moe_gemm_*_<T> grid (ceil(N / 128), min(E, T * top_k)), 256 threads, the GEMM engine's shared
+//                  memory: block (i, s) computes weight rows 128i .. 128i+127 of active expert
+//                  active[s] for all its rows, 8T at a time; blocks with s >= num_active exit at once.
+//                  The weights are stacked tiled experts (fp4kit/formats.py to_tiled, one after
+//                  another) with a decode factor per expert [E] (or per row [E, N]); the activation
+//                  rows are gathered through row_token (from the token order) or taken in sorted
+//                  order; the output is written in sorted order.
 //   moe_combine    grid T, 256 threads: out[t] = sum over slots of y[slot_row] (times the routing
 //                  weight unless it was applied before the down projection) + shared[t], in slot order.
 //
 // Every grid is sized for the worst case and exits early, so nothing depends on a count read back.
 #include "common/block_scan.cuh"
-#include "common/gemm_decode.cuh"
+#include "common/gemm_engine.cuh"
 
 constexpr int kRouterThreads = 256;
 constexpr int kMaxExperts = 1024;
@@ -231,59 +232,59 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
     }
 }
 
-// All rows of expert e in groups of 8 * kTokenTiles (the weight tile is re-read per group).
-template <int kTokenTiles, class Act>
-__device__ void moe_gemm_rows(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
-                              const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
-                              void* out, int out_f32, unsigned out_ld, unsigned out_col, unsigned e, unsigned row0,
-                              unsigned rows, unsigned N, unsigned K) {
-    for (unsigned m0 = 0; m0 < rows; m0 += 8 * kTokenTiles) {
-        act.row = RowMap{gather, row0 + m0};
-        Epilogue ep{nullptr, w_row_decode ? w_row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out, out_f32};
+// Grouped GEMM over the active experts on the GEMM engine (common/gemm_engine.cuh): block (i, s)
+// multiplies row group i (128 weight rows) of expert active[s] with that expert's rows, 8T at a
+// time (the weight tile is re-read per 8T rows; T is chosen by the host from the token count, so
+// at decode every expert's rows fit in one pass). Weights: tiled stacks, one expert after another.
+template <int T, class Act>
+__device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* w_row_decode,
+                         Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
+                         unsigned out_ld, unsigned out_col, const unsigned* offsets, const unsigned* active,
+                         const unsigned* num_active, unsigned N, unsigned K) {
+    if (blockIdx.y >= *num_active) return;  // block-uniform: no barrier is skipped by part of a block
+    const unsigned e = active[blockIdx.y];
+    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
+    const unsigned row_tiles = (N + 15) / 16, chunks = (K + gemm::kTileK - 1) / gemm::kTileK;
+    const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
+    const uint4* codes = w_codes + (size_t)e * row_tiles * chunks * 32;
+    const uint2* scales = w_scales + (size_t)e * row_tiles * groups * 32;
+    for (unsigned m0 = 0; m0 < rows; m0 += 8 * T) {
+        act.row = gemm::RowMap{gather, row0 + m0};
+        gemm::Epilogue ep{nullptr, w_row_decode ? w_row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out,
+                          out_f32};
         ep.w_decode = w_decode + e;
         ep.out_ld = out_ld;
         ep.out_row_base = row0 + m0;
         ep.out_col = out_col;
-        gemm_decode<kTokenTiles>(w_packed, w_scales, act, ep, min(rows - m0, 8u * kTokenTiles), N, K);
+        gemm::gemm_block<T, 1>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
+                               gemm::SplitK{nullptr, nullptr, 1, chunks});
+        __syncthreads();  // the next rows reuse the shared activation buffers
     }
 }
 
-// Grouped decode GEMM over the active experts (see the header): one 8-token tile for experts with
-// at most 8 rows (the common case at decode), 64-token groups otherwise.
-template <class Act>
-__device__ void moe_gemm(const unsigned char* w_packed, const unsigned char* w_scales, const float* w_decode,
-                         const float* w_row_decode, Act act, const unsigned* gather, const float* act_global,
-                         void* out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned* offsets,
-                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
-    if (blockIdx.y >= *num_active) return;
-    const unsigned e = active[blockIdx.y];
-    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
-    const unsigned char* wp = w_packed + e * ((size_t)N * (K / 2));
-    const unsigned char* ws = w_scales + e * ((size_t)N * (K / 16));
-    if (rows <= 8)
-        moe_gemm_rows<1>(wp, ws, w_decode, w_row_decode, act, gather, act_global, out, out_f32, out_ld, out_col, e,
-                         row0, rows, N, K);
-    else
-        moe_gemm_rows<8>(wp, ws, w_decode, w_row_decode, act, gather, act_global, out, out_f32, out_ld, out_col, e,
-                         row0, rows, N, K);
-}
-
 #define FP4_MOE_GEMM_ARGS                                                                                 \
-    const unsigned char *w_packed, const unsigned char *w_scales, const float *w_decode, const float *w_row_decode, \
+    const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *w_row_decode,        \
         const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned *offsets, \
         const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
 
-extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_bf16(const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {
-    moe_gemm(w_packed, w_scales, w_decode, w_row_decode, ActBf16{act, RowMap{nullptr, 0}}, gather, nullptr, out,
-             out_f32, out_ld, out_col, offsets, active, num_active, N, K);
-}
+#define FP4_DEFINE_MOE_GEMM(T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_bf16_##T(                     \
+        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
+        moe_gemm<T>(w_codes, w_scales, w_decode, w_row_decode, gemm::ActBf16<T>{act, gemm::RowMap{nullptr, 0}}, \
+                    gather, nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);   \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_nvfp4_##T(                    \
+        const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
+        FP4_MOE_GEMM_ARGS) {                                                                              \
+        moe_gemm<T>(w_codes, w_scales, w_decode, w_row_decode,                                            \
+                    gemm::ActNvfp4<T>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
+                    out_f32, out_ld, out_col, offsets, active, num_active, N, K);                         \
+    }
 
-extern "C" __global__ void __launch_bounds__(kWarps * 32) moe_gemm_nvfp4(const unsigned char* act_packed,
-                                                                         const unsigned char* act_scales,
-                                                                         const float* act_global, FP4_MOE_GEMM_ARGS) {
-    moe_gemm(w_packed, w_scales, w_decode, w_row_decode, ActNvfp4{act_packed, act_scales, RowMap{nullptr, 0}}, gather,
-             act_global, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);
-}
+FP4_DEFINE_MOE_GEMM(1)
+FP4_DEFINE_MOE_GEMM(2)
+FP4_DEFINE_MOE_GEMM(4)
+FP4_DEFINE_MOE_GEMM(8)
 
 // out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, const unsigned* slot_row,
