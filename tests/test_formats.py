@@ -82,7 +82,11 @@ def test_block_scale_shape_rules():
     with pytest.raises(ValueError, match="describes 2-D"):
         formats.block_scale_shape((2, 3, 64), "swizzled")
     with pytest.raises(ValueError, match="scale_layout: expected one of"):
-        formats.block_scale_shape((3, 64), "tiled")
+        formats.block_scale_shape((3, 64), "blocked")
+    # tiled: [N/16] row tiles x [K/256] scale groups x 256 bytes, per leading index
+    assert formats.block_scale_shape((3, 17, 272), "tiled") == (3, 2 * 2 * 256)
+    with pytest.raises(ValueError, match="tiled' describes"):
+        formats.block_scale_shape((64,), "tiled")
 
 
 def _tensor(**overrides):

@@ -235,7 +235,7 @@ class MoE:
         if self.gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"gate_weight: expected bfloat16 or float32, got {self.gate_weight.dtype}")
         if arrays.is_device_array(w2.packed):  # the grouped GEMM reads the tiled layout; it replaces the linear one
-            w13, w1, w3, w2 = (None if st is None else st.to_tiled() for st in (w13, w1, w3, w2))
+            w13, w1, w3, w2 = (st.to_tiled() if isinstance(st, ExpertStack) else st for st in (w13, w1, w3, w2))
         self.w13, self.w1, self.w3, self.w2 = w13, w1, w3, w2
         self.routing, self.bias, self.tid2eid = routing, bias, tid2eid
         self.limit, self.weight_before_down, self.mode, self.shared = limit, weight_before_down, mode, shared
