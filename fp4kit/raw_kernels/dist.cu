@@ -1,4 +1,4 @@
-// Kernels of the sharded layers (fp4kit/dist): the expert-parallel MoE's fixed-capacity
+// Kernels of the sharded layers (fp4kit/distributed): the expert-parallel MoE's fixed-capacity
 // all-to-all plans, row copies by index, and the row-parallel Linear's final cast.
 // fp4kit/reference/dist.py is the specification.
 //

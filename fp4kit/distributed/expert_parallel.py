@@ -38,7 +38,7 @@ the owner of its expert (`kernels.owner_slots`).
 Capacity: ``capacity_factor=None`` (default) gives every destination room for all of a rank's
 pairs that could reach it, ``T * min(top_k, per_rank)`` rows: no overflow is possible. A factor
 ``f`` gives ``ceil(f * T * top_k / world)`` rows (1.0 = the average load), smaller buffers and
-all-to-alls, and drops what does not fit (`fp4kit.dist.EP_CAPACITY_OVERFLOW`).
+all-to-alls, and drops what does not fit (`fp4kit.distributed.EP_CAPACITY_OVERFLOW`).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class ExpertParallelMoE:
                  bias=None, tid2eid=None, limit: float | None = None, weight_before_down: bool = True,
                  mode: str = "w4a4", shared=None, capacity_factor: float | None = None, tokens: str = "sharded"):
         if not isinstance(comm, Communicator):
-            raise TypeError(f"comm: expected an fp4kit.dist Communicator, got {type(comm).__name__}")
+            raise TypeError(f"comm: expected an fp4kit.distributed Communicator, got {type(comm).__name__}")
         gate_weight = arrays.as_array(gate_weight, "gate_weight")
         if gate_weight.ndim != 2:
             raise ValueError(f"gate_weight: expected [experts, hidden], got {arrays.describe(gate_weight)}")
