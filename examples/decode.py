@@ -30,14 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4 import config as configs  # noqa: E402
 from dsv4 import runner  # noqa: E402
 
-
-def has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.is_available()
-    except Exception:
-        return False
+from fp4kit.runtime.device import cuda_available  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -186,7 +179,7 @@ def main(argv=None) -> int:
     comm = parallel_group(args)
     if comm is not None and comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
-    device = has_gpu() and not args.numpy
+    device = cuda_available() and not args.numpy
     cfg = make_config(args)
     if not device:
         if cfg.hidden > 1024 and not args.numpy:

@@ -63,6 +63,7 @@ import numpy as np
 
 from . import __version__, formats
 from .formats import BLOCK_SIZE, Nvfp4Tensor
+from .runtime import device as runtime_device
 
 #: ``__metadata__`` key holding the exact encode scales written by `save_nvfp4`
 METADATA_KEY = "fp4kit.global_scales"
@@ -672,10 +673,12 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
     path : str or PathLike
         A ``.safetensors`` file, or a folder of one or many shards (with or without
         ``model.safetensors.index.json``); ``hf_quant_config.json`` beside them is read if present.
-    device : None, "cpu", "cuda", "cuda:N" or int
-        ``None`` / ``"cpu"``: numpy arrays. Otherwise CuPy arrays on that CUDA device
-        (``"cuda"``: CuPy's current device), copied straight from the host buffers read from
-        the file.
+    device : None (default), False, "cpu", True, "cuda", "cuda:N" or int N
+        ``None`` / ``False`` / ``"cpu"``: numpy arrays. Otherwise CuPy arrays on that CUDA device
+        (``True`` / ``"cuda"``: CuPy's current device), copied straight from the host buffers read
+        from the file. The one meaning of ``device=`` in fp4kit (`fp4kit.runtime.device`): without
+        a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``,
+        before any file is opened.
 
     Returns
     -------
@@ -688,14 +691,14 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
     ModelOpt files, the exact encode scales recorded by `save_nvfp4` are used when they agree
     with the stored decode scales; otherwise ``S = min(fp32(1 / decode), FLT_MAX)``.
     """
-    device_id = _device_id(device)
+    ordinal = runtime_device.resolve(device)
     ckpt = CheckpointFiles(path)
     if ckpt.layout == "plain":
         raise ValueError(
             f"{path}: no NVFP4 tensors found (expected ModelOpt '<prefix>.weight_scale_2' or "
             "compressed-tensors '<prefix>.weight_packed' tensors)"
         )
-    put = _placer(device_id)
+    put = _placer(ordinal)
     result = Checkpoint(ckpt.layout, quant_config=ckpt.quant_config, files=[f.path for f in ckpt.files])
     for prefix, q in ckpt.quantized.items():
         w = ckpt.read_quantized(q)
@@ -709,38 +712,16 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
     return result
 
 
-def _device_id(device) -> int | str | None:
-    """None (host), an int ordinal, or "current"."""
-    if device is None or device == "cpu":
-        return None
-    if isinstance(device, bool):
-        raise TypeError(f"device: expected None, 'cpu', 'cuda', 'cuda:N' or an int, got {device!r}")
-    if isinstance(device, (int, np.integer)):
-        if device < 0:
-            raise ValueError(f"device: expected a non-negative CUDA device ordinal, got {device}")
-        return int(device)
-    if isinstance(device, str):
-        if device == "cuda":
-            return "current"
-        head, _, tail = device.partition(":")
-        if head == "cuda" and tail.isdigit():
-            return int(tail)
-        raise ValueError(f"device: expected None, 'cpu', 'cuda', 'cuda:N' or an int, got {device!r}")
-    raise TypeError(f"device: expected None, 'cpu', 'cuda', 'cuda:N' or an int, got {type(device).__name__}")
-
-
-def _placer(device_id):
-    """A function that puts a host array where ``device_id`` says."""
-    if device_id is None:
+def _placer(ordinal: int | None):
+    """A function that puts a host array on the host (None) or CUDA device ``ordinal``."""
+    if ordinal is None:
         return lambda a: a
     import cupy
-
-    device = cupy.cuda.Device() if device_id == "current" else cupy.cuda.Device(device_id)
 
     def put(a: np.ndarray):
         if a.dtype in (DTYPES["F8_E4M3"], DTYPES["F8_E5M2"]):
             a = a.view(np.uint8)  # CuPy has no float8 dtype
-        with device:
+        with runtime_device.using(ordinal):
             return cupy.asarray(a)
 
     return put

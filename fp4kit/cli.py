@@ -39,6 +39,7 @@ import numpy as np
 from . import __version__, checkpoint, formats
 from .formats import BLOCK_SIZE, Nvfp4Tensor
 from .ops.quant import dequantize, quantize
+from .runtime import device as runtime_device
 
 #: name patterns kept unquantized by default
 DEFAULT_SKIP = (
@@ -144,23 +145,15 @@ def _shape(shape) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _cuda_available() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:  # no CuPy, or no driver
-        return False
-
-
 def _resolve_device(device: str) -> str:
     """The backend for a --device choice; "auto" means cuda when a device is available."""
     if device == "cpu":
         return "cpu"
-    available = _cuda_available()
-    if device == "cuda" and not available:
-        raise ValueError("--device cuda: no CUDA device is available (is CuPy installed with a driver?)")
-    return "cuda" if available else "cpu"
+    reason = runtime_device.unavailable_reason()
+    if device == "cuda" and reason is not None:
+        raise ValueError(f"--device cuda: no CUDA device is available ({reason}); --device cpu runs the numpy "
+                         "reference, which writes the same bytes")
+    return "cpu" if reason is not None else "cuda"
 
 
 def _quantize_one(name: str, w: np.ndarray, device: str) -> tuple[Nvfp4Tensor, np.ndarray]:

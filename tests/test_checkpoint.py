@@ -14,6 +14,7 @@ import safetensors.numpy
 import fp4kit
 from fp4kit import checkpoint as ck
 from fp4kit.reference import quant as ref
+from fp4kit.runtime import device as runtime_device
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -443,9 +444,9 @@ def test_plain_model_is_not_an_nvfp4_checkpoint(tmp_path):
 
 @pytest.mark.parametrize(
     "device, exc, message",
-    [("tpu", ValueError, "device: expected None, 'cpu', 'cuda', 'cuda:N' or an int, got 'tpu'"),
+    [("tpu", ValueError, "device: expected None/False/'cpu' .* got 'tpu'"),
+     ("cuda:x", ValueError, "device: expected None/False/'cpu' .* got 'cuda:x'"),
      (-1, ValueError, "device: expected a non-negative CUDA device ordinal, got -1"),
-     (True, TypeError, "device: expected"),
      (1.0, TypeError, "device: expected .* got float")],
 )
 def test_bad_device_is_rejected_before_reading(device, exc, message, tmp_path):
@@ -516,6 +517,7 @@ def test_device_placement_goes_through_cupy_asarray(rng, tmp_path, monkeypatch):
     ck.save_nvfp4(tmp_path, {P: q}, input_scales={P: np.array(3.0, F32)}, extra=extra)
     fake = types.SimpleNamespace(asarray=asarray, ndarray=_OnDevice, cuda=types.SimpleNamespace(Device=_FakeDevice))
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(runtime_device, "_probe", lambda: (2, None))  # two devices, as far as fp4kit can tell
     loaded = ck.load_nvfp4(tmp_path, device="cuda:1")
     w = loaded.weights[P]
     placed = [w.packed, w.block_scales, w.global_scale, loaded.input_scales[P], *loaded.extra.values()]

@@ -12,6 +12,7 @@ import safetensors.numpy
 import fp4kit
 from fp4kit import checkpoint as ck
 from fp4kit import cli
+from fp4kit.runtime import device as runtime_device
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
@@ -208,7 +209,7 @@ def test_error_stats_and_progress():
 
 
 def test_device_cuda_without_a_gpu_is_an_error(rng, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    monkeypatch.setattr(runtime_device, "_probe", lambda: (0, "CuPy cannot be imported (no cupy)"))
     safetensors.numpy.save_file({"w.weight": np.ones((2, 16), BF16)}, tmp_path / "m.safetensors")
     assert cli.main(["quantize", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--device", "cuda"]) == 1
     assert "--device cuda: no CUDA device is available" in capsys.readouterr().err

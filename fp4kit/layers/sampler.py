@@ -1,9 +1,10 @@
 """`Generator` and `Sampler`: token sampling with its random state kept in device memory.
 
 `Generator` owns the Philox key (``seed``) and counter (``offset``) as uint64 ``[1]`` arrays, on
-the device (``device=True``) or the host. Each `fp4kit.ops.sampling.sample` call reads them where
-they live and advances ``offset`` by one there, so a CUDA graph holding a sample call draws new
-tokens on every replay, and ``offset`` counts the calls. The same ``(seed, offset)`` gives the same
+a CUDA device (``device=True``, the default) or the host (``device=False``). Each
+`fp4kit.ops.sampling.sample` call reads them where they live and advances ``offset`` by one there,
+so a CUDA graph holding a sample call draws new tokens on every replay, and ``offset`` counts the
+calls. The same ``(seed, offset)`` gives the same
 tokens. Use one generator per stream.
 
 `Sampler` fixes the sampling parameters (scalars, or per-row arrays given per call) and owns its
@@ -17,6 +18,7 @@ import numbers
 import numpy as np
 
 from ..ops import sampling as sampling_ops
+from ..runtime import device as runtime_device
 
 
 def _seed_value(seed) -> int:
@@ -33,27 +35,26 @@ class Generator:
     Parameters
     ----------
     seed : int in [0, 2**64)
-    device : bool
-        True: the state lives on the current CUDA device (for device logits); False: on the host.
+    device : where the state lives (see `fp4kit.runtime.device`)
+        True (default) / ``"cuda"``: CuPy's current CUDA device (for device logits); ``"cuda:N"`` / ``N``:
+        device N; False / ``"cpu"``: the host (numpy logits). Without a usable CUDA device a CUDA
+        choice raises RuntimeError saying to pass ``device=False``. The attribute ``device`` is
+        True for a generator on a CUDA device.
     offset : int, the starting counter (default 0)
 
     ``arrivals`` (uint32 ``[1]``, zero between calls) is the kernel's scratch for advancing the
     offset once per launch; `scratch` holds its per-row counters and histograms.
     """
 
-    def __init__(self, seed: int, *, device: bool = True, offset: int = 0):
+    def __init__(self, seed: int, *, device=True, offset: int = 0):
         seed, offset = _seed_value(seed), _seed_value(offset)
-        self.device = bool(device)
-        if self.device:
-            import cupy
-
-            self.seed = cupy.asarray(np.array([seed], np.uint64))
-            self.offset = cupy.asarray(np.array([offset], np.uint64))
-            self.arrivals = cupy.zeros(1, np.uint32)
-        else:
-            self.seed = np.array([seed], np.uint64)
-            self.offset = np.array([offset], np.uint64)
-            self.arrivals = np.zeros(1, np.uint32)
+        ordinal = runtime_device.resolve(device)
+        self.device = ordinal is not None
+        xp = runtime_device.array_module(ordinal)
+        with runtime_device.using(ordinal):
+            self.seed = xp.asarray(np.array([seed], np.uint64))
+            self.offset = xp.asarray(np.array([offset], np.uint64))
+            self.arrivals = xp.zeros(1, np.uint32)
         self._scratch = None
         self._retired: list = []
 
