@@ -12,9 +12,8 @@ found value; arguments of the wrong Python type raise ``TypeError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from ..formats import BLOCK_SIZE, Nvfp4Tensor
 from ..runtime import device as runtime_device
 from . import compressed_tensors, modelopt
 from .compressed_tensors import COMPRESSED_TENSORS
+from .layout import Checkpoint
 from .modelopt import MODELOPT
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, checkpoint_files
 from .validation import check_block_scale_bytes, check_positive_finite
@@ -189,56 +189,40 @@ class CheckpointFiles:
         check_block_scale_bytes(scales, self._at(self._info(q.block_scales)))
         return scales
 
-    def read_global_scale(self, q: QuantizedPrefix) -> np.ndarray:
-        """The weight's encode scale ``S`` (0-d fp32)."""
-        return self._encode_scale(q.global_scale, q.layout)
+    def read_global_scale(self, q: QuantizedPrefix, block_scales: np.ndarray | None = None) -> np.ndarray:
+        """The weight's encode scale ``S`` (0-d fp32); ``block_scales`` (read if not given) decide
+        whether a stored ModelOpt decode scale of 0 is valid (only for an all-zero weight)."""
+        return self.read_scale(q.global_scale, q.layout, all_zero=self._all_zero(q, block_scales))[1]
 
     def read_input_scale(self, q: QuantizedPrefix) -> np.ndarray | None:
         """The static activation encode scale ``S_a`` (0-d fp32), or None."""
-        return None if q.input_scale is None else self._encode_scale(q.input_scale, q.layout)
+        return None if q.input_scale is None else self.read_scale(q.input_scale, q.layout)[1]
 
     def read_quantized(self, q: QuantizedPrefix) -> Nvfp4Tensor:
         """The prefix as a host `Nvfp4Tensor` with linear block scales."""
         packed = self.read_packed(q)
         shape = (*packed.shape[:-1], 2 * packed.shape[-1])
-        return Nvfp4Tensor(packed, self.read_block_scales(q), self.read_global_scale(q), "linear", shape)
+        scales = self.read_block_scales(q)
+        return Nvfp4Tensor(packed, scales, self.read_global_scale(q, scales), "linear", shape)
 
-    def _encode_scale(self, name: str, layout: str) -> np.ndarray:
+    def read_scale(self, name: str, layout: str, *, all_zero: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """A stored scalar scale as it is on disk (0-d fp32) and the encode scale behind it.
+
+        The stored value must be positive and finite; a ModelOpt decode scale may also be 0 when
+        ``all_zero`` (the weight's block scales are all 0, as ModelOpt's ``amax / 2688`` gives).
+        """
         where = self._at(self._info(name))
         stored = self.read(name).astype(np.float32).reshape(())  # bf16 -> fp32 is exact
         stores_decode = LAYOUTS[layout].stores_decode
-        check_positive_finite(stored, where, f"{'decode' if stores_decode else 'encode'} scale")
+        if not (stores_decode and all_zero and stored == 0 and not np.signbit(stored)):
+            check_positive_finite(stored, where, f"{'decode' if stores_decode else 'encode'} scale")
         if not stores_decode:
-            return stored
-        return modelopt.encode_scale(stored, self._encode_scales.get(name), where)
+            return stored, stored
+        return stored, modelopt.encode_scale(stored, self._encode_scales.get(name), where)
 
-
-@dataclass
-class Checkpoint:
-    """An NVFP4 checkpoint in memory.
-
-    Attributes
-    ----------
-    layout : "modelopt" or "compressed-tensors"
-    weights : dict[str, Nvfp4Tensor]
-        Keyed by prefix (``model.layers.0.mlp.down_proj``); packed ``uint8 [..., K/2]``, linear
-        block scales ``uint8 [..., K/16]``, ``global_scale`` the 0-d fp32 encode scale ``S``.
-    input_scales : dict[str, array]
-        Static activation encode scales ``S_a`` (0-d fp32), for the prefixes that have one.
-    extra : dict[str, array]
-        Every other tensor, in its stored dtype (bf16 as ``ml_dtypes.bfloat16`` on the host;
-        on a device, float8 tensors travel as ``uint8``).
-    quant_config : dict or None
-        ``hf_quant_config.json``, when present.
-    files : list[Path]
-    """
-
-    layout: str
-    weights: dict[str, Nvfp4Tensor] = field(default_factory=dict)
-    input_scales: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    quant_config: dict | None = None
-    files: list[Path] = field(default_factory=list)
+    def _all_zero(self, q: QuantizedPrefix, block_scales: np.ndarray | None) -> bool:
+        scales = self.read_block_scales(q) if block_scales is None else block_scales
+        return not scales.any()
 
 
 def load_nvfp4(path, *, device=None) -> Checkpoint:
@@ -265,7 +249,9 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
     read and placed; an error part way raises and releases what was placed. Scales
     stored as bf16 (older ModelOpt exports) are accepted and converted to fp32 exactly. For
     ModelOpt files, the exact encode scales recorded by `save_nvfp4` are used when they agree
-    with the stored decode scales; otherwise ``S = min(fp32(1 / decode), FLT_MAX)``.
+    with the stored decode scales; otherwise ``S = min(fp32(1 / decode), FLT_MAX)``. The stored
+    decode scales are kept in `Checkpoint.decode_scales`, so ``save_nvfp4(out, checkpoint)``
+    writes them back bit for bit.
     """
     ordinal = runtime_device.resolve(device)
     ckpt = CheckpointFiles(path)
@@ -277,12 +263,18 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
     put = _placer(ordinal)
     result = Checkpoint(ckpt.layout, quant_config=ckpt.quant_config, files=[f.path for f in ckpt.files])
     for prefix, q in ckpt.quantized.items():
-        w = ckpt.read_quantized(q)
-        result.weights[prefix] = Nvfp4Tensor(put(w.packed), put(w.block_scales), put(w.global_scale),
-                                             "linear", w.shape)
-        s_a = ckpt.read_input_scale(q)
-        if s_a is not None:
+        packed = ckpt.read_packed(q)
+        scales = ckpt.read_block_scales(q)
+        stored, s = ckpt.read_scale(q.global_scale, q.layout, all_zero=not scales.any())
+        shape = (*packed.shape[:-1], 2 * packed.shape[-1])
+        result.weights[prefix] = Nvfp4Tensor(put(packed), put(scales), put(s), "linear", shape)
+        scalars = [(q.global_scale, stored)]
+        if q.input_scale is not None:
+            stored_a, s_a = ckpt.read_scale(q.input_scale, q.layout)
             result.input_scales[prefix] = put(s_a)
+            scalars.append((q.input_scale, stored_a))
+        if LAYOUTS[q.layout].stores_decode:
+            result.decode_scales.update(scalars)
     for name in ckpt.extra_names:
         result.extra[name] = put(ckpt.read(name))
     return result
