@@ -45,3 +45,13 @@ def test_import_is_lazy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "True False"]
+
+
+def test_checkpoint_package_exports():
+    from fp4kit import checkpoint
+
+    for name in checkpoint.__all__:
+        assert getattr(checkpoint, name) is not None, name
+    # one module per concern
+    for module in ("safetensors_io", "modelopt", "compressed_tensors", "reader", "validation", "fusion"):
+        assert hasattr(checkpoint, module), module

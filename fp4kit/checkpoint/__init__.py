@@ -89,4 +89,5 @@ __all__ = [
     "save_nvfp4",
     "to_modelopt_tensors",
     "write_quant_config",
+    "write_safetensors",
 ]

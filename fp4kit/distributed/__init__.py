@@ -13,7 +13,7 @@ world size 1 never need it.
 from .comm import Communicator, LocalCommunicator, NcclCommunicator, SimulatedCommunicator, SimulatedGroup
 from .env import init
 from .expert_parallel import ExpertParallelMoE, expert_range
-from .kernels import EP_CAPACITY_OVERFLOW
+from ..runtime.status import EP_CAPACITY_OVERFLOW  # re-exported: the flag this package records
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
