@@ -55,3 +55,30 @@ def test_checkpoint_package_exports():
     # one module per concern
     for module in ("safetensors_io", "modelopt", "compressed_tensors", "reader", "validation", "fusion"):
         assert hasattr(checkpoint, module), module
+
+
+def test_buffer_cache_makes_each_buffer_once():
+    import numpy as np
+
+    from fp4kit.runtime.workspace import BufferCache
+
+    cache, made = BufferCache(), []
+
+    def make():
+        made.append(1)
+        return np.empty(3)
+
+    a = cache.get(("out", None, 3), make)
+    assert cache.get(("out", None, 3), make) is a and len(made) == 1
+    assert cache.get(("out", None, 4), make) is not a and len(made) == 2 and len(cache) == 2
+
+
+def test_host_result_writes_into_out():
+    import numpy as np
+
+    from fp4kit.runtime.arrays import host_result
+
+    r = np.arange(3.0)
+    assert host_result(r) is r
+    out = np.zeros(3)
+    assert host_result(r, out) is out and np.array_equal(out, r)

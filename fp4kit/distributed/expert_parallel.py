@@ -52,7 +52,7 @@ from ..formats import Nvfp4Tensor
 from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids
 from ..layers.shared_expert import SharedExpert, interleave_rows
 from ..ops import quant as quant_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 from ..runtime.workspace import zeros_outside_capture
 from . import kernels
 from .comm import Communicator
@@ -181,7 +181,7 @@ class ExpertParallelMoE:
             routing, limit, weight_before_down, mode, shared)
         self.num_experts, self.hidden, self.inner = e, h, w2.shape[2]
         self.comm, self.experts, self.capacity_factor, self.tokens = comm, experts, capacity_factor, tokens
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers = workspace.BufferCache()
 
     @property
     def fused(self) -> bool:
@@ -236,10 +236,10 @@ class ExpertParallelMoE:
         return max(1, min(most, math.ceil(self.capacity_factor * t * k / self.comm.world_size)))
 
     def _buffers_for(self, x) -> _Buffers:
+        return self._buffers.get(x.shape[0], lambda: self._make_buffers(x))
+
+    def _make_buffers(self, x) -> _Buffers:
         t = x.shape[0]
-        buf = self._buffers.get(t)
-        if buf is not None:
-            return buf
         xp = arrays.array_module(x)
         device = xp is not np
 
@@ -294,7 +294,6 @@ class ExpertParallelMoE:
                 buf.hs_act = nvfp4(t, shared_inner, buf.scale(2))
         else:
             buf.h_act = xp.empty((rows, i), arrays.BF16)
-        self._buffers[t] = buf
         return buf
 
     # -- forward --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..ops import sampling as sampling_ops
 from ..runtime import device as runtime_device
+from ..runtime import workspace
 
 
 def _seed_value(seed) -> int:
@@ -65,8 +66,6 @@ class Generator:
         if not self.device:
             raise TypeError("Generator.scratch: a host generator has no device scratch")
         if self._scratch is None or self._scratch.size < words:
-            from ..runtime import workspace
-
             if self._scratch is not None:
                 self._retired.append(self._scratch)
             self._scratch = workspace.zeros_outside_capture(max(int(words), 1), np.uint32)
@@ -104,23 +103,15 @@ class Sampler:
         self.generator = generator
         self.defaults = {name: sampling_ops._check_scalar(name, value) for name, value in
                          (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))}
-        self._buffers: dict[tuple[int | None, int], object] = {}
+        self._buffers = workspace.BufferCache()
 
     def buffers(self, batch: int, *, device: bool = True):
         """The int32 ``[batch]`` output buffer (on the current device, or the host), made on first use."""
         if device:
             import cupy
 
-            key = (cupy.cuda.Device().id, int(batch))
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = self._buffers[key] = cupy.empty(int(batch), np.int32)
-        else:
-            key = (None, int(batch))
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = self._buffers[key] = np.empty(int(batch), np.int32)
-        return buf
+            return self._buffers.get((cupy.cuda.Device().id, int(batch)), lambda: cupy.empty(int(batch), np.int32))
+        return self._buffers.get((None, int(batch)), lambda: np.empty(int(batch), np.int32))
 
     def __call__(self, logits, **overrides):
         """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call)."""
