@@ -5,7 +5,11 @@ of shards), quantizes the selected weights with `fp4kit.quantize` (the CUDA kern
 ``--device cuda``, the numpy reference with ``--device cpu``; the bytes are the same) and writes
 a ModelOpt-layout NVFP4 checkpoint to the folder OUT: ``model.safetensors`` (or one output shard
 per input shard plus ``model.safetensors.index.json``) and ``hf_quant_config.json``, labelled
-``W4A16_NVFP4`` (weights only: no static activation scales are written). Other files of an input
+``W4A16_NVFP4`` (weights only) unless ``--calibrate FILE`` gives sample activations: a safetensors
+file holding, under a quantized layer's module name (``model.layers.0.mlp.down_proj``), inputs of
+that layer ``[..., K]``; each such layer gets the static activation scale of their amax
+(``input_scale``, as ModelOpt writes it) and the checkpoint is labelled ``NVFP4`` (every layer
+calibrated) or ``MIXED_PRECISION``. Other files of an input
 folder (``config.json``, tokenizer files, ...) and of its subfolders (e.g. a sentence-transformers
 ``1_Pooling/``) are copied unchanged; weights in other formats (``*.bin``, ...) and the weights of
 subfolders are not, and are listed. A copied ``config.json`` gets ModelOpt's
@@ -45,7 +49,7 @@ from tqdm import tqdm
 
 from . import __version__, checkpoint, formats
 from .formats import BLOCK_SIZE, Nvfp4Tensor
-from .ops.quant import dequantize, quantize
+from .ops.quant import amax, dequantize, global_scale_from_amax, quantize
 from .runtime import device as runtime_device
 
 #: name patterns kept unquantized by default
@@ -209,6 +213,35 @@ def _resolve_device(device: str) -> str:
     return "cpu" if reason is not None else "cuda"
 
 
+def read_calibration(path, plan: Plan, src: checkpoint.CheckpointFiles) -> dict[str, np.ndarray]:
+    """The static activation encode scales ``S_a = global_scale_from_amax(amax(x))`` (0-d fp32) of
+    the layers that ``path`` holds sample inputs ``x [..., K]`` for, by module name; every name must
+    be a layer that is quantized, every tensor finite, not all zero, with that layer's K."""
+    where = f"--calibrate {path}"
+    f = checkpoint.SafetensorsFile(path)
+    layers = {n.removesuffix(".weight"): src.where[n].tensors[n].shape for n in plan.quantized}
+    unknown = [n for n in f.tensors if n not in layers]
+    if unknown:
+        raise ValueError(f"{where}: {unknown[:5]} name no quantized layer; expected module names of quantized "
+                         f"layers such as {sorted(layers)[:3]}")
+    if not f.tensors:
+        raise ValueError(f"{where}: holds no tensors")
+    scales = {}
+    for name, info in f.tensors.items():
+        k = layers[name][1]
+        if info.dtype not in _QUANTIZABLE_DTYPES or not info.shape or info.shape[-1] != k or 0 in info.shape:
+            raise ValueError(f"{where}: {name}: expected {'/'.join(_QUANTIZABLE_DTYPES)} activations [..., {k}] "
+                             f"(K of the layer), got {info.dtype} {list(info.shape)}")
+        x = f.read(name)
+        if not np.isfinite(x.astype(np.float32)).all():
+            raise ValueError(f"{where}: {name}: holds non-finite values")
+        a = amax(x)
+        if a == 0:
+            raise ValueError(f"{where}: {name}: all zero; an activation scale needs a non-zero amax")
+        scales[name] = global_scale_from_amax(a)
+    return scales
+
+
 def _quantize_one(name: str, w: np.ndarray, device: str) -> tuple[Nvfp4Tensor, np.ndarray]:
     """NVFP4 of ``w`` and its fp32 dequantization, both on the host."""
     bad = w.size - int(np.count_nonzero(np.isfinite(w)))
@@ -285,7 +318,7 @@ class _Summary:
     bytes_after: int = 0
 
 
-def _quantize_shard(f: checkpoint.SafetensorsFile, plan: Plan, device: str, bar: tqdm,
+def _quantize_shard(f: checkpoint.SafetensorsFile, plan: Plan, input_scales: dict, device: str, bar: tqdm,
                     summary: _Summary) -> tuple[dict, dict]:
     """The output tensors and metadata of one input shard (its tensors read one at a time)."""
     quantized = set(plan.quantized)
@@ -303,7 +336,8 @@ def _quantize_shard(f: checkpoint.SafetensorsFile, plan: Plan, device: str, bar:
         else:
             extra[name] = w
         bar.update(1)
-    return checkpoint.to_modelopt_tensors(weights, extra=extra)
+    scales = {p: input_scales[p] for p in weights if p in input_scales}
+    return checkpoint.to_modelopt_tensors(weights, input_scales=scales, extra=extra)
 
 
 def cmd_quantize(args) -> int:
@@ -314,6 +348,7 @@ def cmd_quantize(args) -> int:
     _check_output(out)
     device = _resolve_device(args.device)
     plan = plan_quantization(src, Selection(args.include, args.exclude))
+    input_scales = read_calibration(args.calibrate, plan, src) if args.calibrate else {}
     copy, skip = side_files(Path(args.input))
     names = _output_names(len(src.files))
     summary = _Summary()
@@ -327,7 +362,7 @@ def cmd_quantize(args) -> int:
         try:
             with progress(len(src.where)) as bar:
                 for f, out_name in zip(src.files, names):
-                    tensors, metadata = _quantize_shard(f, plan, device, bar, summary)
+                    tensors, metadata = _quantize_shard(f, plan, input_scales, device, bar, summary)
                     checkpoint.write_safetensors(staging / out_name, tensors, metadata)
                     weight_map.update(dict.fromkeys(tensors, out_name))
                     total_size += sum(t.nbytes for t in tensors.values())
@@ -346,7 +381,7 @@ def cmd_quantize(args) -> int:
             written.append(out / rel)
             shutil.copy2(Path(args.input) / rel, out / rel)
         written.append(out / checkpoint.QUANT_CONFIG_NAME)
-        checkpoint.write_quant_config(out, [n.removesuffix(".weight") for n in plan.quantized], (),
+        checkpoint.write_quant_config(out, [n.removesuffix(".weight") for n in plan.quantized], input_scales,
                                       plan.exclude_modules)
     except BaseException:
         if created:
@@ -358,6 +393,9 @@ def cmd_quantize(args) -> int:
     size_before = sum(f.size for f in src.files)
     size_after = sum((out / n).stat().st_size for n in names)
     _print_quantize_summary(summary, plan, src, out, device, size_before, size_after, copy, skip)
+    if input_scales:
+        print(f"input scales from --calibrate for {len(input_scales)} of {len(plan.quantized)} quantized layer(s)"
+              + ("" if len(input_scales) == len(plan.quantized) else "; the others are weight-only"))
     return 0
 
 
@@ -472,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize the 2-D *.weight tensors whose name matches (replaces the default name rule)")
     q.add_argument("--exclude", type=_regex, metavar="REGEX",
                    help="keep tensors whose name matches unquantized (e.g. 'lm_head')")
+    q.add_argument("--calibrate", metavar="FILE",
+                   help="a safetensors file of sample inputs [..., K] per quantized layer (by module name): "
+                        "writes each one's static activation scale (input_scale) from their amax")
     q.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: the CUDA kernels; cpu: the numpy reference (bit-identical); auto: cuda if available")
     q.set_defaults(run=cmd_quantize)

@@ -280,3 +280,35 @@ def test_subfolders_are_copied_and_weights_listed(rng, tmp_path, capsys):
     assert "copied 3 other file(s): 1_Pooling/config.json, 2_Dense/config.json, modules.json" in text
     assert "not copied (2 weight file(s) of other formats or of subfolders): 2_Dense/model.safetensors, pytorch_model.bin" in text
     assert set(ck.load_nvfp4(out).weights) == {"encoder.layer.0.dense"}
+
+
+def test_calibrate_writes_input_scales(rng, tmp_path, capsys):
+    model = tiny_model(rng)
+    src = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(model, src)
+    x_q = (rng.standard_normal((5, 64)) * 3).astype(BF16)
+    x_down = rng.standard_normal((2, 3, 32)).astype(F32)
+    calib = tmp_path / "calib.safetensors"
+    safetensors.numpy.save_file({"model.layers.0.self_attn.q_proj": x_q, "model.layers.0.mlp.down_proj": x_down}, calib)
+    out = tmp_path / "out"
+    assert cli.main(["quantize", str(src), str(out), "--device", "cpu", "--calibrate", str(calib)]) == 0
+    assert "input scales from --calibrate for 2 of 4 quantized layer(s); the others are weight-only" in capsys.readouterr().out
+    loaded = check_quantized(out, model, QUANTIZED)
+    assert set(loaded.input_scales) == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    for prefix, x in (("model.layers.0.self_attn.q_proj", x_q), ("model.layers.0.mlp.down_proj", x_down)):
+        expected = fp4kit.global_scale_from_amax(fp4kit.amax(x))
+        assert loaded.input_scales[prefix].view(np.uint32) == expected.view(np.uint32)
+        assert loaded.decode_scales[f"{prefix}.input_scale"] == np.float32(1) / expected
+    quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "MIXED_PRECISION"
+    assert quant["quantized_layers"]["model.layers.0.mlp.down_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
+    assert quant["quantized_layers"]["lm_head"] == {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+
+    bad = [({"model.embed_tokens": x_q}, "name no quantized layer"),
+           ({"lm_head": x_down}, r"lm_head: expected BF16/F16/F32 activations \[\.\.\., 64\] \(K of the layer\), got F32 \[2, 3, 32\]"),
+           ({"lm_head": np.zeros((2, 64), F32)}, "lm_head: all zero")]
+    for i, (tensors, message) in enumerate(bad):
+        safetensors.numpy.save_file(tensors, calib)
+        assert cli.main(["quantize", str(src), str(tmp_path / f"bad{i}"), "--device", "cpu", "--calibrate", str(calib)]) == 1
+        assert re.search(message, capsys.readouterr().err)
+        assert not (tmp_path / f"bad{i}").exists()
