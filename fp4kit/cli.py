@@ -110,10 +110,9 @@ class Selection:
         if self.include is not None:
             if not self.include.search(info.name):
                 return "does not match --include"
-        else:
-            rule = _DEFAULT_SKIP.search(info.name)
-            if rule:
-                return f"default name rule ({next(p for p in DEFAULT_SKIP if re.search(p, info.name))})"
+        elif _DEFAULT_SKIP.search(info.name):
+            rule = next(p for p in DEFAULT_SKIP if re.search(p, info.name))
+            return f"default name rule ({rule}); --include replaces the rule"
         if self.exclude is not None and self.exclude.search(info.name):
             return "matches --exclude"
         return None
@@ -151,7 +150,8 @@ def plan_quantization(src: checkpoint.CheckpointFiles, select: Selection) -> Pla
                          f"(its {len(src.where)} tensors include {sorted(src.where)[:3]})")
     if not plan.quantized:
         reasons = sorted(set(plan.kept.values()))
-        raise ValueError(f"{src.path}: nothing to quantize: every tensor is ruled out ({'; '.join(reasons)})")
+        shown = "; ".join(reasons[:6]) + ("; ..." if len(reasons) > 6 else "")
+        raise ValueError(f"{src.path}: nothing to quantize: every tensor is ruled out ({shown})")
     return plan
 
 
@@ -477,10 +477,12 @@ def _quantized_row(ckpt: checkpoint.CheckpointFiles, q: checkpoint.QuantizedPref
     info = ckpt.where[q.packed].tensors[q.packed]
     n = "x".join(str(s) for s in info.shape[:-1])
     scales = ckpt.read_block_scales(q)
-    s = ckpt.read_global_scale(q, scales)
+    stored, s = ckpt.read_scale(q.global_scale, q.layout, all_zero=not scales.any())
+    # the decode scale as a ModelOpt file stores it; compressed-tensors stores S itself
+    decode = stored if checkpoint.LAYOUTS[q.layout].stores_decode else checkpoint.decode_scale(s)
     s_a = ckpt.read_input_scale(q)
     lo, hi, zero = _block_scale_stats(scales)
-    return [q.prefix, n, str(2 * info.shape[-1]), f"{float(s):.9g}", f"{float(checkpoint.decode_scale(s)):.9g}",
+    return [q.prefix, n, str(2 * info.shape[-1]), f"{float(s):.9g}", f"{float(decode):.9g}",
             "-" if s_a is None else f"{float(s_a):.9g}", lo, hi, str(zero)]
 
 

@@ -25,8 +25,9 @@ One module per concern:
 ========================  ======================================================================
 `safetensors_io`          the container: validating reader, atomic writer, the files of a folder
 `modelopt`                the ModelOpt layout: decode scales, exact encode scales, `save_nvfp4`,
-                          ``hf_quant_config.json``
+                          ``hf_quant_config.json`` and ``config.json``'s ``quantization_config``
 `compressed_tensors`      the compressed-tensors layout (read)
+`layout`                  what a layout is (`Layout`) and what a loaded checkpoint holds (`Checkpoint`)
 `reader`                  `CheckpointFiles` (headers validated, data on demand), `load_nvfp4`
 `validation`              checks of block-scale bytes and scalar scales
 `fusion`                  `fuse_rows`: concatenating quantized shards without re-quantizing
@@ -44,6 +45,7 @@ from .modelopt import (
     QUANT_CONFIG_NAME,
     decode_scale,
     encode_scale_from_decode,
+    hf_quantization_config,
     quant_config,
     save_nvfp4,
     to_modelopt_tensors,
@@ -83,6 +85,7 @@ __all__ = [
     "decode_scale",
     "encode_scale_from_decode",
     "fuse_rows",
+    "hf_quantization_config",
     "load_nvfp4",
     "quant_config",
     "read_safetensors",

@@ -9,11 +9,16 @@ A quantized linear layer of logical weight ``[N, K]`` under the prefix ``P``:
 ``P.input_scale``      optional static activation decode scale ``1/S_a``
 =====================  ===========================================================================
 
-``hf_quant_config.json`` beside the files says what was written::
+``hf_quant_config.json`` beside the files says what was written, with ModelOpt's labels::
 
     {"producer": {"name": "fp4kit", "version": ...},
-     "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+     "quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16,
                       "kv_cache_quant_algo": null, "exclude_modules": [...]}}
+
+``"W4A16_NVFP4"`` when no layer has an input scale, ``"NVFP4"`` when every layer has one, and
+``"MIXED_PRECISION"`` with per-layer ``quantized_layers`` otherwise (`quant_config`). A
+``config.json`` beside the files gets the matching ``quantization_config``
+(``quant_method: "modelopt"``, `hf_quantization_config`), as ModelOpt's exporter writes it.
 
 Exact global scales. fp4kit works with the encode scale ``S`` (``Nvfp4Tensor.global_scale``);
 ModelOpt stores ``fp32(1/S)``, and ``fp32(1/fp32(1/S))`` differs from ``S`` in the last bit for
@@ -23,7 +28,16 @@ into a decode scale in the safetensors ``__metadata__`` under `METADATA_KEY`, as
 ``{decode-scale tensor name: "0x" + the 8 hex digits of S's fp32 bits}``. On load the recorded
 ``S`` is used when it is consistent with the stored tensor (``fp32(1/S)`` equals it bit for bit);
 otherwise (a file from another producer, or an edited one: a warning says so)
-``S = min(fp32(1 / decode), FLT_MAX)`` with one IEEE fp32 division.
+``S = min(fp32(1 / decode), FLT_MAX)`` with one IEEE fp32 division. In the other direction a loaded
+decode scale is written back as it was read (`Checkpoint.decode_scales`), so load → save of a
+foreign file leaves its scales byte-identical.
+
+All-zero weights. `fp4kit.quantize` gives an all-zero tensor ``S = FLT_MAX`` (``min(2688 / 0,
+FLT_MAX)``), every block scale 0 and every code 0; ``fp32(1/FLT_MAX)`` would be the subnormal
+2.94e-39, which flush-to-zero readers see as 0. fp4kit writes ``weight_scale_2 = 0`` instead,
+ModelOpt's ``amax / 2688`` for ``amax = 0``, and reads a zero decode scale back (as ``S = FLT_MAX``)
+only for a weight whose block scales are all 0. Such a weight dequantizes to zeros under any
+reading; a reader that divides by ``weight_scale_2`` gets an infinite global scale for it.
 """
 
 from __future__ import annotations
@@ -76,8 +90,8 @@ def decode_scale(encode_scale) -> np.ndarray:
 def encode_scale_from_decode(decode) -> np.ndarray:
     """``min(fp32(1 / decode), FLT_MAX)`` (0-d fp32): ``S`` from a stored ModelOpt decode scale.
 
-    The clamp only matters for a subnormal decode scale (an all-zero tensor), whose reciprocal
-    overflows; it mirrors the ``min(2688 / amax, FLT_MAX)`` of the quantization recipe.
+    The clamp matters for a decode scale of 0 (an all-zero weight) or a subnormal one, whose
+    reciprocal overflows; it mirrors the ``min(2688 / amax, FLT_MAX)`` of the quantization recipe.
     """
     with np.errstate(divide="ignore", over="ignore"):
         s = _F32(1) / np.asarray(decode, _F32).reshape(())
