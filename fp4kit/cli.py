@@ -295,7 +295,8 @@ def side_files(src: Path) -> tuple[list[Path], list[Path]]:
     """The files of an input folder and its subfolders that ``quantize`` copies (config, tokenizer,
     a sentence-transformers ``1_Pooling/config.json``, ...) and the weight files it does not copy
     (other formats at the top; any weights in subfolders, which are not quantized), both relative
-    to ``src``. The input's own shards, index and ``hf_quant_config.json`` are neither."""
+    to ``src``. The input's own shards, index and ``hf_quant_config.json`` are neither; hidden
+    files and folders (``.git/``, ``.cache/``) are skipped."""
     if not src.is_dir():
         return [], []
     copy, skip = [], []
