@@ -618,3 +618,15 @@ def test_device_placement_goes_through_cupy_asarray(rng, tmp_path, monkeypatch):
     assert all(isinstance(a, _OnDevice) and a.device_id == 1 for a in placed)
     assert loaded.extra["fp8"].dtype == np.uint8 and np.array_equal(loaded.extra["fp8"], extra["fp8"].view(np.uint8))
     assert np.array_equal(w.packed, q.packed) and w.global_scale == q.global_scale
+
+
+def test_paths_of_the_wrong_type_name_the_argument(tmp_path, rng):
+    q = fp4kit.quantize(rng.standard_normal((4, 32)).astype(F32))
+    for bad in (None, 123):
+        with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike .* got (NoneType|int)"):
+            ck.load_nvfp4(bad)
+        with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike"):
+            ck.save_nvfp4(bad, {P: q})
+    with pytest.raises(ValueError, match="weights: expected at least one Nvfp4Tensor"):
+        ck.save_nvfp4(tmp_path / "empty", {})
+    assert not (tmp_path / "empty").exists()

@@ -52,7 +52,7 @@ import numpy as np
 from .. import __version__
 from ..formats import BLOCK_SIZE, Nvfp4Tensor
 from .layout import Checkpoint, Layout
-from .safetensors_io import DTYPES, SINGLE_FILE_NAME, SafetensorsFile, read_json, write_safetensors
+from .safetensors_io import DTYPES, SINGLE_FILE_NAME, SafetensorsFile, as_path, read_json, write_safetensors
 from .validation import check_block_scale_bytes, check_positive_finite
 
 MODELOPT = Layout(
@@ -371,7 +371,7 @@ def write_quant_config(folder, quantized=(), input_scaled=(), exclude_modules=()
     """Write ``hf_quant_config.json`` (see `quant_config`) into ``folder`` and, when the folder has
     a ``config.json``, set its ``quantization_config`` (see `hf_quantization_config`); returns the
     path of ``hf_quant_config.json``."""
-    folder = Path(folder)
+    folder = as_path(folder, "folder")
     config = quant_config(quantized, input_scaled, exclude_modules)
     path = folder / QUANT_CONFIG_NAME
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -432,7 +432,10 @@ def save_nvfp4(
             exclude_modules = ckpt.quant_config.get("quantization", {}).get("exclude_modules", ())
     elif not isinstance(weights, dict):
         raise TypeError(f"weights: expected a dict of Nvfp4Tensor or a Checkpoint, got {type(weights).__name__}")
-    path = Path(path)
+    path = as_path(path, "path")
+    if not weights:
+        raise ValueError("weights: expected at least one Nvfp4Tensor (the file would be labelled NVFP4 without "
+                         "holding an NVFP4 tensor)")
     tensors, metadata = to_modelopt_tensors(weights, input_scales=input_scales, extra=extra,
                                             decode_scales=decode_scales)
     if path.suffix != ".safetensors":

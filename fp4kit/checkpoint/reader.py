@@ -13,7 +13,6 @@ found value; arguments of the wrong Python type raise ``TypeError``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from . import compressed_tensors, modelopt
 from .compressed_tensors import COMPRESSED_TENSORS
 from .layout import Checkpoint
 from .modelopt import MODELOPT
-from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, checkpoint_files
+from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, as_path, checkpoint_files
 from .validation import check_block_scale_bytes, check_positive_finite
 
 #: every readable layout by name
@@ -75,7 +74,7 @@ class CheckpointFiles:
     """
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = as_path(path, "path")
         self.files = [SafetensorsFile(p) for p in checkpoint_files(self.path)]
         self.where = self._map_names()
         self.quant_config = self._read_quant_config()

@@ -93,7 +93,7 @@ class SafetensorsFile:
     """
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = as_path(path, "path")
         self.size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             header, data_start = _read_header(f, self.path, self.size)
@@ -203,7 +203,7 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, 
     metadata : dict[str, str], optional
         The ``__metadata__`` table.
     """
-    path = Path(path)
+    path = as_path(path, "path")
     entries, arrays, offset = {}, [], 0
     for name, a in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
@@ -236,6 +236,14 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 
 
+def as_path(path, name: str) -> Path:
+    """``path`` (a str or os.PathLike) as a Path; TypeError naming the argument otherwise."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a str or os.PathLike (a .safetensors file or a folder of them), "
+                        f"got {type(path).__name__}")
+    return Path(path)
+
+
 def checkpoint_files(path) -> list[Path]:
     """The safetensors files of a checkpoint at ``path``.
 
@@ -243,7 +251,7 @@ def checkpoint_files(path) -> list[Path]:
     (its ``weight_map`` names the shards) or one or more ``*.safetensors`` files (all of them,
     sorted by name).
     """
-    path = Path(path)
+    path = as_path(path, "path")
     if path.is_file():
         return [path]
     if not path.is_dir():
