@@ -98,10 +98,6 @@ class Selection:
             return "empty"
         return None
 
-    @classmethod
-    def shape_allows(cls, info: checkpoint.TensorInfo) -> bool:
-        return cls.shape_reason(info) is None
-
     def reason(self, info: checkpoint.TensorInfo) -> str | None:
         """Why ``info`` is not quantized, or None when it is."""
         why = self.shape_reason(info)
