@@ -63,6 +63,10 @@ def test_layers_and_loader_without_gpu(no_gpu, tmp_path):
     assert cache.xp is np and isinstance(cache.swa, np.ndarray)
     gen = fp4kit.Generator(7, device="cpu")
     assert not gen.device and gen.get_state() == (7, 0)
+    sampler = fp4kit.Sampler(gen)
+    assert isinstance(sampler.buffers(3, device="cpu"), np.ndarray)
+    with pytest.raises(RuntimeError, match=r"Pass device=False"):
+        sampler.buffers(3)
     q = fp4kit.quantize(np.ones((2, 16), np.float32))
     fp4kit.save_nvfp4(tmp_path, {"p": q})
     assert isinstance(fp4kit.load_nvfp4(tmp_path, device=False).weights["p"].packed, np.ndarray)

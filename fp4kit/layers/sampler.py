@@ -18,8 +18,8 @@ import numbers
 import numpy as np
 
 from ..ops import sampling as sampling_ops
+from ..runtime import arrays, workspace
 from ..runtime import device as runtime_device
-from ..runtime import workspace
 
 
 def _seed_value(seed) -> int:
@@ -105,13 +105,17 @@ class Sampler:
                          (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))}
         self._buffers = workspace.BufferCache()
 
-    def buffers(self, batch: int, *, device: bool = True):
-        """The int32 ``[batch]`` output buffer (on the current device, or the host), made on first use."""
-        if device:
-            import cupy
+    def buffers(self, batch: int, *, device=True):
+        """The int32 ``[batch]`` output buffer where ``device`` says (`fp4kit.runtime.device`: True
+        the current CUDA device, False / ``"cpu"`` the host), made on first use."""
+        return self._buffer(int(batch), runtime_device.resolve(device))
 
-            return self._buffers.get((cupy.cuda.Device().id, int(batch)), lambda: cupy.empty(int(batch), np.int32))
-        return self._buffers.get((None, int(batch)), lambda: np.empty(int(batch), np.int32))
+    def _buffer(self, batch: int, ordinal: int | None):
+        def make():
+            with runtime_device.using(ordinal):
+                return runtime_device.array_module(ordinal).empty(batch, np.int32)
+
+        return self._buffers.get((ordinal, batch), make)
 
     def __call__(self, logits, **overrides):
         """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call)."""
@@ -119,10 +123,8 @@ class Sampler:
         if unknown:
             raise TypeError(f"Sampler: unknown parameter(s) {sorted(unknown)}; have {sorted(self.defaults)}")
         params = {**self.defaults, **overrides}
-        from ..runtime import arrays
-
         logits = arrays.as_array(logits, "logits")
         if logits.ndim != 2:
             raise ValueError(f"logits: expected a 2-D array [batch, vocab], got {arrays.describe(logits)}")
-        out = self.buffers(logits.shape[0], device=arrays.is_device_array(logits))
+        out = self._buffer(int(logits.shape[0]), arrays.device_id(logits))  # in the logits' memory
         return sampling_ops.sample(logits, generator=self.generator, out=out, **params)
