@@ -2,7 +2,7 @@
 experts, top-6, inner 2048, one shared expert, W4A4), EP = world size, against the single-GPU layer
 measured in the same run. Run by the launcher, one process per GPU:
 
-    PYTHONPATH=. python -m fp4kit.dist.launch --nproc 2 benchmarks/bench_dist.py
+    PYTHONPATH=. python -m fp4kit.distributed.launch --nproc 2 benchmarks/bench_dist.py
 
 Every rank builds the same full layer (benchmarks/bench_moe.py's `build`, same seed), keeps it for
 the single-GPU baseline, and shards it. Each rank brings T tokens of its own; a call is
@@ -34,7 +34,7 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp4kit import dist  # noqa: E402
+from fp4kit import distributed as dist  # noqa: E402
 
 try:
     from benchmarks.bench_moe import CONFIGS, build
@@ -95,7 +95,7 @@ def main() -> None:
 
 
 def _nccl_version():
-    from fp4kit.dist import nccl_lib
+    from fp4kit.distributed import nccl_lib
 
     try:
         return nccl_lib.load().get_version()
@@ -110,5 +110,5 @@ if __name__ == "__main__":
     if "FP4KIT_RANK" not in os.environ:  # started plainly (e.g. by run_all.py): one process per GPU
         import subprocess
 
-        sys.exit(subprocess.call([sys.executable, "-m", "fp4kit.dist.launch", "--nproc", str(GPUS), __file__]))
+        sys.exit(subprocess.call([sys.executable, "-m", "fp4kit.distributed.launch", "--nproc", str(GPUS), __file__]))
     main()

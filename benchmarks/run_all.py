@@ -232,7 +232,7 @@ def device_meta() -> dict:
     from common import copy_bandwidth, device_name
 
     rt = cp.cuda.runtime
-    meta = {"gpu": device_name(), "gpu_count": rt.getDeviceCount(), "driver": _nvidia_smi_driver(),
+    meta = {"gpu": device_name(), "gpu_count": gpu_count(), "driver": _nvidia_smi_driver(),
             "driver_cuda": _cuda_version(rt.driverGetVersion()),
             "cuda_runtime": _cuda_version(rt.runtimeGetVersion()), "cupy": cp.__version__,
             "nvrtc": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
@@ -263,12 +263,10 @@ def meta_from_tables(tables: dict) -> dict:
 
 
 def gpu_count() -> int:
-    try:
-        import cupy as cp
+    """Visible CUDA devices; 0 without CuPy, a driver or a device."""
+    from fp4kit.runtime.device import device_count
 
-        return cp.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, no device
-        return 0
+    return device_count()
 
 
 # ---------------------------------------------------------------- report

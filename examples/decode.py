@@ -4,7 +4,7 @@
     python examples/decode.py --preset v4-flash-slice --layers 4 --batch 8 --prompt-len 512 --new-tokens 128
     python examples/decode.py --check                          # graph = eager (= numpy for tiny)
     python examples/decode.py --save /tmp/m && python examples/decode.py --load /tmp/m
-    python -m fp4kit.dist.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
+    python -m fp4kit.distributed.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
 
 Prefill feeds the prompt through the decode step one token at a time (there is no prefill
 attention kernel yet); decode samples N tokens per sequence. On a GPU both steps are captured
@@ -30,14 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4 import config as configs  # noqa: E402
 from dsv4 import runner  # noqa: E402
 
-
-def has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.is_available()
-    except Exception:
-        return False
+from fp4kit.runtime.device import cuda_available  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks for the attention projections and "
-                    "the lm_head (one process per GPU: start with python -m fp4kit.dist.launch --nproc N)")
+                    "the lm_head (one process per GPU: start with python -m fp4kit.distributed.launch --nproc N)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks for the MoE layers (idem)")
     return ap.parse_args(argv)
 
@@ -171,13 +164,13 @@ def parallel_group(args):
     """The communicator for ``--tp``/``--ep`` (None without them); every rank holds every token."""
     if args.tp is None and args.ep is None:
         return None
-    from fp4kit import dist
+    from fp4kit import distributed as dist
 
     comm = dist.init()
     for name, n in (("--tp", args.tp), ("--ep", args.ep)):
         if n is not None and n not in (1, comm.world_size):
             raise SystemExit(f"{name} {n}: expected 1 or the launched world size {comm.world_size} "
-                             f"(start one process per GPU with python -m fp4kit.dist.launch --nproc {n} ...)")
+                             f"(start one process per GPU with python -m fp4kit.distributed.launch --nproc {n} ...)")
     return comm
 
 
@@ -186,7 +179,7 @@ def main(argv=None) -> int:
     comm = parallel_group(args)
     if comm is not None and comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
-    device = has_gpu() and not args.numpy
+    device = cuda_available() and not args.numpy
     cfg = make_config(args)
     if not device:
         if cfg.hidden > 1024 and not args.numpy:

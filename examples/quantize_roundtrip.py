@@ -14,15 +14,7 @@ import ml_dtypes
 import numpy as np
 
 import fp4kit
-
-
-def gpu_available() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.is_available()
-    except Exception:
-        return False
+from fp4kit.runtime.device import cuda_available
 
 
 def main() -> None:
@@ -39,7 +31,7 @@ def main() -> None:
     x[rng.random(x.shape) < 1e-3] *= 30
     x = x.astype(ml_dtypes.bfloat16)
 
-    on_gpu = gpu_available() and not args.cpu
+    on_gpu = cuda_available() and not args.cpu
     if on_gpu:
         import cupy
 

@@ -4,19 +4,29 @@
 of shards), quantizes the selected weights with `fp4kit.quantize` (the CUDA kernels with
 ``--device cuda``, the numpy reference with ``--device cpu``; the bytes are the same) and writes
 a ModelOpt-layout NVFP4 checkpoint to the folder OUT: ``model.safetensors`` (or one output shard
-per input shard plus ``model.safetensors.index.json``) and ``hf_quant_config.json``. Other files
-of an input folder (``config.json``, tokenizer files, ...) are copied unchanged; weights in other
-formats (``*.bin``, ...) are not. Input shards are processed one at a time, tensors read one at a
-time, so memory holds at most one shard's output. Shards are staged and moved into OUT only when
-every tensor succeeded: a failure (e.g. a weight holding NaN) leaves no partial checkpoint.
+per input shard plus ``model.safetensors.index.json``) and ``hf_quant_config.json``, labelled
+``W4A16_NVFP4`` (weights only) unless ``--calibrate FILE`` gives sample activations: a safetensors
+file holding, under a quantized layer's module name (``model.layers.0.mlp.down_proj``), inputs of
+that layer ``[..., K]``; each such layer gets the static activation scale of their amax
+(``input_scale``, as ModelOpt writes it) and the checkpoint is labelled ``NVFP4`` (every layer
+calibrated) or ``MIXED_PRECISION``. Other files of an input
+folder (``config.json``, tokenizer files, ...) and of its subfolders (e.g. a sentence-transformers
+``1_Pooling/``) are copied unchanged; weights in other formats (``*.bin``, ...) and the weights of
+subfolders are not, and are listed. A copied ``config.json`` gets ModelOpt's
+``quantization_config`` (``quant_method: modelopt``). Input shards are processed one at a time,
+tensors read one at a time, so memory holds at most one shard's output. Shards are staged and
+moved into OUT only when every tensor succeeded: a failure (e.g. a weight holding NaN, no CUDA
+device) leaves no partial checkpoint, and no OUT folder when the run created it.
 
 Default selection: a tensor is quantized when it is a 2-D bf16 / fp16 / fp32 tensor named
 ``*.weight`` whose last dimension is a multiple of 16 and whose name does not match
 `DEFAULT_SKIP` (embeddings, norms, MoE routers). ``lm_head`` is quantized by default; add
 ``--exclude lm_head`` to keep it in bf16 as ModelOpt's default recipe does. ``--include REGEX``
 replaces the name rule (the shape rule still applies); ``--exclude REGEX`` removes more names.
-Everything not selected is copied as it is; the selectable-by-shape ``*.weight`` tensors left out
-are listed in ``exclude_modules``.
+Everything not selected is copied as it is and listed with the reason; every ``*.weight`` left
+out is recorded in ``exclude_modules``. Selecting nothing (e.g. an ``--include`` that matches no
+tensor) is an error, not a checkpoint without an NVFP4 tensor. The summary gives the error of each
+quantized tensor and the size of the whole checkpoint before and after.
 
 ``fp4kit inspect PATH`` prints the layout, every tensor (dtype, shape, bytes) and, for each
 quantized prefix, N, K, the global scale and block-scale statistics.
@@ -31,14 +41,16 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from . import __version__, checkpoint, formats
 from .formats import BLOCK_SIZE, Nvfp4Tensor
-from .ops.quant import dequantize, quantize
+from .ops.quant import amax, dequantize, global_scale_from_amax, quantize
+from .runtime import device as runtime_device
 
 #: name patterns kept unquantized by default
 DEFAULT_SKIP = (
@@ -68,21 +80,75 @@ class Selection:
     exclude: re.Pattern | None = None
 
     @staticmethod
-    def shape_allows(info: checkpoint.TensorInfo) -> bool:
-        """A 2-D float ``*.weight`` with K a multiple of 16 and at least one element."""
-        return (
-            info.name.endswith(".weight")
-            and info.dtype in _QUANTIZABLE_DTYPES
-            and len(info.shape) == 2
-            and info.shape[1] % BLOCK_SIZE == 0
-            and info.shape[0] * info.shape[1] > 0
-        )
+    def shape_reason(info: checkpoint.TensorInfo) -> str | None:
+        """Why the name suffix, dtype or shape rule out quantizing ``info`` (None: they allow it).
+
+        Quantizable: a 2-D bf16 / fp16 / fp32 ``*.weight`` with K a multiple of 16 and at least
+        one element.
+        """
+        if not info.name.endswith(".weight"):
+            return "not a *.weight tensor"
+        if info.dtype not in _QUANTIZABLE_DTYPES:
+            return f"dtype {info.dtype} (only {', '.join(_QUANTIZABLE_DTYPES)} are quantized)"
+        if len(info.shape) != 2:
+            return f"{len(info.shape)}-D (only 2-D [N, K] weights are quantized)"
+        if info.shape[1] % BLOCK_SIZE:
+            return f"K = {info.shape[1]} is not a multiple of {BLOCK_SIZE}"
+        if info.shape[0] * info.shape[1] == 0:
+            return "empty"
+        return None
+
+    def reason(self, info: checkpoint.TensorInfo) -> str | None:
+        """Why ``info`` is not quantized, or None when it is."""
+        why = self.shape_reason(info)
+        if why is not None:
+            return why
+        if self.include is not None:
+            if not self.include.search(info.name):
+                return "does not match --include"
+        elif _DEFAULT_SKIP.search(info.name):
+            rule = next(p for p in DEFAULT_SKIP if re.search(p, info.name))
+            return f"default name rule ({rule}); --include replaces the rule"
+        if self.exclude is not None and self.exclude.search(info.name):
+            return "matches --exclude"
+        return None
 
     def __call__(self, info: checkpoint.TensorInfo) -> bool:
-        if not self.shape_allows(info):
-            return False
-        named = self.include.search(info.name) if self.include else not _DEFAULT_SKIP.search(info.name)
-        return bool(named) and not (self.exclude and self.exclude.search(info.name))
+        return self.reason(info) is None
+
+
+@dataclass
+class Plan:
+    """What ``fp4kit quantize`` will do with every tensor, decided from the headers alone."""
+
+    quantized: list[str] = field(default_factory=list)
+    #: name -> why it is copied as it is
+    kept: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exclude_modules(self) -> list[str]:
+        """Every ``*.weight`` left unquantized, as a module name (for ``hf_quant_config.json``)."""
+        return sorted(name.removesuffix(".weight") for name in self.kept if name.endswith(".weight"))
+
+
+def plan_quantization(src: checkpoint.CheckpointFiles, select: Selection) -> Plan:
+    """Sort every tensor of ``src`` into quantized and kept; raise ValueError when nothing would be
+    quantized (the output would be labelled NVFP4 without holding an NVFP4 tensor)."""
+    plan = Plan()
+    for name, f in src.where.items():
+        why = select.reason(f.tensors[name])
+        if why is None:
+            plan.quantized.append(name)
+        else:
+            plan.kept[name] = why
+    if select.include is not None and not any(select.include.search(name) for name in src.where):
+        raise ValueError(f"--include {select.include.pattern!r} matches no tensor of {src.path} "
+                         f"(its {len(src.where)} tensors include {sorted(src.where)[:3]})")
+    if not plan.quantized:
+        reasons = sorted(set(plan.kept.values()))
+        shown = "; ".join(reasons[:6]) + ("; ..." if len(reasons) > 6 else "")
+        raise ValueError(f"{src.path}: nothing to quantize: every tensor is ruled out ({shown})")
+    return plan
 
 
 def _regex(text: str) -> re.Pattern:
@@ -97,23 +163,11 @@ def _regex(text: str) -> re.Pattern:
 # --------------------------------------------------------------------------------------------
 
 
-class Progress:
-    """A one-line progress bar on a text stream: ``[#####.....] 12/40 name``."""
-
-    def __init__(self, total: int, stream=None, width: int = 30):
-        self.total, self.done, self.width = total, 0, width
-        self.stream = sys.stderr if stream is None else stream
-
-    def advance(self, label: str) -> None:
-        self.done += 1
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[-60:]:<60}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+def progress(total: int, stream=None) -> tqdm:
+    """A tqdm bar over ``total`` tensors on ``stream`` (stderr), shown only on a terminal (tqdm's
+    ``disable=None``), so logs and pipes get no carriage-return updates."""
+    return tqdm(total=total, unit="tensor", file=sys.stderr if stream is None else stream, disable=None,
+                dynamic_ncols=True)
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -144,23 +198,44 @@ def _shape(shape) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _cuda_available() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:  # no CuPy, or no driver
-        return False
-
-
 def _resolve_device(device: str) -> str:
     """The backend for a --device choice; "auto" means cuda when a device is available."""
     if device == "cpu":
         return "cpu"
-    available = _cuda_available()
-    if device == "cuda" and not available:
-        raise ValueError("--device cuda: no CUDA device is available (is CuPy installed with a driver?)")
-    return "cuda" if available else "cpu"
+    reason = runtime_device.unavailable_reason()
+    if device == "cuda" and reason is not None:
+        raise ValueError(f"--device cuda: no CUDA device is available ({reason}); --device cpu runs the numpy "
+                         "reference, which writes the same bytes")
+    return "cpu" if reason is not None else "cuda"
+
+
+def read_calibration(path, plan: Plan, src: checkpoint.CheckpointFiles) -> dict[str, np.ndarray]:
+    """The static activation encode scales ``S_a = global_scale_from_amax(amax(x))`` (0-d fp32) of
+    the layers that ``path`` holds sample inputs ``x [..., K]`` for, by module name; every name must
+    be a layer that is quantized, every tensor finite, not all zero, with that layer's K."""
+    where = f"--calibrate {path}"
+    f = checkpoint.SafetensorsFile(path)
+    layers = {n.removesuffix(".weight"): src.where[n].tensors[n].shape for n in plan.quantized}
+    unknown = [n for n in f.tensors if n not in layers]
+    if unknown:
+        raise ValueError(f"{where}: {unknown[:5]} name no quantized layer; expected module names of quantized "
+                         f"layers such as {sorted(layers)[:3]}")
+    if not f.tensors:
+        raise ValueError(f"{where}: holds no tensors")
+    scales = {}
+    for name, info in f.tensors.items():
+        k = layers[name][1]
+        if info.dtype not in _QUANTIZABLE_DTYPES or not info.shape or info.shape[-1] != k or 0 in info.shape:
+            raise ValueError(f"{where}: {name}: expected {'/'.join(_QUANTIZABLE_DTYPES)} activations [..., {k}] "
+                             f"(K of the layer), got {info.dtype} {list(info.shape)}")
+        x = f.read(name)
+        if not np.isfinite(x.astype(np.float32)).all():
+            raise ValueError(f"{where}: {name}: holds non-finite values")
+        a = amax(x)
+        if a == 0:
+            raise ValueError(f"{where}: {name}: all zero; an activation scale needs a non-zero amax")
+        scales[name] = global_scale_from_amax(a)
+    return scales
 
 
 def _quantize_one(name: str, w: np.ndarray, device: str) -> tuple[Nvfp4Tensor, np.ndarray]:
@@ -198,52 +273,68 @@ def _output_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def _prepare_output(out: Path) -> None:
+def _check_output(out: Path) -> None:
+    """Refuse an OUT that is a file or already holds a checkpoint (before anything is written)."""
     if out.suffix == ".safetensors":
         raise ValueError(f"{out}: OUT must be a folder (it receives model.safetensors and {checkpoint.QUANT_CONFIG_NAME})")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: OUT exists and is not a folder")
     if out.is_dir() and any(out.glob("*.safetensors")):
         raise ValueError(f"{out}: already holds *.safetensors files; choose an empty or new folder")
-    out.mkdir(parents=True, exist_ok=True)
 
 
 #: weight files of other formats that are not copied next to the NVFP4 checkpoint
 _OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Copy the non-weight files of an input folder (config, tokenizer, ...)."""
+def side_files(src: Path) -> tuple[list[Path], list[Path]]:
+    """The files of an input folder and its subfolders that ``quantize`` copies (config, tokenizer,
+    a sentence-transformers ``1_Pooling/config.json``, ...) and the weight files it does not copy
+    (other formats at the top; any weights in subfolders, which are not quantized), both relative
+    to ``src``. The input's own shards, index and ``hf_quant_config.json`` are neither; hidden
+    files and folders (``.git/``, ``.cache/``) are skipped."""
     if not src.is_dir():
-        return
-    for p in sorted(src.iterdir()):
+        return [], []
+    copy, skip = [], []
+    for p in sorted(src.rglob("*")):
+        if not p.is_file() or any(part.startswith(".") for part in p.relative_to(src).parts):
+            continue
+        rel = p.relative_to(src)
+        top = len(rel.parts) == 1
         weights = p.suffix in _OTHER_WEIGHT_SUFFIXES or p.name.endswith(".index.json")
-        if p.is_file() and not weights and p.name != checkpoint.QUANT_CONFIG_NAME:
-            shutil.copy2(p, out / p.name)
+        if top and (p.suffix == ".safetensors" or p.name == checkpoint.INDEX_NAME or p.name == checkpoint.QUANT_CONFIG_NAME):
+            continue  # the input checkpoint itself
+        (skip if weights else copy).append(rel)
+    return copy, skip
 
 
 @dataclass
 class _Summary:
-    rows: list[list[str]]
-    excluded: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    bytes_before: int = 0  # tensor data of the quantized tensors, before and after
+    bytes_after: int = 0
 
 
-def _quantize_shard(f: checkpoint.SafetensorsFile, select: Selection, device: str, progress: Progress,
+def _quantize_shard(f: checkpoint.SafetensorsFile, plan: Plan, input_scales: dict, device: str, bar: tqdm,
                     summary: _Summary) -> tuple[dict, dict]:
     """The output tensors and metadata of one input shard (its tensors read one at a time)."""
+    quantized = set(plan.quantized)
     weights, extra = {}, {}
-    for name, info in f.tensors.items():
-        progress.advance(name)
+    for name in f.tensors:
+        bar.set_postfix_str(name[-60:], refresh=False)
         w = f.read(name)
-        if not select(info):
+        if name in quantized:
+            q, d = _quantize_one(name, w, device)
+            weights[name.removesuffix(".weight")] = q
+            row = _summary_row(name, w, q, d)
+            summary.rows.append(row)
+            summary.bytes_before += w.nbytes
+            summary.bytes_after += q.packed.nbytes + q.block_scales.nbytes + 4  # + the fp32 weight_scale_2
+        else:
             extra[name] = w
-            if Selection.shape_allows(info):
-                summary.excluded.append(name.removesuffix(".weight"))
-            continue
-        q, d = _quantize_one(name, w, device)
-        weights[name.removesuffix(".weight")] = q
-        summary.rows.append(_summary_row(name, w, q, d))
-    return checkpoint.to_modelopt_tensors(weights, extra=extra)
+        bar.update(1)
+    scales = {p: input_scales[p] for p in weights if p in input_scales}
+    return checkpoint.to_modelopt_tensors(weights, input_scales=scales, extra=extra)
 
 
 def cmd_quantize(args) -> int:
@@ -251,33 +342,57 @@ def cmd_quantize(args) -> int:
     if src.layout != "plain":
         raise ValueError(f"{args.input}: already holds {src.layout} NVFP4 tensors; expected a bf16/fp16/fp32 model")
     out = Path(args.output)
-    _prepare_output(out)
+    _check_output(out)
     device = _resolve_device(args.device)
-    select = Selection(args.include, args.exclude)
+    plan = plan_quantization(src, Selection(args.include, args.exclude))
+    input_scales = read_calibration(args.calibrate, plan, src) if args.calibrate else {}
+    copy, skip = side_files(Path(args.input))
     names = _output_names(len(src.files))
-    summary = _Summary([], [])
+    summary = _Summary()
     weight_map, total_size = {}, 0
-    # shards are written to a staging folder and moved into OUT only when all of them succeeded
-    staging = Path(tempfile.mkdtemp(prefix=".fp4kit-staging-", dir=out))
-    progress = Progress(len(src.where))
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
     try:
-        for f, out_name in zip(src.files, names):
-            tensors, metadata = _quantize_shard(f, select, device, progress, summary)
-            checkpoint.write_safetensors(staging / out_name, tensors, metadata)
-            weight_map.update(dict.fromkeys(tensors, out_name))
-            total_size += sum(t.nbytes for t in tensors.values())
-            del tensors
-        for out_name in names:
-            os.replace(staging / out_name, out / out_name)
-    finally:
-        progress.close()
-        shutil.rmtree(staging, ignore_errors=True)
-    if len(names) > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-        (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    checkpoint.write_quant_config(out, summary.excluded)
-    _copy_side_files(Path(args.input), out)
-    _print_quantize_summary(summary.rows, out, device)
+        # shards are written to a staging folder and moved into OUT only when all of them succeeded
+        staging = Path(tempfile.mkdtemp(prefix=".fp4kit-staging-", dir=out))
+        try:
+            with progress(len(src.where)) as bar:
+                for f, out_name in zip(src.files, names):
+                    tensors, metadata = _quantize_shard(f, plan, input_scales, device, bar, summary)
+                    checkpoint.write_safetensors(staging / out_name, tensors, metadata)
+                    weight_map.update(dict.fromkeys(tensors, out_name))
+                    total_size += sum(t.nbytes for t in tensors.values())
+                    del tensors
+            for out_name in names:
+                os.replace(staging / out_name, out / out_name)
+                written.append(out / out_name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            written.append(out / checkpoint.INDEX_NAME)
+            written[-1].write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        for rel in copy:  # before the quant config, which sets config.json's quantization_config
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            written.append(out / rel)
+            shutil.copy2(Path(args.input) / rel, out / rel)
+        written.append(out / checkpoint.QUANT_CONFIG_NAME)
+        checkpoint.write_quant_config(out, [n.removesuffix(".weight") for n in plan.quantized], input_scales,
+                                      plan.exclude_modules)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for path in written:
+                path.unlink(missing_ok=True)
+        raise
+    size_before = sum(f.size for f in src.files)
+    size_after = sum((out / n).stat().st_size for n in names)
+    _print_quantize_summary(summary, plan, src, out, device, size_before, size_after, copy, skip)
+    if input_scales:
+        print(f"input scales from --calibrate for {len(input_scales)} of {len(plan.quantized)} quantized layer(s)"
+              + ("" if len(input_scales) == len(plan.quantized) else "; the others are weight-only"))
     return 0
 
 
@@ -287,14 +402,28 @@ def _summary_row(name: str, w: np.ndarray, q: Nvfp4Tensor, d: np.ndarray) -> lis
     return [name, _shape(w.shape), f"{rel:.3e}", f"{max_abs:.3e}", f"{w.nbytes:,}", f"{after:,}"]
 
 
-def _print_quantize_summary(rows: list[list[str]], out: Path, device: str) -> None:
+def _ratio(before: int, after: int) -> str:
+    return f" ({before / after:.2f}x smaller)" if after else ""
+
+
+def _print_quantize_summary(summary: _Summary, plan: Plan, src: checkpoint.CheckpointFiles, out: Path, device: str,
+                            size_before: int, size_after: int, copied: list[Path], not_copied: list[Path]) -> None:
     headers = ["tensor", "shape", "rel L2 err", "max abs err", "bytes before", "bytes after"]
-    if rows:
-        print(format_table(headers, rows))
-    before = sum(int(r[4].replace(",", "")) for r in rows)
-    after = sum(int(r[5].replace(",", "")) for r in rows)
-    ratio = f" ({before / after:.2f}x smaller)" if after else ""
-    print(f"quantized {len(rows)} tensor(s) on {device}: {before:,} -> {after:,} bytes{ratio}; wrote {out}")
+    print(format_table(headers, summary.rows))
+    if plan.kept:
+        print(f"\nkept as they are ({len(plan.kept)} tensor(s); the *.weight ones are listed in exclude_modules):")
+        info = {name: f.tensors[name] for name, f in src.where.items()}
+        print(format_table(["tensor", "dtype", "shape", "reason"],
+                           [[n, info[n].dtype, _shape(info[n].shape), why] for n, why in plan.kept.items()]))
+    if copied:
+        print(f"\ncopied {len(copied)} other file(s): {', '.join(p.as_posix() for p in copied)}")
+    if not_copied:
+        print(f"not copied ({len(not_copied)} weight file(s) of other formats or of subfolders): "
+              f"{', '.join(p.as_posix() for p in not_copied)}")
+    print(f"\nquantized {len(summary.rows)} tensor(s) on {device}: {summary.bytes_before:,} -> "
+          f"{summary.bytes_after:,} bytes{_ratio(summary.bytes_before, summary.bytes_after)}")
+    print(f"checkpoint: {size_before:,} -> {size_after:,} bytes of safetensors files"
+          f"{_ratio(size_before, size_after)}; wrote {out}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,10 +473,13 @@ def cmd_inspect(args) -> int:
 def _quantized_row(ckpt: checkpoint.CheckpointFiles, q: checkpoint.QuantizedPrefix) -> list[str]:
     info = ckpt.where[q.packed].tensors[q.packed]
     n = "x".join(str(s) for s in info.shape[:-1])
-    s = ckpt.read_global_scale(q)
+    scales = ckpt.read_block_scales(q)
+    stored, s = ckpt.read_scale(q.global_scale, q.layout, all_zero=not scales.any())
+    # the decode scale as a ModelOpt file stores it; compressed-tensors stores S itself
+    decode = stored if checkpoint.LAYOUTS[q.layout].stores_decode else checkpoint.decode_scale(s)
     s_a = ckpt.read_input_scale(q)
-    lo, hi, zero = _block_scale_stats(ckpt.read_block_scales(q))
-    return [q.prefix, n, str(2 * info.shape[-1]), f"{float(s):.9g}", f"{float(checkpoint.decode_scale(s)):.9g}",
+    lo, hi, zero = _block_scale_stats(scales)
+    return [q.prefix, n, str(2 * info.shape[-1]), f"{float(s):.9g}", f"{float(decode):.9g}",
             "-" if s_a is None else f"{float(s_a):.9g}", lo, hi, str(zero)]
 
 
@@ -377,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize the 2-D *.weight tensors whose name matches (replaces the default name rule)")
     q.add_argument("--exclude", type=_regex, metavar="REGEX",
                    help="keep tensors whose name matches unquantized (e.g. 'lm_head')")
+    q.add_argument("--calibrate", metavar="FILE",
+                   help="a safetensors file of sample inputs [..., K] per quantized layer (by module name): "
+                        "writes each one's static activation scale (input_scale) from their amax")
     q.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: the CUDA kernels; cpu: the numpy reference (bit-identical); auto: cuda if available")
     q.set_defaults(run=cmd_quantize)

@@ -4,18 +4,9 @@ import numpy as np
 import pytest
 
 
-def _gpu_available() -> bool:
-    try:
-        import cupy
-    except ImportError:
-        return False
-    try:
-        return cupy.cuda.is_available()
-    except Exception:
-        return False
+from fp4kit.runtime.device import cuda_available
 
-
-HAVE_GPU = _gpu_available()
+HAVE_GPU = cuda_available()
 
 if HAVE_GPU and os.environ.get("FP4KIT_NO_POOL") == "1":
     # compute-sanitizer cannot see an out-of-bounds write that lands inside CuPy's pool:

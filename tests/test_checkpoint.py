@@ -14,6 +14,7 @@ import safetensors.numpy
 import fp4kit
 from fp4kit import checkpoint as ck
 from fp4kit.reference import quant as ref
+from fp4kit.runtime import device as runtime_device
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -25,10 +26,10 @@ def bits(a) -> int:
     return int(np.asarray(a, F32).reshape(()).view(np.uint32))
 
 
-def inexact_reciprocal_scale(rng) -> np.ndarray:
-    """An encode scale S with fp32(1 / fp32(1 / S)) != S (about a quarter of all values)."""
+def inexact_reciprocal_scale(rng, low=10, high=5000) -> np.ndarray:
+    """An encode scale S with fp32(1 / fp32(1 / S)) != S (about one value in seven)."""
     while True:
-        s = F32(rng.uniform(10, 5000))
+        s = F32(rng.uniform(low, high))
         if F32(1) / (F32(1) / s) != s:
             return np.array(s, F32)
 
@@ -61,7 +62,7 @@ def test_save_load_round_trip_is_exact(rng, tmp_path):
         "a.q_proj": fp4kit.quantize(x, global_scale=s_inexact),  # 1/(1/S) != S for this one
         "a.o_proj": fp4kit.quantize(x[:, :32].copy(), scale_layout="swizzled"),  # saved linear
         "a.experts": fp4kit.quantize(rng.standard_normal((2, 8, 32)).astype(F32)),  # leading dims
-        "a.zero": fp4kit.quantize(np.zeros((2, 16), F32)),  # S = FLT_MAX, decode scale subnormal
+        "a.zero": fp4kit.quantize(np.zeros((2, 16), F32)),  # S = FLT_MAX, decode scale written as 0
     }
     input_scales = {"a.q_proj": inexact_reciprocal_scale(rng)}
     extra = {"embed.weight": x, "norm.weight": rng.standard_normal(64).astype(F32), "ids": np.arange(5)}
@@ -106,20 +107,57 @@ def test_file_layout_on_disk_is_modelopt(rng, tmp_path):
     assert header[f"{P}.weight_scale"].dtype == "F8_E4M3" and header[f"{P}.weight_scale"].shape == (4, 2)
 
 
-def test_hf_quant_config_contents(rng, tmp_path):
+def test_hf_quant_config_labels_what_was_written(rng, tmp_path):
     q = fp4kit.quantize(rng.standard_normal((4, 32)).astype(F32))
-    ck.save_nvfp4(tmp_path, {P: q}, exclude_modules=["lm_head", "model.layers.0.mlp.gate"])
-    config = json.loads((tmp_path / "hf_quant_config.json").read_text())
-    assert config == {
-        "producer": {"name": "fp4kit", "version": fp4kit.__version__},
-        "quantization": {
-            "quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": None,
-            "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"],
-        },
-    }
-    assert ck.load_nvfp4(tmp_path).quant_config == config
+    s_a = np.array(300.0, F32)
+    exclude = ["model.layers.0.mlp.gate", "lm_head"]
+    # weight-only: W4A16_NVFP4, as ModelOpt labels it (a W4A4 loader would look for input scales)
+    ck.save_nvfp4(tmp_path / "w4a16", {P: q}, exclude_modules=exclude)
+    # every layer with an input scale: NVFP4; some: MIXED_PRECISION with the per-layer detail
+    ck.save_nvfp4(tmp_path / "w4a4", {P: q}, input_scales={P: s_a})
+    ck.save_nvfp4(tmp_path / "mixed", {P: q, "other": q}, input_scales={P: s_a})
+    configs = {name: json.loads((tmp_path / name / "hf_quant_config.json").read_text())
+               for name in ("w4a16", "w4a4", "mixed")}
+    producer = {"name": "fp4kit", "version": fp4kit.__version__}
+    assert configs["w4a16"] == {"producer": producer, "quantization": {
+        "quant_algo": "W4A16_NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"]}}
+    assert configs["w4a4"]["quantization"]["quant_algo"] == "NVFP4"
+    assert configs["mixed"]["quantization"] == {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "exclude_modules": [],
+        "quantized_layers": {P: {"quant_algo": "NVFP4", "group_size": 16},
+                             "other": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}}
+    for name, config in configs.items():
+        assert ck.load_nvfp4(tmp_path / name).quant_config == config
+
+
+def test_config_json_gets_a_modelopt_quantization_config(rng, tmp_path):
+    q = fp4kit.quantize(rng.standard_normal((4, 32)).astype(F32))
+    tmp_path.joinpath("config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    ck.save_nvfp4(tmp_path, {P: q, "b": q}, input_scales={P: np.array(3.0, F32)}, exclude_modules=["lm_head"])
+    config = json.loads(tmp_path.joinpath("config.json").read_text())
+    assert config["model_type"] == "llama" and config["hidden_size"] == 32
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MIXED_PRECISION"
+    assert qc["ignore"] == ["lm_head"] and qc["producer"]["name"] == "fp4kit"
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    assert qc["config_groups"] == {"group_0": {"weights": fp4, "targets": ["b"]},
+                                   "group_1": {"input_activations": fp4, "weights": fp4, "targets": [P]}}
+    ck.save_nvfp4(tmp_path, {P: q})  # rewritten: one weight-only group for every Linear
+    qc = json.loads(tmp_path.joinpath("config.json").read_text())["quantization_config"]
+    assert qc["quant_algo"] == "W4A16_NVFP4" and qc["config_groups"] == {"group_0": {"weights": fp4, "targets": ["Linear"]}}
+
+
+def test_quant_config_of_other_algorithms_is_refused(rng, tmp_path):
+    write(tmp_path / "model.safetensors", modelopt_tensors(rng))
+    bad = [({"quant_algo": "FP8"}, "expected quant_algo 'NVFP4' or 'W4A16_NVFP4' with group_size 16, got quant_algo 'FP8'"),
+           ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": {"quant_algo": "FP8"}}},
+            r"quantized_layers\['a'\]: expected quant_algo"),
+           ({"quant_algo": "MIXED_PRECISION"}, "needs a non-empty 'quantized_layers'")]
+    for quantization, message in bad:
+        tmp_path.joinpath("hf_quant_config.json").write_text(json.dumps({"quantization": quantization}))
+        with pytest.raises(ValueError, match=message):
+            ck.load_nvfp4(tmp_path)
 
 
 def test_modelopt_file_without_metadata_uses_the_reciprocal(rng, tmp_path):
@@ -136,6 +174,63 @@ def test_modelopt_file_without_metadata_uses_the_reciprocal(rng, tmp_path):
     assert bits(loaded.input_scales[P]) == bits(F32(1) / F32(0.0125))
     assert np.array_equal(w.block_scales, tensors[f"{P}.weight_scale"].view(np.uint8))
     assert loaded.quant_config is None and list(loaded.extra) == ["model.norm.weight"]
+
+
+def test_foreign_modelopt_file_round_trips_byte_identical(rng, tmp_path):
+    # decode scales D with fp32(1/fp32(1/D)) != D: loading gives S = fp32(1/D), and writing
+    # fp32(1/S) would move D by an ulp; the loaded scale must be written back as it was
+    tensors, moved = {}, 0
+    for i in range(12):
+        prefix = f"model.layers.{i}.mlp.down_proj"
+        part = modelopt_tensors(rng, prefix)
+        # odd layers: a decode scale that 1/(1/D) moves
+        d = inexact_reciprocal_scale(rng, 1e-4, 1e-1) if i % 2 else part[f"{prefix}.weight_scale_2"]
+        part[f"{prefix}.weight_scale_2"] = d
+        part[f"{prefix}.input_scale"] = np.array(F32(rng.uniform(1e-3, 1.0)), F32)
+        moved += bits(F32(1) / (F32(1) / d)) != bits(d)
+        tensors |= part
+    tensors["model.norm.weight"] = rng.standard_normal(64).astype(BF16)
+    assert moved  # the case the bit-for-bit rule is about is present
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")  # another producer, no metadata
+
+    loaded = ck.load_nvfp4(tmp_path)
+    assert set(loaded.decode_scales) == {n for n in tensors if n.endswith(("weight_scale_2", "input_scale"))}
+    out = ck.save_nvfp4(tmp_path / "again", loaded)
+    written, metadata = ck.read_safetensors(out)
+    assert written.keys() == tensors.keys()
+    for name, a in tensors.items():
+        assert written[name].dtype == a.dtype and written[name].tobytes() == a.tobytes(), name
+    assert ck.METADATA_KEY not in metadata  # nothing to record: every S is fp32(1/D) again
+    again = ck.load_nvfp4(out)
+    for prefix, w in loaded.weights.items():
+        assert bits(again.weights[prefix].global_scale) == bits(w.global_scale)
+    # a weight changed after loading gets the decode scale of its new S
+    loaded.weights["model.layers.1.mlp.down_proj"] = fp4kit.quantize(rng.standard_normal((4, 64)).astype(F32))
+    written, _ = ck.read_safetensors(ck.save_nvfp4(tmp_path / "changed", loaded))
+    new = loaded.weights["model.layers.1.mlp.down_proj"].global_scale
+    assert bits(written["model.layers.1.mlp.down_proj.weight_scale_2"]) == bits(F32(1) / new)
+
+
+def test_all_zero_weight_is_written_as_modelopt_does(tmp_path, rng):
+    zero = fp4kit.quantize(np.zeros((4, 32), F32))
+    assert bits(zero.global_scale) == bits(np.finfo(F32).max) and not zero.block_scales.any()
+    static = fp4kit.quantize(np.zeros((4, 32), F32), global_scale=np.array(7.0, F32))
+    path = ck.save_nvfp4(tmp_path, {"zero": zero, "static": static})
+    written, metadata = ck.read_safetensors(path)
+    # ModelOpt's weight_scale_2 = amax / 2688 = 0, not the subnormal fp32(1/FLT_MAX) = 2.9e-39
+    for prefix in ("zero", "static"):
+        assert bits(written[f"{prefix}.weight_scale_2"]) == 0
+        assert not written[f"{prefix}.weight_scale"].view(np.uint8).any() and not written[f"{prefix}.weight"].any()
+    assert json.loads(metadata[ck.METADATA_KEY]) == {"static.weight_scale_2": "0x40e00000"}  # S = 7 kept
+    loaded = ck.load_nvfp4(tmp_path)
+    assert bits(loaded.weights["zero"].global_scale) == bits(np.finfo(F32).max)
+    assert loaded.weights["static"].global_scale == 7.0
+    assert not fp4kit.dequantize(loaded.weights["zero"]).any()
+    # a zero decode scale is only valid for an all-zero weight
+    tensors = modelopt_tensors(rng)
+    tensors[f"{P}.weight_scale_2"] = np.zeros((), F32)
+    with pytest.raises(ValueError, match=rf"{P}.weight_scale_2 .*expected a positive finite decode scale, got 0.0"):
+        ck.load_nvfp4(write(tmp_path / "bad.safetensors", tensors))
 
 
 def test_bf16_global_scale_of_older_modelopt_is_converted_exactly(rng, tmp_path):
@@ -424,7 +519,7 @@ def test_folder_level_errors(rng, tmp_path):
         ck.load_nvfp4(tmp_path)
     (tmp_path / ck.INDEX_NAME).unlink()
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
-    with pytest.raises(ValueError, match=r"hf_quant_config.json: expected quant_algo 'NVFP4' with group_size 16, got quant_algo 'FP8'"):
+    with pytest.raises(ValueError, match=r"hf_quant_config.json: expected quant_algo 'NVFP4' or 'W4A16_NVFP4' with group_size 16, got quant_algo 'FP8'"):
         ck.load_nvfp4(tmp_path)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ck.load_nvfp4(tmp_path / "nowhere")
@@ -443,9 +538,9 @@ def test_plain_model_is_not_an_nvfp4_checkpoint(tmp_path):
 
 @pytest.mark.parametrize(
     "device, exc, message",
-    [("tpu", ValueError, "device: expected None, 'cpu', 'cuda', 'cuda:N' or an int, got 'tpu'"),
+    [("tpu", ValueError, "device: expected None/False/'cpu' .* got 'tpu'"),
+     ("cuda:x", ValueError, "device: expected None/False/'cpu' .* got 'cuda:x'"),
      (-1, ValueError, "device: expected a non-negative CUDA device ordinal, got -1"),
-     (True, TypeError, "device: expected"),
      (1.0, TypeError, "device: expected .* got float")],
 )
 def test_bad_device_is_rejected_before_reading(device, exc, message, tmp_path):
@@ -516,9 +611,22 @@ def test_device_placement_goes_through_cupy_asarray(rng, tmp_path, monkeypatch):
     ck.save_nvfp4(tmp_path, {P: q}, input_scales={P: np.array(3.0, F32)}, extra=extra)
     fake = types.SimpleNamespace(asarray=asarray, ndarray=_OnDevice, cuda=types.SimpleNamespace(Device=_FakeDevice))
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(runtime_device, "_probe", lambda: (2, None))  # two devices, as far as fp4kit can tell
     loaded = ck.load_nvfp4(tmp_path, device="cuda:1")
     w = loaded.weights[P]
     placed = [w.packed, w.block_scales, w.global_scale, loaded.input_scales[P], *loaded.extra.values()]
     assert all(isinstance(a, _OnDevice) and a.device_id == 1 for a in placed)
     assert loaded.extra["fp8"].dtype == np.uint8 and np.array_equal(loaded.extra["fp8"], extra["fp8"].view(np.uint8))
     assert np.array_equal(w.packed, q.packed) and w.global_scale == q.global_scale
+
+
+def test_paths_of_the_wrong_type_name_the_argument(tmp_path, rng):
+    q = fp4kit.quantize(rng.standard_normal((4, 32)).astype(F32))
+    for bad in (None, 123):
+        with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike .* got (NoneType|int)"):
+            ck.load_nvfp4(bad)
+        with pytest.raises(TypeError, match=r"path: expected a str or os.PathLike"):
+            ck.save_nvfp4(bad, {P: q})
+    with pytest.raises(ValueError, match="weights: expected at least one Nvfp4Tensor"):
+        ck.save_nvfp4(tmp_path / "empty", {})
+    assert not (tmp_path / "empty").exists()

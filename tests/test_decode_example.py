@@ -118,7 +118,7 @@ def test_decode_script_runs_on_numpy(capsys):
 
 @pytest.mark.parametrize("tp, ep", [(True, True), (False, True), (True, False)])
 def test_sharded_decoding_over_two_simulated_ranks_matches_one(tp, ep):
-    from fp4kit import dist
+    from fp4kit import distributed as dist
 
     cfg = configs.tiny(layers=2)
     prompt = runner.random_prompt(2, 4, cfg.vocab, seed=9)

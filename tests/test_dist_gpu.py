@@ -1,4 +1,4 @@
-"""fp4kit.dist on one GPU: the dist.cu kernels against their numpy specification (multi-rank
+"""fp4kit.distributed on one GPU: the dist.cu kernels against their numpy specification (multi-rank
 plans included), the tensor-parallel Linear and the expert-parallel MoE at world size 1 through
 the same code path as on several GPUs (LocalCommunicator) against the single-device layers, the
 multi-rank device path with ranks simulated on one GPU, and CUDA-graph capture of a TP Linear
@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp4kit import dist
-from fp4kit.dist import kernels
+from fp4kit import distributed as dist
+from fp4kit.distributed import kernels
 from fp4kit.layers import Linear, MoE, RoutingConfig, SharedExpert
 from fp4kit.reference import dist as ref
 from fp4kit.reference import gemm as gref

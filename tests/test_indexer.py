@@ -142,7 +142,7 @@ def test_score_topk_matches_reference_with_outputs(rng):
     assert work[0].tobytes() == s[0].tobytes() and work[1, :40].tobytes() == s[1, :40].tobytes()
     assert np.isnan(work[1, 40:]).all() and np.isnan(work[2]).all()  # entries past the length untouched
     assert (idx[1, 40:] == -1).all() and (idx[2] == -1).all()
-    assert host_flags() & ops.STATUS_INDEXER == 0
+    assert host_flags() & status.INDEXER_INPUT == 0
 
 
 def test_score_topk_allocates_outputs_and_accepts_an_empty_batch(rng):
@@ -157,20 +157,20 @@ def test_status_word_records_nan_scores_and_bad_lengths(rng):
     q, w, keys = exact_inputs(rng, 2, 8, 32, 20)
     ok = np.array([20, 3], np.int32)
     ops.score_topk(q, w, keys, ok, 4)
-    assert host_flags() & ops.STATUS_INDEXER == 0
+    assert host_flags() & status.INDEXER_INPUT == 0
     bad_keys = keys.copy()
     bad_keys[1, 10, 0] = np.nan
     ops.score_topk(q, w, bad_keys, ok, 4)  # index 10 is past row 1's live length: no NaN score
-    assert host_flags() & ops.STATUS_INDEXER == 0
+    assert host_flags() & status.INDEXER_INPUT == 0
     idx, val = ops.score_topk(q, w, bad_keys, np.array([20, 12], np.int32), 4)
-    assert host_flags() & ops.STATUS_INDEXER
+    assert host_flags() & status.INDEXER_INPUT
     assert 10 not in idx[1].tolist() and np.isfinite(val).all()  # NaN ranks as -inf
     status.clear(device=-1)
     ops.score_topk(q, w, keys, np.array([21, 3], np.int32), 4)
-    assert host_flags() & ops.STATUS_INDEXER
+    assert host_flags() & status.INDEXER_INPUT
     status.clear(device=-1)
     idx, _ = ops.score_topk(q, w, keys, np.array([-1, 3], np.int32), 4)
-    assert host_flags() & ops.STATUS_INDEXER and (idx[0] == -1).all()
+    assert host_flags() & status.INDEXER_INPUT and (idx[0] == -1).all()
 
 
 # ---- the layer

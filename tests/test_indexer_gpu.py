@@ -21,6 +21,7 @@ import fp4kit
 from fp4kit.layers.indexer import Indexer
 from fp4kit.ops import indexer as ops
 from fp4kit.reference import indexer as ref
+from fp4kit.runtime import status
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,7 @@ BF16 = ml_dtypes.bfloat16
 C = 32768
 H, D = 64, 128
 POISON_INDEX = -7
-FLAG = ops.STATUS_INDEXER
+FLAG = status.INDEXER_INPUT
 
 
 def exact_inputs(rng, bsz, capacity, heads=H, dim=D):

@@ -111,18 +111,18 @@ def test_nan_inf_set_the_status_bit_and_ids_stay_in_range():
     x[3, :] = np.nan
     status.clear()
     got = draw(cp.asarray(x), Generator(0), top_p=0.5).get()
-    assert status.read() & ops.STATUS_SAMPLER
+    assert status.read() & status.SAMPLER_INPUT
     assert got[1] == 5 and got[2] == 0 and got[3] == 0 and 0 <= got[0] < 300 and got[0] != 7
     status.clear()
     draw(cp.asarray(np.where(np.arange(300) % 2, -np.inf, 0).astype(np.float32)[None]), Generator(0))
-    assert status.read() & ops.STATUS_SAMPLER == 0
+    assert status.read() & status.SAMPLER_INPUT == 0
 
 
 def test_invalid_device_rows_are_replaced_and_flagged():
     x = cp.asarray(np.tile(np.arange(16, dtype=np.float32), (2, 1)))
     status.clear()
     got = draw(x, Generator(0), temperature=cp.asarray(np.array([np.nan, 0], np.float32))).get()
-    assert got.tolist() == [15, 15] and status.read() & ops.STATUS_SAMPLER
+    assert got.tolist() == [15, 15] and status.read() & status.SAMPLER_INPUT
     status.clear()
 
 

@@ -193,12 +193,12 @@ class Model:
         return self.forward(st)
 
     def parallelize(self, comm, *, tp: bool = False, ep: bool = False) -> int:
-        """Shard this model over the ranks of ``comm`` (`fp4kit.dist`), every rank holding the same
+        """Shard this model over the ranks of ``comm`` (`fp4kit.distributed`), every rank holding the same
         tokens: ``ep`` splits each MoE's experts (``tokens="replicated"``: each rank runs its experts
         on every token, one all-gather of the results); ``tp`` splits the rows of every attention
         projection and of the lm_head (column-parallel, outputs all-gathered: the same values as one
         GPU up to the summation order a shard's GEMM picks). Returns the number of projections left whole (rows not divisible by the ranks)."""
-        from fp4kit import dist
+        from fp4kit import distributed as dist
 
         whole = 0
 

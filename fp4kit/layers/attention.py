@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from ..ops import attention as attention_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 
 
 class SparseAttention:
@@ -48,7 +48,7 @@ class SparseAttention:
         if out_dtype not in attention_ops.OUT_DTYPES:
             raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
         self.out_dtype = out_dtype
-        self._buffers: dict[tuple, object] = {}
+        self._buffers = workspace.BufferCache()
         self._sink_copies: dict[int, object] = {}
         self.sink = np.zeros(self.heads, np.float32) if sink is None else sink
 
@@ -84,13 +84,6 @@ class SparseAttention:
             self._sink_copies[where] = copy
         return copy
 
-    def _buffer(self, key: tuple, make):
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = make()
-            self._buffers[key] = buf
-        return buf
-
     def __call__(self, q, swa, pos, comp, comp_len, indices, *, out=None):
         """Attention output ``[B, heads, head_dim]`` for one decode token per sequence.
 
@@ -117,12 +110,11 @@ class SparseAttention:
         candidates = (swa.shape[1] if swa.ndim == 3 else 0) + (indices.shape[1] if indices.ndim == 2 else 0)
         splits = attention_ops.num_splits_for(q, candidates)
         if out is None:
-            out = self._buffer(("out", device, batch),
-                               lambda: cupy.empty((batch, self.heads, self.head_dim), self.out_dtype))
+            out = self._buffers.get(("out", device, batch),
+                                    lambda: cupy.empty((batch, self.heads, self.head_dim), self.out_dtype))
         size = attention_ops.workspace_size(batch, self.heads, self.head_dim, splits)
         ws = None
         if size:
-            ws = self._buffer(("workspace", device, batch, splits),
-                              lambda: cupy.empty(size, np.float32))
+            ws = self._buffers.get(("workspace", device, batch, splits), lambda: cupy.empty(size, np.float32))
         return attention_ops.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale=self.scale,
                                                      out=out, num_splits=splits, workspace=ws)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..ops import indexer as indexer_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 
 
 class IndexerBuffers(NamedTuple):
@@ -59,19 +59,16 @@ class Indexer:
             raise ValueError(f"heads: expected a multiple of 8 up to {indexer_ops.MAX_HEADS}, got {self.heads}")
         if self.head_dim % 32:
             raise ValueError(f"head_dim: expected a multiple of 32 up to {indexer_ops.MAX_HEAD_DIM}, got {self.head_dim}")
-        self._buffers: dict[tuple[int, int], IndexerBuffers] = {}
+        self._buffers = workspace.BufferCache()
 
     def buffers(self, batch: int) -> IndexerBuffers:
         """The device buffers for ``batch`` sequences on the current device (created on first use)."""
         import cupy
 
-        key = (cupy.cuda.Device().id, int(batch))
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = IndexerBuffers(cupy.empty((batch, self.k), np.int32), cupy.empty((batch, self.k), np.float32),
-                                 cupy.empty((batch, self.capacity), np.float32))
-            self._buffers[key] = buf
-        return buf
+        return self._buffers.get(
+            (cupy.cuda.Device().id, int(batch)),
+            lambda: IndexerBuffers(cupy.empty((batch, self.k), np.int32), cupy.empty((batch, self.k), np.float32),
+                                   cupy.empty((batch, self.capacity), np.float32)))
 
     def _check_config(self, q, keys):
         q = arrays.as_array(q, "q")

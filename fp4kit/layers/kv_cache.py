@@ -21,6 +21,7 @@ import numpy as np
 from ..ops import kv_cache as kv_ops
 from ..reference import kv_cache as ref
 from ..runtime import arrays, status
+from ..runtime import device as runtime_device
 
 RATIOS = (0, 4, 128)
 
@@ -38,12 +39,14 @@ class KVCache:
     ape : fp32 ``[ratio, coff*D]`` — the compressor's learned per-slot score bias (zeros if None)
     norm_weight : fp32 ``[D]`` — the compressed entry's RMSNorm weight (ones if None)
     rope_dim, rope_theta, eps : RoPE on the last ``rope_dim`` channels of an entry, RMSNorm epsilon
-    device : bool — CuPy buffers on the current device (True) or numpy (the reference)
+    device : where the buffers live (see `fp4kit.runtime.device`): True (default) / ``"cuda"`` CuPy's
+        current CUDA device, ``"cuda:N"`` / ``N`` device N, False / ``"cpu"`` numpy (the reference backend).
+        Without a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``.
     """
 
     def __init__(self, batch: int, *, window: int = 128, head_dim: int = 512, ratio: int = 0, max_comp: int = 32768,
                  ape=None, norm_weight=None, rope_dim: int = 64, rope_theta: float = 10000.0, eps: float = 1e-6,
-                 device: bool = True):
+                 device=True):
         if ratio not in RATIOS:
             raise ValueError(f"ratio: expected one of {RATIOS}, got {ratio}")
         if head_dim % 16 or head_dim <= 0:
@@ -52,10 +55,12 @@ class KVCache:
             raise ValueError(f"batch, window and max_comp must be positive, got {batch}, {window}, {max_comp}")
         if rope_dim % 2 or not 0 <= rope_dim <= head_dim:
             raise ValueError(f"rope_dim: expected an even number in [0, {head_dim}], got {rope_dim}")
-        if device:
-            import cupy as xp
-        else:
-            xp = np
+        ordinal = runtime_device.resolve(device)
+        with runtime_device.using(ordinal):
+            self._allocate(runtime_device.array_module(ordinal), batch, window, head_dim, ratio, max_comp, ape,
+                           norm_weight, rope_dim, rope_theta, eps)
+
+    def _allocate(self, xp, batch, window, head_dim, ratio, max_comp, ape, norm_weight, rope_dim, rope_theta, eps):
         self.xp, self.batch, self.window, self.head_dim, self.ratio = xp, batch, window, head_dim, ratio
         self.max_comp, self.rope_dim, self.rope_theta, self.eps = max_comp, rope_dim, rope_theta, eps
         self.swa = xp.zeros((batch, window, head_dim), arrays.BF16)

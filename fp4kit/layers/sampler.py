@@ -1,9 +1,10 @@
 """`Generator` and `Sampler`: token sampling with its random state kept in device memory.
 
 `Generator` owns the Philox key (``seed``) and counter (``offset``) as uint64 ``[1]`` arrays, on
-the device (``device=True``) or the host. Each `fp4kit.ops.sampling.sample` call reads them where
-they live and advances ``offset`` by one there, so a CUDA graph holding a sample call draws new
-tokens on every replay, and ``offset`` counts the calls. The same ``(seed, offset)`` gives the same
+a CUDA device (``device=True``, the default) or the host (``device=False``). Each
+`fp4kit.ops.sampling.sample` call reads them where they live and advances ``offset`` by one there,
+so a CUDA graph holding a sample call draws new tokens on every replay, and ``offset`` counts the
+calls. The same ``(seed, offset)`` gives the same
 tokens. Use one generator per stream.
 
 `Sampler` fixes the sampling parameters (scalars, or per-row arrays given per call) and owns its
@@ -17,6 +18,8 @@ import numbers
 import numpy as np
 
 from ..ops import sampling as sampling_ops
+from ..runtime import arrays, workspace
+from ..runtime import device as runtime_device
 
 
 def _seed_value(seed) -> int:
@@ -33,27 +36,26 @@ class Generator:
     Parameters
     ----------
     seed : int in [0, 2**64)
-    device : bool
-        True: the state lives on the current CUDA device (for device logits); False: on the host.
+    device : where the state lives (see `fp4kit.runtime.device`)
+        True (default) / ``"cuda"``: CuPy's current CUDA device (for device logits); ``"cuda:N"`` / ``N``:
+        device N; False / ``"cpu"``: the host (numpy logits). Without a usable CUDA device a CUDA
+        choice raises RuntimeError saying to pass ``device=False``. The attribute ``device`` is
+        True for a generator on a CUDA device.
     offset : int, the starting counter (default 0)
 
     ``arrivals`` (uint32 ``[1]``, zero between calls) is the kernel's scratch for advancing the
     offset once per launch; `scratch` holds its per-row counters and histograms.
     """
 
-    def __init__(self, seed: int, *, device: bool = True, offset: int = 0):
+    def __init__(self, seed: int, *, device=True, offset: int = 0):
         seed, offset = _seed_value(seed), _seed_value(offset)
-        self.device = bool(device)
-        if self.device:
-            import cupy
-
-            self.seed = cupy.asarray(np.array([seed], np.uint64))
-            self.offset = cupy.asarray(np.array([offset], np.uint64))
-            self.arrivals = cupy.zeros(1, np.uint32)
-        else:
-            self.seed = np.array([seed], np.uint64)
-            self.offset = np.array([offset], np.uint64)
-            self.arrivals = np.zeros(1, np.uint32)
+        ordinal = runtime_device.resolve(device)
+        self.device = ordinal is not None
+        xp = runtime_device.array_module(ordinal)
+        with runtime_device.using(ordinal):
+            self.seed = xp.asarray(np.array([seed], np.uint64))
+            self.offset = xp.asarray(np.array([offset], np.uint64))
+            self.arrivals = xp.zeros(1, np.uint32)
         self._scratch = None
         self._retired: list = []
 
@@ -64,8 +66,6 @@ class Generator:
         if not self.device:
             raise TypeError("Generator.scratch: a host generator has no device scratch")
         if self._scratch is None or self._scratch.size < words:
-            from ..runtime import workspace
-
             if self._scratch is not None:
                 self._retired.append(self._scratch)
             self._scratch = workspace.zeros_outside_capture(max(int(words), 1), np.uint32)
@@ -103,23 +103,19 @@ class Sampler:
         self.generator = generator
         self.defaults = {name: sampling_ops._check_scalar(name, value) for name, value in
                          (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))}
-        self._buffers: dict[tuple[int | None, int], object] = {}
+        self._buffers = workspace.BufferCache()
 
-    def buffers(self, batch: int, *, device: bool = True):
-        """The int32 ``[batch]`` output buffer (on the current device, or the host), made on first use."""
-        if device:
-            import cupy
+    def buffers(self, batch: int, *, device=True):
+        """The int32 ``[batch]`` output buffer where ``device`` says (`fp4kit.runtime.device`: True
+        the current CUDA device, False / ``"cpu"`` the host), made on first use."""
+        return self._buffer(int(batch), runtime_device.resolve(device))
 
-            key = (cupy.cuda.Device().id, int(batch))
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = self._buffers[key] = cupy.empty(int(batch), np.int32)
-        else:
-            key = (None, int(batch))
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = self._buffers[key] = np.empty(int(batch), np.int32)
-        return buf
+    def _buffer(self, batch: int, ordinal: int | None):
+        def make():
+            with runtime_device.using(ordinal):
+                return runtime_device.array_module(ordinal).empty(batch, np.int32)
+
+        return self._buffers.get((ordinal, batch), make)
 
     def __call__(self, logits, **overrides):
         """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call)."""
@@ -127,10 +123,8 @@ class Sampler:
         if unknown:
             raise TypeError(f"Sampler: unknown parameter(s) {sorted(unknown)}; have {sorted(self.defaults)}")
         params = {**self.defaults, **overrides}
-        from ..runtime import arrays
-
         logits = arrays.as_array(logits, "logits")
         if logits.ndim != 2:
             raise ValueError(f"logits: expected a 2-D array [batch, vocab], got {arrays.describe(logits)}")
-        out = self.buffers(logits.shape[0], device=arrays.is_device_array(logits))
+        out = self._buffer(int(logits.shape[0]), arrays.device_id(logits))  # in the logits' memory
         return sampling_ops.sample(logits, generator=self.generator, out=out, **params)

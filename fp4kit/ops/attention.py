@@ -250,11 +250,8 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     if not arrays.is_device_array(q):
         if workspace is not None:
             _check_workspace(workspace, 0, q)
-        result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale).astype(dtype)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale)
+        return arrays.host_result(result.astype(dtype), out)
 
     import cupy
 

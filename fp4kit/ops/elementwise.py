@@ -37,14 +37,6 @@ def _out(out, shape, dtype, like):
     return out
 
 
-def _host_result(y, out):
-    """The numpy backend's result, written into ``out`` when one is given."""
-    if out is None:
-        return y
-    out[...] = y
-    return out
-
-
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
                  theta: float = 10000.0, out=None):
     """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
@@ -70,8 +62,8 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
             raise ValueError(f"positions: expected int32 [{x.shape[0]}], got {arrays.describe(positions)}")
     arrays.check_same_device(x=x, weight=weight, positions=positions, out=out)
     if not arrays.is_device_array(x):
-        return _host_result(ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim,
-                                             theta=theta), out)
+        y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
+        return arrays.host_result(y, out)
     out = _out(out, x.shape, arrays.BF16, x)
     heads = x.shape[1] if x.ndim == 3 else 1
     rows = x.size // d
@@ -96,7 +88,7 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
         raise ValueError(f"weight: expected float32 [{resid.shape[1]}], got {arrays.describe(weight)}")
     arrays.check_same_device(resid=resid, delta=delta, weight=weight, out=out)
     if not arrays.is_device_array(resid):
-        return _host_result(ref.add_rmsnorm(resid, delta, weight, eps=eps), out)
+        return arrays.host_result(ref.add_rmsnorm(resid, delta, weight, eps=eps), out)
     out = _out(out, resid.shape, arrays.BF16, resid)
     if resid.size:
         loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
@@ -116,7 +108,7 @@ def embed(table, tokens, *, out=None):
         rows, bad = ref.embed(table, tokens)
         if bad:
             status.record_host(status.TOKEN_RANGE)
-        return _host_result(rows, out)
+        return arrays.host_result(rows, out)
     out = _out(out, shape, np.float32, table)
     if tokens.shape[0]:
         loader.get_kernel(_MODULE, "embed_bf16")(
@@ -133,7 +125,7 @@ def all_entries(comp_len, n: int, *, out=None):
         raise ValueError(f"n: expected a positive entry count, got {n}")
     arrays.check_same_device(comp_len=comp_len, out=out)
     if not arrays.is_device_array(comp_len):
-        return _host_result(ref.all_entries(comp_len, n), out)
+        return arrays.host_result(ref.all_entries(comp_len, n), out)
     out = _out(out, (comp_len.shape[0], n), np.int32, comp_len)
     if comp_len.shape[0]:
         loader.get_kernel(_MODULE, "all_entries").function(

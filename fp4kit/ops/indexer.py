@@ -11,9 +11,9 @@ exit at once) and the radix-select top-k (one block per sequence). ``lengths`` s
 and is never read by the host, so the call can be captured in a CUDA graph and replayed while the
 lengths grow; with ``out_indices``, ``out_scores`` and ``workspace`` given nothing is allocated.
 
-Status word: a NaN live score, or a length outside ``[0, capacity]`` (clamped), or-s
-`STATUS_INDEXER` (bit value 2) into the device status word (`fp4kit.runtime.status`); the numpy
-backend records the same value in the host word.
+Status word: a NaN live score (ranked as -inf), or a length outside ``[0, capacity]`` (clamped),
+or-s `fp4kit.runtime.status.INDEXER_INPUT` into the device status word; the numpy backend records
+the same value in the host word.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ _REGISTER_CAPACITY = 32 * _TOPK_THREADS  # indexer_topk_registers holds up to 32
 _U32 = np.uint32
 _I32 = np.int32
 
-#: or-ed into the status word: a NaN live score (taken as -inf) or a length outside [0, capacity]
-STATUS_INDEXER = status.INDEXER_INPUT
 MAX_K = 4096
 MAX_HEADS = 64
 MAX_HEAD_DIM = 128
@@ -158,7 +156,7 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
         for b in range(bsz):
             workspace[b, : n[b]] = s[b, : n[b]]
         if ref.has_nan(s, lengths) or ref.lengths_out_of_range(lengths, capacity):
-            status.record_host(STATUS_INDEXER)
+            status.record_host(status.INDEXER_INPUT)
         indices, values = ref.topk(s, lengths, k)
         out_indices[...] = indices
         out_scores[...] = values

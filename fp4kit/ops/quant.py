@@ -122,11 +122,7 @@ def amax(x, *, out=None):
         arrays.check_out("out", out, (), np.float32, x)
     if not arrays.is_device_array(x):
         _record_host_nonfinite(x)
-        result = ref.amax(x)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        return arrays.host_result(ref.amax(x), out)
     import cupy
 
     out = cupy.empty((), dtype=np.float32) if out is None else out
@@ -149,10 +145,7 @@ def global_scale_from_amax(amax_value, *, out=None):
     if not arrays.is_device_array(amax_value):
         result = ref.global_scale_from_amax(amax_value.reshape(()))
         _record_host_nonfinite(amax_value)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        return arrays.host_result(result, out)
     import cupy
 
     out = cupy.empty((), dtype=np.float32) if out is None else out
@@ -230,11 +223,7 @@ def swiglu(h, *, layout: str = "interleaved", limit: float | None = None, row_sc
     if out is not None:
         arrays.check_out("out", out, shape, arrays.BF16, h)
     if not arrays.is_device_array(h):
-        result = ref.swiglu(h, layout, limit, row_scale).astype(arrays.BF16)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        return arrays.host_result(ref.swiglu(h, layout, limit, row_scale).astype(arrays.BF16), out)
     import cupy
 
     out = cupy.empty(shape, dtype=arrays.BF16) if out is None else out
@@ -306,11 +295,7 @@ def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     if out is not None:
         arrays.check_out("out", out, q.shape, dtype, q.packed)
     if not arrays.is_device_array(q.packed):
-        result = ref.dequantize(q, dtype)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        return arrays.host_result(ref.dequantize(q, dtype), out)
     import cupy
 
     arrays.check_same_device(**{"q.packed": q.packed, "q.block_scales": q.block_scales, "q.global_scale": q.global_scale})

@@ -15,8 +15,8 @@ CUDA graph and every replay draws fresh numbers. The kernel's per-row scratch be
 generator (zero between calls; the kernel leaves it zero).
 
 Status word: a NaN or ``+inf`` logit, a row with no finite logit, or an invalid value in a
-per-row device array (replaced as the reference says) or-s `STATUS_SAMPLER` (bit value 8) into the
-device status word; the numpy backend records the same value in the host word.
+per-row device array (replaced as the reference says) or-s `fp4kit.runtime.status.SAMPLER_INPUT`
+into the device status word; the numpy backend records the same value in the host word.
 """
 
 from __future__ import annotations
@@ -40,9 +40,6 @@ _I32 = np.int32
 _F32 = np.float32
 _NULL = np.uint64(0)
 
-#: or-ed into the status word: a NaN or +inf logit, a row without a finite logit, or an invalid
-#: per-row parameter found on the device
-STATUS_SAMPLER = status.SAMPLER_INPUT
 MAX_VOCAB = 1 << 20  # 256 blocks of 4096 tokens, all resident at once
 MAX_BATCH = 2**31 - 1
 _DTYPES = (arrays.BF16, np.dtype(np.float32))
@@ -196,7 +193,7 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
     if not arrays.is_device_array(logits):
         p = {k: (np.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in params.items()}
         if ref.row_events(logits, **p).any():
-            status.record_host(STATUS_SAMPLER)
+            status.record_host(status.SAMPLER_INPUT)
         out[...] = ref.sample(logits, int(seed[0]), int(offset[0]), **p)
         offset[0] = np.uint64((int(offset[0]) + 1) % 2**64)
         return out

@@ -1,4 +1,4 @@
-// Kernels of the sharded layers (fp4kit/dist): the expert-parallel MoE's fixed-capacity
+// Kernels of the sharded layers (fp4kit/distributed): the expert-parallel MoE's fixed-capacity
 // all-to-all plans, row copies by index, and the row-parallel Linear's final cast.
 // fp4kit/reference/dist.py is the specification.
 //
@@ -32,6 +32,7 @@
 #include <cuda_bf16.h>
 
 #include "common/block_scan.cuh"
+#include "common/status.cuh"
 
 constexpr unsigned kPlanThreads = 1024;
 constexpr unsigned kMaxExperts = 1024;
@@ -39,7 +40,7 @@ constexpr unsigned kMaxExperts = 1024;
 extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_send(
     unsigned* counts, const unsigned* tickets, const int* ids, const float* weights, unsigned E, unsigned per_rank,
     unsigned world, unsigned capacity, unsigned pairs, unsigned* pair_slot, unsigned* send_counts, float* send_weight,
-    unsigned* status, unsigned overflow_flag) {
+    unsigned* status) {
     __shared__ unsigned start[kMaxExperts + 1];  // exclusive scan of counts over all experts
     const unsigned e = threadIdx.x;
     const unsigned c = e < E ? counts[e] : 0u;
@@ -66,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_send(
             overflow = true;
         }
     }
-    if (__syncthreads_or(overflow) && threadIdx.x == 0) atomicOr(status, overflow_flag);
+    if (__syncthreads_or(overflow) && threadIdx.x == 0) atomicOr(status, FP4_STATUS_EP_CAPACITY_OVERFLOW);
 }
 
 extern "C" __global__ void __launch_bounds__(kPlanThreads) dist_plan_recv(

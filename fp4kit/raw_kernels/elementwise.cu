@@ -8,7 +8,7 @@
 // shuffle tree and the warps' partial sums in warp order.
 #include <cuda_bf16.h>
 
-#define EW_STATUS_TOKEN 16u  // runtime/status.py TOKEN_RANGE
+#include "common/status.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -95,14 +95,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
 }
 
 // resid[b] = float(table[tokens[b]]); a token outside [0, vocab) reads row 0 and records
-// EW_STATUS_TOKEN.
+// FP4_STATUS_TOKEN_RANGE.
 extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
         const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
         unsigned H, unsigned vocab, unsigned* status) {
     const size_t b = blockIdx.x;
     int t = tokens[b];
     if (t < 0 || (unsigned)t >= vocab) {
-        if (threadIdx.x == 0) atomicOr(status, EW_STATUS_TOKEN);
+        if (threadIdx.x == 0) atomicOr(status, FP4_STATUS_TOKEN_RANGE);
         t = 0;
     }
     const __nv_bfloat16* src = table + (size_t)t * H;

@@ -10,7 +10,7 @@
 //   scores   fp32  [B, C]      scratch written by indexer_scores for t < n_b (the rest is left as it was)
 //   indices  int32 [B, k]      the selected indices in ascending order, then -1
 //   values   fp32  [B, k]      their canonical scores (NaN -> -inf, -0 -> +0), then -inf
-//   status   uint32 [1]        IDX_STATUS_INDEXER (2) is or-ed in when a live score is NaN or a length
+//   status   uint32 [1]        FP4_STATUS_INDEXER_INPUT (2) is or-ed in when a live score is NaN or a length
 //                              lies outside [0, C]
 //
 // indexer_scores: grid (ceil(C / 128), B), 128 threads (4 warps). Block (x, b) scores keys
@@ -32,8 +32,8 @@
 #include <cuda_bf16.h>
 
 #include "common/block_scan.cuh"
+#include "common/status.cuh"
 
-#define IDX_STATUS_INDEXER 2u  // a NaN live score, or a length outside [0, C]
 #define IDX_NEG_INF __int_as_float(0xFF800000)
 
 constexpr int kScoreWarps = 4;
@@ -253,7 +253,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
     }
-    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, IDX_STATUS_INDEXER);
+    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);
 
     // The threshold: the key bits under resolved_mask (top bits) equal resolved_bits. Entries whose
     // top bits are larger are all taken; of those equal, the first `need` in index order. Before

@@ -11,11 +11,10 @@
 //                   at slot p % (coff*R); a token that completes a block emits one entry: per
 //                   channel a softmax over the block's slots (and the previous block's for R = 4)
 //                   of z + ape, weighted sum of c, RMSNorm, RoPE, stored at comp[b, comp_len[b]]
-//                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_OVERFLOW instead.
+//                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_COMP_OVERFLOW instead.
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
 #include "common/fp32.cuh"
-
-#define FP4_STATUS_KV_OVERFLOW 4u
+#include "common/status.cuh"
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -92,7 +91,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         __syncthreads();
         if ((p + 1) % ratio != 0) continue;
         if (len >= capacity) {  // full: record it, never overwrite
-            if (threadIdx.x == 0) atomicOr(status, FP4_STATUS_KV_OVERFLOW);
+            if (threadIdx.x == 0) atomicOr(status, FP4_STATUS_KV_COMP_OVERFLOW);
             continue;
         }
         const unsigned first = p + 1 - ratio;

@@ -6,7 +6,7 @@
 //   moe_router     grid T (one block per token), 256 threads: from the logits, bias [E] (selection
 //                  only, optional), hash routing
 //                  (tid2eid [V, top_k], token_ids [T]) optional: an id outside [0, V) reads row 0
-//                  and or-s MOE_STATUS_TOKEN into status [1]. Writes ids [T, top_k] (int32),
+//                  and or-s FP4_STATUS_TOKEN_RANGE into status [1]. Writes ids [T, top_k] (int32),
 //                  weights [T, top_k] (fp32), and for each (token, slot) a ticket: its position
 //                  among the pairs routed to the same expert, from an atomic increment of
 //                  counts [E] (zero on entry).
@@ -32,7 +32,7 @@ constexpr int kRouterThreads = 256;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 16;
 #define FP4_INF __int_as_float(0x7F800000)
-#define MOE_STATUS_TOKEN 16u  // runtime/status.py TOKEN_RANGE
+#include "common/status.cuh"
 
 enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
@@ -132,7 +132,7 @@ __device__ void router(const float* logits, const float* bias, const int* token_
         // An id outside [0, vocab) reads row 0 (as the embedding gather does) and is recorded.
         const int tok = token_ids[t];
         const bool in_range = tok >= 0 && (unsigned)tok < vocab;
-        if (threadIdx.x == 0 && !in_range) atomicOr(status, MOE_STATUS_TOKEN);
+        if (threadIdx.x == 0 && !in_range) atomicOr(status, FP4_STATUS_TOKEN_RANGE);
         if (threadIdx.x < top_k) chosen[threadIdx.x] = tid2eid[(size_t)(in_range ? tok : 0) * top_k + threadIdx.x];
     } else {
         if (n_group > 1) {  // V3: keep the topk_group groups with the best top-2 sums

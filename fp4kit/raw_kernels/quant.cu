@@ -11,7 +11,7 @@
 //   global_scale / scale_out  fp32 [1]     encode scale S = 2688 / amax
 //   amax_out fp32 [1]
 //   partials uint32 [gridDim.x]            per-block maxima (scratch, overwritten each launch)
-//   status   uint32 [1]                    FP4_STATUS_NONFINITE is or-ed in on a NaN/Inf input
+//   status   uint32 [1]                    FP4_STATUS_NONFINITE_INPUT is or-ed in on a NaN/Inf input
 //
 // Launch geometry: 1-D grids of kThreads threads, grid-stride over 16-element blocks, one block
 // per thread per step. The module is loaded for cooperative launch: the amax kernels reduce
@@ -168,7 +168,7 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             *amax_out = amax;
             *scale_out = s;
-            if (a >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+            if (a >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
         }
     } else {
         s = *static_scale;
@@ -185,7 +185,7 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
             if (b + stride < nblocks) next = src.fetch(b + stride);
             src.expand(cur, b, v);
             vmax_bits = src.abs_max_bits(cur, v);
-            if (!kAmax && vmax_bits >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE);
+            if (!kAmax && vmax_bits >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
             store_block(o, b, v, vmax_bits, s);
         }
     }
@@ -294,6 +294,6 @@ extern "C" __global__ void global_scale_from_amax(const float* amax, float* scal
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const float a = *amax;
         *scale_out = fp4_global_scale_from_amax(a);
-        if (!(fabsf(a) <= FP4_FLT_MAX)) atomicOr(status, FP4_STATUS_NONFINITE);
+        if (!(fabsf(a) <= FP4_FLT_MAX)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
     }
 }

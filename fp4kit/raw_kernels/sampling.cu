@@ -18,7 +18,7 @@
 //                                  of the row each group of G blocks is working on; the last block
 //                                  of a row to finish puts them back to 0
 //   out       int32 [B]            the drawn token ids, always in [0, V)
-//   status    uint32 [1]           SMP_STATUS_INPUT (8) is or-ed in for a NaN or +inf logit, a row
+//   status    uint32 [1]           FP4_STATUS_SAMPLER_INPUT (8) is or-ed in for a NaN or +inf logit, a row
 //                                  with no finite logit, or an invalid per-row parameter
 //
 // Geometry: a cooperative launch (every block resident, so blocks may wait for each other) of
@@ -55,8 +55,8 @@
 #include <cuda_bf16.h>
 
 #include "common/philox.cuh"
+#include "common/status.cuh"
 
-#define SMP_STATUS_INPUT 8u
 #define SMP_NEG_INF __int_as_float(0xFF800000)
 #define SMP_FLT_MIN 1.175494351e-38f
 
@@ -780,7 +780,7 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
             out[b] = (int)(tok < V ? tok : 0u);
-            if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, SMP_STATUS_INPUT);  // no finite logit
+            if ((unsigned)(best >> 32) == smp_key(SMP_NEG_INF)) atomicOr(status, FP4_STATUS_SAMPLER_INPUT);  // no finite logit
             *cx.rs.race = 0ull;
             *cx.rs.best = 0ull;
             *cx.rs.arrive = 0u;
@@ -847,7 +847,7 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     const bool flag = __syncthreads_or(odd || (p.invalid && cx.chunk == 0u));
     best = smp_block_max(best, sm);
     if (tid == 0) {
-        if (flag) atomicOr(status, SMP_STATUS_INPUT);
+        if (flag) atomicOr(status, FP4_STATUS_SAMPLER_INPUT);
         if (best) atomicMax(cx.rs.best, best);
     }
     Narrow nr;  // the deferred cut, when there is one

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor
 from . import gemm as gemm_ref
+from .moe import take_rows
 
 
 def tickets(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +133,7 @@ def grouped_gemm(act, experts, out, *, offsets, active, num_active, row_token, g
     for e in np.asarray(active)[: int(np.asarray(num_active).reshape(-1)[0])]:
         rows = np.arange(offsets[e], offsets[e + 1])
         src = np.asarray(row_token)[rows].astype(np.int64) if gather else rows
-        a = _take_rows(act, src)
+        a = take_rows(act, src)
         n = experts[e].shape[0]
         rd = None if row_decode is None else row_decode[e]
         out[rows, out_col: out_col + n] = gemm_ref.gemm(a, experts[e], None, rd, out.dtype)
@@ -153,10 +153,3 @@ def combine(y, pair_slot, weights, weighted: bool, shared=None):
     if shared is not None:
         out = out + np.asarray(shared).astype(np.float32)
     return out.astype(BF16)
-
-
-def _take_rows(a, rows):
-    if isinstance(a, Nvfp4Tensor):
-        return Nvfp4Tensor(np.asarray(a.packed)[rows], np.asarray(a.block_scales)[rows], np.asarray(a.global_scale),
-                           "linear", (len(rows), a.shape[-1]))
-    return np.asarray(a)[rows]

@@ -120,7 +120,7 @@ def moe(
     h = np.empty((t * k, w13[0].shape[0]), BF16)
     for e in np.unique(flat_ids):
         rows = np.nonzero(flat_ids == e)[0]
-        a = _take_rows(a_x, token_of[rows])
+        a = take_rows(a_x, token_of[rows])
         rd = None if w13_row_decode is None else w13_row_decode[e]
         h[rows] = gemm_ref.gemm(a, w13[e], None, rd, BF16)
     row_scale = weights.reshape(-1).astype(np.float32) if weight_before_down else None
@@ -131,14 +131,16 @@ def moe(
     y = np.empty((t * k, w2[0].shape[0]), np.float32)
     for e in np.unique(flat_ids):
         rows = np.nonzero(flat_ids == e)[0]
-        y[rows] = gemm_ref.gemm(_take_rows(a_h, rows), w2[e], None, None, np.float32)
+        y[rows] = gemm_ref.gemm(take_rows(a_h, rows), w2[e], None, None, np.float32)
     y = y.reshape(t, k, -1)
     if not weight_before_down:
         y = y * weights[..., None]
     return y.sum(1, dtype=np.float64).astype(np.float32)
 
 
-def _take_rows(a, rows):
+def take_rows(a, rows):
+    """Rows ``rows`` of an activation: a bf16 / fp32 array, or an `Nvfp4Tensor` with linear scales
+    (its global scale shared by every row)."""
     if isinstance(a, Nvfp4Tensor):
         return Nvfp4Tensor(np.asarray(a.packed)[rows], np.asarray(a.block_scales)[rows], np.asarray(a.global_scale),
                            "linear", (len(rows), a.shape[-1]))

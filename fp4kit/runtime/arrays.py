@@ -116,6 +116,14 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype, like) -> None:
         raise ValueError(f"{name}: expected an array on the same device as the input, got one {describe(out)}")
 
 
+def host_result(result, out=None):
+    """The numpy backend's ``result``, written into ``out`` when one was given (and returned)."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def as_scalar_fp32(name: str, s, like=None):
     """``s`` as a 0-d fp32 array in the same memory as ``like`` (default: wherever ``s`` is).
 

@@ -3,6 +3,9 @@
 Each CUDA device has one ``uint32`` word in device memory; kernels ``atomicOr`` flags into it.
 Nothing in fp4kit reads it back: the caller checks it when it chooses (one host sync), e.g.
 once per N decode steps. The numpy backend keeps a host word with the same flags.
+
+The flags below are named once for Python; ``raw_kernels/common/status.cuh`` holds the same
+list for the kernels (``FP4_STATUS_<NAME>``), and a CPU test checks that the two agree.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ launches on different streams get different buffers.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 PARTIALS_CAPACITY = 1 << 14  # uint32 words: more than any co-resident grid
 
@@ -57,6 +58,25 @@ def zeros_outside_capture(n: int, dtype):
         buf = cupy.zeros(n, dtype=dtype)
     side.synchronize()
     return buf
+
+
+class BufferCache:
+    """The buffers a layer owns, one per key (device, batch size, ...), made on first use and then
+    kept: the next call with the same key allocates nothing, and a CUDA graph captured over a call
+    keeps pointing at live memory."""
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+
+    def get(self, key, make: Callable[[], object]):
+        """The buffer for ``key``, made by ``make()`` the first time."""
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = make()
+        return buf
+
+    def __len__(self) -> int:
+        return len(self._buffers)
 
 
 def device_buffer(name: str, nbytes: int):

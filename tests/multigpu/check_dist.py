@@ -1,8 +1,8 @@
-"""Multi-GPU check of fp4kit.dist over NCCL: collectives, tensor-parallel Linear and
+"""Multi-GPU check of fp4kit.distributed over NCCL: collectives, tensor-parallel Linear and
 expert-parallel MoE against the single-GPU layers, capacity overflow, and a sharded step captured
 in a CUDA graph. Run by the launcher (one process per GPU):
 
-    python -m fp4kit.dist.launch --nproc 2 tests/multigpu/check_dist.py
+    python -m fp4kit.distributed.launch --nproc 2 tests/multigpu/check_dist.py
 
 Every rank builds the same full layers from the same seed, shards them, and compares its sharded
 result with the single-GPU layer on its own GPU. Rank 0 prints one PASS/FAIL line per check (the
@@ -23,7 +23,7 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp4kit import dist  # noqa: E402
+from fp4kit import distributed as dist  # noqa: E402
 from fp4kit.layers import Linear, MoE, RoutingConfig, SharedExpert  # noqa: E402
 from fp4kit.reference.gemm import calc_diff  # noqa: E402
 from fp4kit.runtime import status  # noqa: E402

@@ -4,9 +4,9 @@
 #pragma once
 
 #include "fp32.cuh"
+#include "status.cuh"
 
 #define FP4_BLOCK 16
-#define FP4_STATUS_NONFINITE 1u  // a NaN or Inf reached an NVFP4 encoder (fp4kit.check_finite)
 
 // fp32 to an E2M1 code: round to nearest even, saturate at +-6, sign from the sign bit,
 // NaN to 0x7 (+6) as the sm_100a cvt.rn.satfinite.e2m1x2 does. Sm_90 has no such instruction.

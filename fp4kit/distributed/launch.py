@@ -1,8 +1,8 @@
-"""Start one process per GPU: ``python -m fp4kit.dist.launch --nproc N script.py args...``.
+"""Start one process per GPU: ``python -m fp4kit.distributed.launch --nproc N script.py args...``.
 
 Each child runs ``python script.py args...`` (or ``python -m module args...``) with the
-environment of `fp4kit.dist.env` (rank, world size, device, rendezvous directory, NVLink
-multicast off); ``fp4kit.dist.init()`` in the script turns it into a communicator. Rank ``r``
+environment of `fp4kit.distributed.env` (rank, world size, device, rendezvous directory, NVLink
+multicast off); ``fp4kit.distributed.init()`` in the script turns it into a communicator. Rank ``r``
 uses device ``r`` (or the ``r``-th of ``--devices``); ``--isolate`` instead shows each child only
 its GPU through ``CUDA_VISIBLE_DEVICES``.
 
@@ -26,8 +26,8 @@ from . import env as dist_env
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m fp4kit.dist.launch",
-        description="Start one process per GPU with the environment fp4kit.dist.init() reads.")
+        prog="python -m fp4kit.distributed.launch",
+        description="Start one process per GPU with the environment fp4kit.distributed.init() reads.")
     parser.add_argument("--nproc", type=int, required=True, help="number of processes (one per GPU)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated CUDA device indices, one per rank (default: 0..nproc-1)")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     rank, code = failed[0]
-                    print(f"fp4kit.dist.launch: rank {rank} exited with code {code}; stopping the other ranks",
+                    print(f"fp4kit.distributed.launch: rank {rank} exited with code {code}; stopping the other ranks",
                           file=sys.stderr, flush=True)
                     _stop(procs, args.grace)
                     return _exit_code(code)

@@ -1,6 +1,6 @@
 """The launcher's environment contract and `init`, which turns it into a communicator.
 
-`fp4kit.dist.launch` sets, in every child:
+`fp4kit.distributed.launch` sets, in every child:
 
 * ``FP4KIT_RANK``, ``FP4KIT_WORLD_SIZE``, ``FP4KIT_LOCAL_RANK``;
 * ``FP4KIT_DEVICE``: the CUDA device index this rank uses (0 when the launcher isolates each
@@ -50,7 +50,7 @@ def read_unique_id(directory: str, *, timeout: float = 300.0, poll: float = 0.05
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{RENDEZVOUS}: no NCCL unique id appeared in {directory!r} within {timeout:.0f} s "
-                               "(did rank 0 start and reach fp4kit.dist.init()?)")
+                               "(did rank 0 start and reach fp4kit.distributed.init()?)")
         time.sleep(poll)
     with open(path) as f:
         return tuple(json.load(f))
@@ -59,7 +59,7 @@ def read_unique_id(directory: str, *, timeout: float = 300.0, poll: float = 0.05
 def init(*, timeout: float | None = None) -> Communicator:
     """The communicator of this process.
 
-    Not started by `fp4kit.dist.launch` (no ``FP4KIT_WORLD_SIZE``) or world size 1: a
+    Not started by `fp4kit.distributed.launch` (no ``FP4KIT_WORLD_SIZE``) or world size 1: a
     `LocalCommunicator` (no NCCL, no device selected). Otherwise: selects ``FP4KIT_DEVICE`` as
     CuPy's current device, exchanges the NCCL unique id through ``FP4KIT_RENDEZVOUS``, and returns
     an `NcclCommunicator` after one warm-up all-reduce (which also checks that every rank joined).

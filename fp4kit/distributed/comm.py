@@ -254,7 +254,7 @@ class SimulatedCommunicator(Communicator):
 class NcclCommunicator(Communicator):
     """One rank of an NCCL communicator (one process per GPU); collectives run on CuPy's current
     stream and are capturable in a CUDA graph (run each once eagerly first: NCCL connects peers
-    lazily). Build it with `fp4kit.dist.init` or from a unique id shared by all ranks."""
+    lazily). Build it with `fp4kit.distributed.init` or from a unique id shared by all ranks."""
 
     def __init__(self, rank: int, world_size: int, unique_id):
         from . import nccl_lib

@@ -34,7 +34,7 @@ ACTIVATION_SCALES = ("group", "local")
 
 def _check_comm(comm) -> None:
     if not isinstance(comm, Communicator):
-        raise TypeError(f"comm: expected an fp4kit.dist Communicator, got {type(comm).__name__}")
+        raise TypeError(f"comm: expected an fp4kit.distributed Communicator, got {type(comm).__name__}")
 
 
 def _check_linear(name: str, linear) -> None:

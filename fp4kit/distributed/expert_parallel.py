@@ -38,7 +38,7 @@ the owner of its expert (`kernels.owner_slots`).
 Capacity: ``capacity_factor=None`` (default) gives every destination room for all of a rank's
 pairs that could reach it, ``T * min(top_k, per_rank)`` rows: no overflow is possible. A factor
 ``f`` gives ``ceil(f * T * top_k / world)`` rows (1.0 = the average load), smaller buffers and
-all-to-alls, and drops what does not fit (`fp4kit.dist.EP_CAPACITY_OVERFLOW`).
+all-to-alls, and drops what does not fit (`fp4kit.distributed.EP_CAPACITY_OVERFLOW`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ..formats import Nvfp4Tensor
 from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids
 from ..layers.shared_expert import SharedExpert, interleave_rows
 from ..ops import quant as quant_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 from ..runtime.workspace import zeros_outside_capture
 from . import kernels
 from .comm import Communicator
@@ -156,7 +156,7 @@ class ExpertParallelMoE:
                  bias=None, tid2eid=None, limit: float | None = None, weight_before_down: bool = True,
                  mode: str = "w4a4", shared=None, capacity_factor: float | None = None, tokens: str = "sharded"):
         if not isinstance(comm, Communicator):
-            raise TypeError(f"comm: expected an fp4kit.dist Communicator, got {type(comm).__name__}")
+            raise TypeError(f"comm: expected an fp4kit.distributed Communicator, got {type(comm).__name__}")
         gate_weight = arrays.as_array(gate_weight, "gate_weight")
         if gate_weight.ndim != 2:
             raise ValueError(f"gate_weight: expected [experts, hidden], got {arrays.describe(gate_weight)}")
@@ -186,7 +186,7 @@ class ExpertParallelMoE:
             routing, limit, weight_before_down, mode, shared)
         self.num_experts, self.hidden, self.inner = e, h, w2.shape[2]
         self.comm, self.experts, self.capacity_factor, self.tokens = comm, experts, capacity_factor, tokens
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers = workspace.BufferCache()
 
     @property
     def fused(self) -> bool:
@@ -241,10 +241,10 @@ class ExpertParallelMoE:
         return max(1, min(most, math.ceil(self.capacity_factor * t * k / self.comm.world_size)))
 
     def _buffers_for(self, x) -> _Buffers:
+        return self._buffers.get(x.shape[0], lambda: self._make_buffers(x))
+
+    def _make_buffers(self, x) -> _Buffers:
         t = x.shape[0]
-        buf = self._buffers.get(t)
-        if buf is not None:
-            return buf
         xp = arrays.array_module(x)
         device = xp is not np
 
@@ -299,7 +299,6 @@ class ExpertParallelMoE:
                 buf.hs_act = nvfp4(t, shared_inner, buf.scale(2))
         else:
             buf.h_act = xp.empty((rows, i), arrays.BF16)
-        self._buffers[t] = buf
         return buf
 
     # -- forward --------------------------------------------------------------------------------

@@ -18,8 +18,6 @@ _MODULE = "dist"
 _U32 = np.uint32
 _I32 = np.int32
 
-EP_CAPACITY_OVERFLOW = status.EP_CAPACITY_OVERFLOW
-
 MAX_WORLD = 1024  # one plan thread per (rank, expert) pair
 
 
@@ -49,8 +47,7 @@ def plan_send(counts, tickets, ids, weights, per_rank: int, world: int, capacity
     if _device(counts):
         loader.get_kernel(_MODULE, "dist_plan_send", block=1024)(
             1, 1024, (counts, tickets, ids, weights, _U32(e), _U32(per_rank), _U32(world), _U32(capacity),
-                      _U32(ids.size), pair_slot, send_counts, send_weight, status.device_word(),
-                      _U32(EP_CAPACITY_OVERFLOW)))
+                      _U32(ids.size), pair_slot, send_counts, send_weight, status.device_word()))
         return
     slot, sent, w, overflow = ref.plan_send(counts, tickets, ids, weights, per_rank, world, capacity)
     kept = slot < world * capacity
@@ -59,7 +56,7 @@ def plan_send(counts, tickets, ids, weights, per_rank: int, world: int, capacity
     send_weight.reshape(-1)[slot[kept]] = w[slot[kept]]
     counts[...] = 0
     if overflow:
-        status.record_host(EP_CAPACITY_OVERFLOW)
+        status.record_host(status.EP_CAPACITY_OVERFLOW)
 
 
 def plan_recv(recv_counts, recv_weight, capacity: int, use_weight: bool, plan) -> None:
