@@ -55,7 +55,7 @@ def fuse_rows(parts: list[Nvfp4Tensor]) -> tuple[Nvfp4Tensor, Any]:
     xp = formats.array_module(parts[0].packed)
     if any(formats.array_module(p.packed) is not xp for p in parts):
         raise ValueError("parts: expected all parts in the same memory (all numpy or all CuPy)")
-    packed = xp.concatenate([p.packed for p in parts], axis=0)
+    packed = xp.concatenate([p.linear_packed for p in parts], axis=0)
     scales = xp.concatenate([p.linear_block_scales for p in parts], axis=0)
     # fp32(1 / S_i) per part, computed where the scales live (no host read of a device value)
     decode = [xp.broadcast_to(xp.reciprocal(p.global_scale.reshape(()).astype(_F32)), (p.shape[0],)) for p in parts]

@@ -281,7 +281,7 @@ def to_modelopt_tensors(
         check_positive_finite(s, f"weights[{prefix!r}].global_scale", "encode scale")
         name = f"{prefix}.{MODELOPT.global_scale}"
         decode, record = _decode_to_write(name, s, decode_scales.get(name), not scales.any())
-        tensors[f"{prefix}.{MODELOPT.packed}"] = _host(w.packed)
+        tensors[f"{prefix}.{MODELOPT.packed}"] = _host(w.linear_packed)  # a tiled GEMM weight goes back to the file layout
         tensors[f"{prefix}.{MODELOPT.block_scales}"] = scales.copy(order="C").view(DTYPES["F8_E4M3"])
         tensors[name] = decode
         if record:

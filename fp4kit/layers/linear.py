@@ -18,7 +18,7 @@ import numpy as np
 from ..formats import Nvfp4Tensor, to_tiled
 from ..ops import gemm as gemm_ops
 from ..ops import quant as quant_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 
 MODES = ("w4a4", "w4a16")
 
@@ -51,7 +51,7 @@ class Linear:
             weight = to_tiled(weight)
         self.weight, self.bias, self.mode = weight, bias, mode
         self.input_scale, self.w_row_decode = input_scale, w_row_decode
-        self._buffers: dict[tuple, tuple] = {}
+        self._buffers = workspace.BufferCache()
         #: rows up to which the graph-capturable decode GEMM is used (above: cuBLAS prefill); raise
         #: it to capture large-M calls in a CUDA graph
         self.decode_max_m = gemm_ops.DECODE_MAX_M
@@ -84,23 +84,16 @@ class Linear:
         return cls(checkpoint.weights[prefix], bias=None if bias is None else checkpoint.extra[bias],
                    mode=mode, input_scale=input_scale)
 
-    def _buffer(self, key: tuple, make):
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = make()
-            self._buffers[key] = buf
-        return buf
-
     def _output_buffer(self, lead: tuple):
         import cupy
 
-        return self._buffer(("out", lead), lambda: cupy.empty((*lead, self.out_features), arrays.BF16))
+        return self._buffers.get(("out", lead), lambda: cupy.empty((*lead, self.out_features), arrays.BF16))
 
     def _activation_buffer(self, lead: tuple) -> Nvfp4Tensor:
         import cupy
 
         k = self.in_features
-        return self._buffer(("act", lead), lambda: Nvfp4Tensor(
+        return self._buffers.get(("act", lead), lambda: Nvfp4Tensor(
             cupy.empty((*lead, k // 2), np.uint8), cupy.empty((*lead, k // 16), np.uint8),
             cupy.empty((), np.float32), "linear", (*lead, k)))
 

@@ -38,7 +38,7 @@ from ..ops import quant as quant_ops
 from ..reference import fp32
 from ..reference import moe as moe_ref
 from ..reference.elementwise import token_rows
-from ..runtime import arrays, status
+from ..runtime import arrays, status, workspace
 from ..runtime.workspace import zeros_outside_capture
 from .shared_expert import interleave_rows
 
@@ -240,7 +240,7 @@ class MoE:
         self.routing, self.bias, self.tid2eid = routing, bias, tid2eid
         self.limit, self.weight_before_down, self.mode, self.shared = limit, weight_before_down, mode, shared
         self.num_experts, self.hidden, self.inner = e, h, inner
-        self._plans: dict[int, _Plan] = {}
+        self._plans = workspace.BufferCache()  # one plan per token count
         self._counts = None
 
     @property
@@ -337,10 +337,10 @@ class MoE:
 
     # -- device -------------------------------------------------------------------------------------
     def _plan(self, x) -> _Plan:
+        return self._plans.get(x.shape[0], lambda: self._make_plan(x))
+
+    def _make_plan(self, x) -> _Plan:
         t = x.shape[0]
-        plan = self._plans.get(t)
-        if plan is not None:
-            return plan
         import cupy
 
         if self._counts is None:
@@ -363,7 +363,6 @@ class MoE:
             h=cupy.empty((pairs, 2 * i), arrays.BF16),
             h_act=nvfp4(pairs, i) if self.mode == "w4a4" else cupy.empty((pairs, i), arrays.BF16),
             y=cupy.empty((pairs, h), np.float32), out=cupy.empty((t, h), arrays.BF16))
-        self._plans[t] = plan
         return plan
 
     def _route_device(self, x, token_ids, plan: _Plan) -> None:

@@ -154,11 +154,7 @@ def gemm(
         raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
 
     if not arrays.is_device_array(w.packed):
-        result = ref.gemm(a, w, bias, w_row_decode, out_dtype).reshape(*lead, n)
-        if out is None:
-            return result
-        out[...] = result
-        return out
+        return arrays.host_result(ref.gemm(a, w, bias, w_row_decode, out_dtype).reshape(*lead, n), out)
 
     import cupy
 
