@@ -110,7 +110,6 @@ def test_shared_expert_is_added(rng):
     "kwargs, message",
     [
         (dict(routing=RoutingConfig(top_k=9)), "top_k: expected 1..8 for 8 experts"),
-        (dict(routing=RoutingConfig(top_k=2, score_func="relu")), "score_func"),
         (dict(routing=RoutingConfig(top_k=2, n_group=3, topk_group=1)), "n_group/topk_group"),
         (dict(routing=RoutingConfig(top_k=8, n_group=4, topk_group=1)), "top_k: 8 exceeds the experts"),
         (dict(bias=np.zeros(7, np.float32)), r"bias: expected float32 \[8\]"),
