@@ -9,7 +9,10 @@ order where the single-device layer rounds one float64 sum: an element may diffe
 of the result plus the fp32 rounding of the partial sums, ``4 * world * 2^-24 * sum_r |partial_r|``.
 """
 
+import functools
+import operator
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,7 +30,7 @@ from fp4kit.layers import ExpertStack, Linear, MoE, RoutingConfig, SharedExpert
 from fp4kit.reference import dist as ref
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import quant as qref
-from fp4kit.runtime import status
+from fp4kit.runtime import loader, status
 
 BF16 = ml_dtypes.bfloat16
 WORLDS = (1, 2, 4)
@@ -141,15 +144,43 @@ def test_unique_id_rendezvous(tmp_path):
         dist_env.read_unique_id(str(tmp_path / "empty"), timeout=0.1)
 
 
-def test_nccl_loader_fails_with_a_clear_message():
+def _cupy_without_nccl(monkeypatch):
+    """A CuPy whose NCCL binding could not load libnccl.so.2, whether CuPy and NCCL are installed
+    here or not: the loader's failure path runs on every machine."""
+    import types
+
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = False
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = nccl
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_nccl_loader_fails_with_a_clear_message(monkeypatch, tmp_path):
     from fp4kit.dist import nccl_lib
 
-    try:
-        nccl = nccl_lib.load()
-    except RuntimeError as e:
-        assert "libnccl.so.2" in str(e) and "FP4KIT_NCCL_LIBRARY" in str(e) and "nccl.available" in str(e)
-    else:
-        assert nccl.available
+    _cupy_without_nccl(monkeypatch)
+    monkeypatch.setenv("FP4KIT_NCCL_LIBRARY", str(tmp_path / "libnccl.so.2"))
+    with pytest.raises(RuntimeError) as e:
+        nccl_lib.load()
+    message = str(e.value)
+    assert "CuPy could not load libnccl.so.2" in message and str(tmp_path / "libnccl.so.2") in message  # what it tried
+    assert "FP4KIT_NCCL_LIBRARY" in message and "nccl.available" in message  # how to fix and check it
+
+
+@pytest.mark.xfail(strict=True, raises=ModuleNotFoundError,
+                   reason="fp4kit/dist/nccl_lib.py: load() lets ModuleNotFoundError out when CuPy is missing")
+def test_nccl_loader_without_cupy_raises_its_documented_error(monkeypatch):
+    from fp4kit.dist import nccl_lib
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "cupy.cuda.nccl", raising=False)
+    monkeypatch.setattr(nccl_lib, "candidate_paths", lambda: [])
+    with pytest.raises(RuntimeError, match="CuPy"):
+        nccl_lib.load()
 
 
 # -- launcher ---------------------------------------------------------------------------------------
@@ -569,9 +600,26 @@ def test_expert_parallel_bad_inputs(rng):
 
 
 def test_kernel_module_constants():
-    assert dist.EP_CAPACITY_OVERFLOW not in (status.NONFINITE_INPUT, status.INDEXER_INPUT, status.KV_COMP_OVERFLOW,
-                                              status.SAMPLER_INPUT, getattr(status, "TOKEN_RANGE", 0))
-    assert dist_kernels.EP_CAPACITY_OVERFLOW & (dist_kernels.EP_CAPACITY_OVERFLOW - 1) == 0  # one bit
+    """The EP overflow flag is a registered status flag of its own, and every status flag a kernel
+    file defines is the Python flag of the same meaning (a drifted #define fails here)."""
+    flags = [f for f in status.FLAG_NAMES]
+    assert all(f > 0 and f & (f - 1) == 0 for f in flags), "every status flag is one bit"
+    assert len(set(flags)) == len(flags) and sum(flags) == functools.reduce(operator.or_, flags), "flags overlap"
+    assert dist.EP_CAPACITY_OVERFLOW == dist_kernels.EP_CAPACITY_OVERFLOW == status.EP_CAPACITY_OVERFLOW
+    assert status.EP_CAPACITY_OVERFLOW in status.FLAG_NAMES
+    meaning = {"NONFINITE": status.NONFINITE_INPUT, "INDEXER": status.INDEXER_INPUT, "KV_OVERFLOW": status.KV_COMP_OVERFLOW,
+               "SMP_STATUS_INPUT": status.SAMPLER_INPUT, "TOKEN": status.TOKEN_RANGE}
+    defined = {}
+    for path in loader.KERNEL_DIR.rglob("*.cu*"):
+        for name, value in re.findall(r"#define\s+(\w*STATUS\w*)\s+\(?(\w+(?:\s*<<\s*\w+)?)\)?", path.read_text()):
+            parts = [int(p.strip().rstrip("uU"), 0) for p in value.split("<<")]  # "4u", "1u << 8"
+            defined[name] = parts[0] << parts[1] if len(parts) == 2 else parts[0]
+    assert defined, "no status #define found in raw_kernels"
+    for name, value in defined.items():
+        assert value in status.FLAG_NAMES, f"{name} = {value} is not a flag of fp4kit.runtime.status"
+        key = next((k for k in meaning if k in name), None)
+        if key is not None:
+            assert value == meaning[key], f"{name} = {value}, but the Python flag is {meaning[key]}"
 
 
 def test_multigpu_scripts_compile():
@@ -601,13 +649,7 @@ def test_expert_parallel_replicated_tokens_equal_the_single_layer(rng, world, mo
 
 
 def test_init_at_world_size_two_needs_nccl(monkeypatch, tmp_path):
-    from fp4kit.dist import nccl_lib
-
-    try:
-        nccl_lib.load()
-        pytest.skip("NCCL is available here")
-    except RuntimeError:
-        pass
+    _cupy_without_nccl(monkeypatch)
     monkeypatch.setenv(dist_env.WORLD_SIZE, "2")
     monkeypatch.setenv(dist_env.RANK, "0")
     monkeypatch.setenv(dist_env.RENDEZVOUS, str(tmp_path))
