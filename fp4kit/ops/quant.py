@@ -173,7 +173,7 @@ def global_scale_from_amax(amax_value, *, out=None):
 
 
 def quantize(x, *, global_scale=None, scale_layout: str = "linear", out: Nvfp4Tensor | None = None) -> Nvfp4Tensor:
-    """Quantize ``x`` to NVFP4 (DESIGN.md §1 recipe, bit-exact with the reference).
+    """Quantize ``x`` to NVFP4 (the recipe of docs/design.md §1, bit-exact with the reference).
 
     Parameters
     ----------
