@@ -234,6 +234,15 @@ def run_dist(be: Backend, rng) -> None:
     for tokens in ("sharded", "replicated"):  # world size 1: the same kernels as on several GPUs
         ep = dist.ExpertParallelMoE.shard(dev, dist.LocalCommunicator(), tokens=tokens)
         same_bits(be.host(ep(be.to(x))).view(np.uint16), want.view(np.uint16), f"ExpertParallelMoE {tokens}")
+    # the tensor-parallel Linear pair at world size 1 (the row-parallel layer's bias + bf16 kernel)
+    w_up, w_down = rng.standard_normal((128, 64)).astype(np.float32), rng.standard_normal((64, 128)).astype(np.float32)
+    bias = rng.standard_normal(64).astype(np.float32)
+    comm = dist.LocalCommunicator()
+    up = dist.ColumnParallelLinear.from_float(be.to(w_up), comm, gather_output=False)
+    down = dist.RowParallelLinear.from_float(be.to(w_down), comm, bias=be.to(bias))
+    ref_up, ref_down = Linear.from_float(w_up), Linear.from_float(w_down, bias=bias)
+    close(be.host(down(up(be.to(x)))).astype(np.float32), ref_down(ref_up(x)).astype(np.float32),
+          "ColumnParallelLinear -> RowParallelLinear", 1e-4)
     if be.device:  # two ranks simulated as threads on one GPU: the all-to-all plans of world 2
         def rank(comm):
             ep = dist.ExpertParallelMoE.shard(dev, comm)

@@ -622,11 +622,39 @@ def test_kernel_module_constants():
             assert value == meaning[key], f"{name} = {value}, but the Python flag is {meaning[key]}"
 
 
-def test_multigpu_scripts_compile():
+def test_multigpu_scripts_use_only_what_fp4kit_has():
+    """Both scripts need several GPUs to run; here every fp4kit module they import or launch
+    (``-m fp4kit...``), every name they import from one, and every attribute they take of an
+    imported fp4kit module must exist, so a renamed or removed API fails here rather than on the
+    multi-GPU machine."""
+    import ast
+    import importlib
+    import importlib.util
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for path in ("tests/multigpu/check_dist.py", "benchmarks/bench_dist.py"):
         source = open(os.path.join(root, path)).read()
-        compile(source, path, "exec")  # syntax only: both need GPUs to run
+        tree = ast.parse(source, path)
+        modules = {}  # local name -> fp4kit module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp4kit"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    value = getattr(module, alias.name, None)
+                    if value is None:  # a submodule not imported by its package yet
+                        value = importlib.import_module(f"{node.module}.{alias.name}")
+                    if isinstance(value, type(os)):
+                        modules[alias.asname or alias.name] = value
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("fp4kit"):
+                        modules[alias.asname or alias.name.split(".")[0]] = importlib.import_module(alias.name)
+        assert modules, f"{path}: no fp4kit import found"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                assert hasattr(modules[node.value.id], node.attr), f"{path}:{node.lineno}: {node.value.id}.{node.attr}"
+        for launched in re.findall(r"-m[\s\",']+(fp4kit(?:\.\w+)+)", source):
+            assert importlib.util.find_spec(launched) is not None, f"{path}: launches {launched}, which does not exist"
 
 
 @pytest.mark.parametrize("world", WORLDS)
