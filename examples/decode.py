@@ -64,7 +64,7 @@ def parse_args(argv=None):
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks for the attention projections and "
-                    "the lm_head (one process per GPU: start with python -m fp4kit.dist.launch --nproc N)")
+                    "the lm_head (one process per GPU: start with .venv/bin/python -m fp4kit.dist.launch --nproc N)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks for the MoE layers (idem)")
     return ap.parse_args(argv)
 
@@ -185,7 +185,7 @@ def parallel_group(args):
     for name, n in (("--tp", args.tp), ("--ep", args.ep)):
         if n is not None and n not in (1, comm.world_size):
             raise SystemExit(f"{name} {n}: expected 1 or the launched world size {comm.world_size} "
-                             f"(start one process per GPU with python -m fp4kit.dist.launch --nproc {n} ...)")
+                             f"(start one process per GPU with .venv/bin/python -m fp4kit.dist.launch --nproc {n} ...)")
     return comm
 
 

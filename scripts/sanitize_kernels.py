@@ -2,10 +2,10 @@
 against the numpy backend: the workload `scripts/gpu_suite.sh sanitize` runs under memcheck and
 racecheck.
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
-    compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
-    python3 scripts/sanitize_kernels.py --numpy      # the same calls on numpy only (CPU test)
-    python3 scripts/sanitize_kernels.py --only quant,moe
+    compute-sanitizer --tool memcheck --error-exitcode 9 .venv/bin/python scripts/sanitize_kernels.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 .venv/bin/python scripts/sanitize_kernels.py
+    .venv/bin/python scripts/sanitize_kernels.py --numpy      # the same calls on numpy only (CPU test)
+    .venv/bin/python scripts/sanitize_kernels.py --only quant,moe
 
 On the device the script first calls ``cupy.cuda.set_allocator(None)``: memcheck cannot see an
 out-of-bounds write that lands inside CuPy's memory pool, so every array gets its own cudaMalloc.
