@@ -45,7 +45,7 @@ def _run(code: str, line: int, monkeypatch, tmp_path) -> None:
     for key in ("FP4KIT_WORLD_SIZE", "FP4KIT_RANK", "FP4KIT_RENDEZVOUS"):  # dist.init(): world size 1
         monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(tmp_path)
-    status.clear(device=-1)
+    status.clear()  # host and device words: a snippet may check them
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
 
 
