@@ -4,7 +4,7 @@
     .venv/bin/python examples/decode.py --preset v4-flash-slice --layers 4 --batch 8 --prompt-len 512 --new-tokens 128
     .venv/bin/python examples/decode.py --check                # graph = eager (= numpy for tiny)
     .venv/bin/python examples/decode.py --save /tmp/m && .venv/bin/python examples/decode.py --load /tmp/m
-    .venv/bin/python -m fp4kit.dist.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
+    python -m fp4kit.dist.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
 
 The weights are random (an integer hash of the seed, each tensor's name and index), so the token
 ids it prints are not text and mean nothing: the example measures and checks the machinery.
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks for the attention projections and "
-                    "the lm_head (one process per GPU: start with .venv/bin/python -m fp4kit.dist.launch --nproc N)")
+                    "the lm_head (one process per GPU: start with python -m fp4kit.dist.launch --nproc N)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks for the MoE layers (idem)")
     return ap.parse_args(argv)
 
@@ -185,7 +185,7 @@ def parallel_group(args):
     for name, n in (("--tp", args.tp), ("--ep", args.ep)):
         if n is not None and n not in (1, comm.world_size):
             raise SystemExit(f"{name} {n}: expected 1 or the launched world size {comm.world_size} "
-                             f"(start one process per GPU with .venv/bin/python -m fp4kit.dist.launch --nproc {n} ...)")
+                             f"(start one process per GPU with python -m fp4kit.dist.launch --nproc {n} ...)")
     return comm
 
 

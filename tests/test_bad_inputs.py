@@ -190,7 +190,7 @@ def test_moe_with_a_shared_expert_of_another_hidden_size(rng):
     ({"batch": 2.5}, "batch: expected an int, got float 2.5"),
     ({"batch": "2"}, "batch: expected an int, got str '2'"),
     ({"batch": 2, "window": 8.0}, "window: expected an int"),
-    ({"batch": 2, "ratio": "4"}, "ratio: expected an int"),
+    ({"batch": 2, "ratio": 4.0}, "ratio: expected an int, got float 4.0"),
 ])
 def test_kv_cache_sizes_must_be_ints(kwargs, message):
     with pytest.raises(TypeError, match=message):

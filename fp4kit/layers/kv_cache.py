@@ -46,12 +46,12 @@ class KVCache:
     def __init__(self, batch: int, *, window: int = 128, head_dim: int = 512, ratio: int = 0, max_comp: int = 32768,
                  ape=None, norm_weight=None, rope_dim: int = 64, rope_theta: float = 10000.0, eps: float = 1e-6,
                  device: bool = True):
+        if ratio not in RATIOS:
+            raise ValueError(f"ratio: expected one of {RATIOS}, got {ratio}")
         for name, value in (("batch", batch), ("window", window), ("head_dim", head_dim), ("ratio", ratio),
                             ("max_comp", max_comp), ("rope_dim", rope_dim)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-        if ratio not in RATIOS:
-            raise ValueError(f"ratio: expected one of {RATIOS}, got {ratio}")
         if head_dim % 16 or head_dim <= 0:
             raise ValueError(f"head_dim: expected a positive multiple of 16, got {head_dim}")
         if window <= 0 or batch <= 0 or max_comp <= 0:

@@ -249,11 +249,12 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         arrays.check_out("out", out, q.shape, dtype, q)
     splits = _splits_value(num_splits, candidates)
 
+    if not arrays.is_device_array(q) and ((pos < 0).any() or (comp_len < 0).any() or (comp_len > comp.shape[1]).any()):
+        status.record_host(status.KV_INPUT)  # positions are data: counted as 0 / clamped, and recorded
+
     if not arrays.is_device_array(q):
         if workspace is not None:
             _check_workspace(workspace, 0, q)
-        if (pos < 0).any() or (comp_len < 0).any() or (comp_len > comp.shape[1]).any():
-            status.record_host(status.KV_INPUT)  # positions are data: counted as 0 / clamped, and recorded
         result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale).astype(dtype)
         if out is None:
             return result

@@ -156,11 +156,11 @@ def global_scale_from_amax(amax_value, *, out=None):
     amax_value = arrays.as_scalar_fp32("amax", amax_value)
     if out is not None:
         arrays.check_out("out", out, (), np.float32, amax_value)
+    if not arrays.is_device_array(amax_value) and np.signbit(np.asarray(amax_value, np.float32)).any():
+        status.record_host(status.NONFINITE_INPUT)  # an amax is |x|: a negative one (even -0.0) is not one
     if not arrays.is_device_array(amax_value):
         result = ref.global_scale_from_amax(amax_value.reshape(()))
-        a = np.asarray(amax_value, np.float32).reshape(())
-        if np.signbit(a) or not np.isfinite(a):  # an amax is |x|: a negative one is not an amax
-            status.record_host(status.NONFINITE_INPUT)
+        _record_host_nonfinite(amax_value)
         if out is None:
             return result
         out[...] = result
@@ -330,10 +330,12 @@ def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     if not isinstance(q, Nvfp4Tensor):
         raise TypeError(f"q: expected an Nvfp4Tensor, got {type(q).__name__}")
     dtype = _dtype(dtype)
+    if not arrays.is_device_array(q.packed):
+        _record_host_bad_scale(q.global_scale)
+
     if out is not None:
         arrays.check_out("out", out, q.shape, dtype, q.packed)
     if not arrays.is_device_array(q.packed):
-        _record_host_bad_scale(q.global_scale)
         result = ref.dequantize(q, dtype)
         if out is None:
             return result
