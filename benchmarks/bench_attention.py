@@ -7,7 +7,7 @@
 * sparse decode attention, 64 heads over a 512-d latent, 128 window + 512 selected entries,
   batch 1 and 32: µs and % of the byte floor (every candidate row and the queries read once).
 
-    PYTHONPATH=. python benchmarks/bench_attention.py
+    .venv/bin/python benchmarks/bench_attention.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ routers, the distinct routed experts the step touched, the lm_head and the KV en
 or scores) and the bandwidth achieved over them. Target at batch 1: >= 60 % of the measured copy
 bandwidth.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py
+    .venv/bin/python benchmarks/bench_decode.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ several calls on different inputs so that the touched experts change from call t
 T = 1 within 1.5x of the floor, T = 64 within 2x. The baseline (V4-Flash shape) is what a user
 would write in PyTorch: a per-expert loop of bf16 GEMMs driven by host-side counts (eager).
 
-    PYTHONPATH=. python benchmarks/bench_moe.py
+    .venv/bin/python benchmarks/bench_moe.py
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def torch_quantize(x):
-    """The DESIGN.md §1 recipe written the way a PyTorch user would (eager, many kernels)."""
+    """The docs/design.md §1 recipe written the way a PyTorch user would (eager, many kernels)."""
     import torch
 
     m, k = x.shape

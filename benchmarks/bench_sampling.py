@@ -4,7 +4,7 @@ Modes: greedy, temperature 1.0, top-k 50, top-p 0.9. Target <= 15 µs per call a
 Baseline, measured in the same run: top-p written in PyTorch (sort, cumsum, mask, then the
 exponential race argmax(p / Exp(1)), which is capturable), graph-replayed.
 
-    PYTHONPATH=. python benchmarks/bench_sampling.py
+    .venv/bin/python benchmarks/bench_sampling.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and the 128x4 swizzled block-scale layout.
 Everything here is array-module agnostic: the functions take numpy or CuPy arrays and use
 the module the array belongs to, so the same code describes host and device buffers.
 
-Conventions (see DESIGN.md §1):
+Conventions (see docs/design.md §1):
 
 * element: E2M1, codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign;
 * packing: two codes per byte along the last axis, element ``2i`` in the low nibble;

@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# The GPU half of the test suite on a CUDA machine: kernel resource usage, the GPU tests,
-# compute-sanitizer memcheck and racecheck on the quantization tests, and the benchmarks.
-# Logs go to $OUT (default ./gpu-logs). Uses the python3 on PATH with the repo on PYTHONPATH.
-#   bash scripts/gpu_suite.sh [tests|sanitize|bench|multigpu|all]...
+# The GPU half of the test suite on a CUDA machine: kernel resource usage, the GPU tests (every
+# one must run: FP4KIT_REQUIRE_GPU=1 turns a skipped GPU test into a failure), compute-sanitizer
+# memcheck and racecheck on every kernel family (scripts/sanitize_kernels.py, small shapes) and on
+# the quantization edge-case tests, and the benchmarks.
+# Logs go to $OUT (default ./gpu-logs). Uses $PYTHON (default: .venv/bin/python when there is
+# one, else python3) with the repo on PYTHONPATH. Exits non-zero when any step failed.
+#   bash scripts/gpu_suite.sh [tests|sanitize|bench|multigpu|profile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4KIT_BENCH_OUT="$out"
 steps=${*:-all}
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
+fi
+failed=()
 
-run() {  # run NAME CMD...: tee the output into $out/NAME.log, report the exit status
+run() {  # run NAME CMD...: tee the output into $out/NAME.log, report and remember the exit status
     local name=$1; shift
     echo "=== $name: $*"
     "$@" 2>&1 | tee "$out/$name.log"
-    echo "=== $name exit ${PIPESTATUS[0]}"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name exit $rc"
+    if [[ $rc -ne 0 ]]; then failed+=("$name"); fi
 }
 
 has() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/device.txt"
-python3 - <<'PY' > "$out/kernels.txt" 2>&1  # registers, local memory and shared memory per kernel
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/device.txt" \
+    || failed+=(nvidia-smi)
+"$PYTHON" - <<'PY' > "$out/kernels.txt" 2>&1 || failed+=(kernel-resources)  # registers, local memory and shared memory per kernel
 import subprocess, tempfile
 from fp4kit.runtime import loader
 for name in loader.kernel_names():
@@ -31,7 +41,7 @@ for name in loader.kernel_names():
 PY
 grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, $6, $7, $8}'
 if has tests; then
-    run gpu-tests python3 -m pytest -q -m gpu tests
+    run gpu-tests env FP4KIT_REQUIRE_GPU=1 "$PYTHON" -m pytest -q -m gpu tests
 fi
 if has multigpu; then  # needs 2 GPUs
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,16 +54,27 @@ if has profile; then
     for size in "2048 7168" "16384 7168"; do
         run "ncu-${size// /x}" ncu --clock-control none -k regex:amax_quantize -s 2 -c 1 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
-            --section MemoryWorkloadAnalysis --section WarpStateStats python3 scripts/profile_quant.py $size
+            --section MemoryWorkloadAnalysis --section WarpStateStats "$PYTHON" scripts/profile_quant.py $size
     done
 fi
 if has bench; then
-    run benchmarks python3 benchmarks/run_all.py --results "$out/results"
+    run benchmarks "$PYTHON" benchmarks/run_all.py --results "$out/results"
 fi
 if has sanitize; then
+    # every kernel family once with small shapes (the script disables CuPy's pool itself)
+    run memcheck-families timeout 900 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$PYTHON" scripts/sanitize_kernels.py
+    run racecheck-families timeout 900 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        "$PYTHON" scripts/sanitize_kernels.py
+    # the quantizers' adversarial edge cases on top
     subset="dtypes or dequantize or edge or graph or empty or (swiglu and dtype0)"
-    run memcheck env FP4KIT_NO_POOL=1 timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
-    run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or empty" -p no:cacheprovider
+    run memcheck-quant env FP4KIT_NO_POOL=1 timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$PYTHON" -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "$subset" -p no:cacheprovider
+    run racecheck-quant timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        "$PYTHON" -m pytest -q -x -m gpu tests/test_quant_gpu.py -k "edge or graph or empty" -p no:cacheprovider
 fi
+if (( ${#failed[@]} )); then
+    echo "=== FAILED steps: ${failed[*]}"
+    exit 1
+fi
+echo "=== every step passed"

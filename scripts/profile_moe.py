@@ -1,6 +1,6 @@
 """Device time of each stage of one MoE layer call (V4-Flash shape), with CUDA events.
 
-    PYTHONPATH=. python scripts/profile_moe.py
+    .venv/bin/python scripts/profile_moe.py
 """
 
 import cupy as cp

@@ -1,7 +1,7 @@
 """Launch the fused amax+quantize a few times at one size, for `ncu` to profile.
 
     ncu --clock-control none -k regex:amax_quantize -s 2 -c 1 --section SpeedOfLight \
-        python3 scripts/profile_quant.py 16384 7168
+        .venv/bin/python scripts/profile_quant.py 16384 7168
 """
 
 import sys

@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -16,6 +17,29 @@ if HAVE_GPU and os.environ.get("FP4KIT_NO_POOL") == "1":
     cupy.cuda.set_allocator(None)
 
 
+# FP4KIT_REQUIRE_GPU=1 (the GPU suite sets it): a GPU test that does not run is a failure, so a
+# machine whose CuPy or driver is broken cannot pass by skipping everything
+REQUIRE_GPU = os.environ.get("FP4KIT_REQUIRE_GPU") == "1"
+
+
+def _run_seed() -> int:
+    """One seed per run: FP4KIT_SEED replays a run, otherwise fresh entropy."""
+    text = os.environ.get("FP4KIT_SEED")
+    if text is None:
+        return int(np.random.SeedSequence().entropy % (2**63))
+    try:
+        return int(text)
+    except ValueError:
+        raise pytest.UsageError(f"FP4KIT_SEED: expected an integer, got {text!r}") from None
+
+
+RUN_SEED = _run_seed()
+
+
+def pytest_report_header(config):
+    return f"fp4kit: FP4KIT_SEED={RUN_SEED} (set it to replay this run's random data)"
+
+
 def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:
         return
@@ -25,13 +49,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    # a GPU module skipped at import (pytest.importorskip("cupy")) counts as failed GPU tests
+    if REQUIRE_GPU and report.skipped and collector.nodeid.endswith("_gpu.py"):
+        report.outcome = "failed"
+        report.longrepr = f"FP4KIT_REQUIRE_GPU=1, but this GPU module was skipped: {_skip_reason(report)}"
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if REQUIRE_GPU and report.skipped and "gpu" in item.keywords and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"FP4KIT_REQUIRE_GPU=1, but this GPU test was skipped: {_skip_reason(report)}"
+    if report.failed and "rng" in getattr(item, "fixturenames", ()):
+        report.sections.append(("fp4kit seed", f"replay with FP4KIT_SEED={RUN_SEED} (test seed {_test_seed(item.nodeid)})"))
+    return report
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _test_seed(nodeid: str) -> int:
+    # crc32, not hash(): the same test id gives the same seed in every process
+    return int(np.random.SeedSequence([RUN_SEED, zlib.crc32(nodeid.encode())]).generate_state(1)[0])
+
+
 @pytest.fixture
 def rng(request):
-    """A fresh generator per test, seeded from the test id and a run-dependent entropy, so
-    every run draws new data; the seed is printed on failure."""
-    seed = np.random.SeedSequence().entropy % (2**32)
+    """A generator per test seeded from the run seed (fresh entropy each run, or ``FP4KIT_SEED``)
+    and the test id: every run draws new data, and a failing test reports the ``FP4KIT_SEED`` that
+    replays it (alone or in the whole run)."""
+    seed = _test_seed(request.node.nodeid)
     request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
     return np.random.default_rng(seed)
 
 

@@ -43,3 +43,67 @@ def test_load_to_device_and_layers(tmp_path, rng):
     xd = rng.standard_normal((2, i)).astype(BF16)
     expect = ref.gemm(xd, host.weights["mlp.down_proj"], None, None, np.float64)
     assert ref.calc_diff(cp.asnumpy(lin(cp.asarray(xd))).astype(np.float32), expect) < 1e-5
+
+
+def test_compressed_tensors_layout_loads_onto_the_device(tmp_path, rng):
+    """A compressed-tensors file (weight_packed, weight_global_scale as the encode scale) straight
+    into device buffers: the same bytes and scales as the host load, and layers built from it."""
+    import safetensors.numpy
+
+    p = "model.layers.0.mlp.down_proj"
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    q = qref.quantize(w)
+    tensors = {
+        f"{p}.weight_packed": q.packed,
+        f"{p}.weight_scale": q.block_scales.view(ml_dtypes.float8_e4m3fn),
+        f"{p}.weight_global_scale": q.global_scale.reshape(1),
+        f"{p}.input_global_scale": np.array([250.0], np.float32),
+        f"{p}.weight_shape": np.array([64, 128], np.int64),
+        "lm_head.weight": rng.standard_normal((32, 128)).astype(BF16),
+    }
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
+    host = load_nvfp4(tmp_path)
+    dev = load_nvfp4(tmp_path, device="cuda")
+    assert dev.layout == host.layout == "compressed-tensors"
+    d = dev.weights[p]
+    assert all(isinstance(a, cp.ndarray) for a in (d.packed, d.block_scales, d.global_scale))
+    assert np.array_equal(cp.asnumpy(d.packed), q.packed) and np.array_equal(cp.asnumpy(d.block_scales), q.block_scales)
+    assert cp.asnumpy(d.global_scale).tobytes() == np.asarray(q.global_scale).tobytes() and d.global_scale.shape == ()
+    s = dev.input_scales[p]
+    assert isinstance(s, cp.ndarray) and s.shape == () and float(s) == 250.0
+    assert isinstance(dev.extra["lm_head.weight"], cp.ndarray)
+    assert np.array_equal(cp.asnumpy(fp4kit.dequantize(d)), qref.dequantize(q))  # bit for bit
+    x = rng.standard_normal((3, 128)).astype(BF16)
+    for mode in ("w4a4", "w4a16"):
+        lin_d = Linear.from_checkpoint(dev, p, mode=mode)
+        lin_h = Linear.from_checkpoint(host, p, mode=mode)
+        got = cp.asnumpy(lin_d(cp.asarray(x))).astype(np.float32)
+        assert ref.calc_diff(got, lin_h(x).astype(np.float32)) < 1e-5, mode
+
+
+def test_cli_quantize_on_the_device_equals_the_cpu_run(tmp_path, rng, capsys):
+    """`fp4kit quantize --device cuda`: the quantizers are bit-exact, so the files hold the same
+    tensors as `--device cpu`."""
+    import safetensors.numpy
+
+    from fp4kit import cli
+
+    model = {
+        "model.embed_tokens.weight": rng.standard_normal((40, 64)).astype(BF16),
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((32, 64)).astype(BF16),
+        "model.layers.0.mlp.down_proj.weight": (rng.standard_normal((64, 32)) * 0.01).astype(np.float32),
+        "lm_head.weight": rng.standard_normal((40, 64)).astype(np.float16),
+    }
+    src = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(model, src)
+    assert cli.main(["quantize", str(src), str(tmp_path / "gpu"), "--device", "cuda"]) == 0
+    assert "on cuda" in capsys.readouterr().out
+    assert cli.main(["quantize", str(src), str(tmp_path / "cpu"), "--device", "cpu"]) == 0
+    on_gpu, on_cpu = load_nvfp4(tmp_path / "gpu"), load_nvfp4(tmp_path / "cpu")
+    assert set(on_gpu.weights) == set(on_cpu.weights) == {"model.layers.0.mlp.gate_proj",
+                                                           "model.layers.0.mlp.down_proj", "lm_head"}
+    for name, q in on_cpu.weights.items():
+        g = on_gpu.weights[name]
+        assert np.array_equal(g.packed, q.packed) and np.array_equal(g.block_scales, q.block_scales), name
+        assert np.asarray(g.global_scale).tobytes() == np.asarray(q.global_scale).tobytes(), name
+    assert {k: v.tobytes() for k, v in on_gpu.extra.items()} == {k: v.tobytes() for k, v in on_cpu.extra.items()}

@@ -2,6 +2,7 @@
 they are made, decoding is deterministic, save -> load gives identical tokens, the script's
 commands run, and the model's parts are wired as the config says."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -107,10 +108,25 @@ def test_config_validation():
     assert configs.ModelConfig.from_dict(configs.tiny().to_dict()) == configs.tiny()
 
 
-def test_decode_script_runs_on_numpy(capsys):
-    assert decode.main(["--numpy", "--batch", "1", "--prompt-len", "3", "--new-tokens", "4", "--layers", "2"]) == 0
+def test_decode_progress_updates_one_line_on_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert decode.main(["--numpy", "--batch", "1", "--prompt-len", "2", "--new-tokens", "5", "--layers", "2",
+                        "--print-every", "2"]) == 0
     out = capsys.readouterr().out
-    assert "numpy reference" in out and "ms/token" in out and "seq 0:" in out
+    assert out.count("\r  decoded ") == 3 and "\r  decoded 5/5 tokens per sequence" in out
+    assert re.search(r"seq 0 last token ids: \[[\d, ]+\]\n", out)  # the updated line is ended once
+
+
+def test_decode_script_runs_on_numpy(capsys):
+    assert decode.main(["--numpy", "--batch", "2", "--prompt-len", "3", "--new-tokens", "5", "--layers", "2",
+                        "--print-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "numpy reference" in out and "weights: random (seed 0), so the generated token ids mean nothing" in out
+    assert re.search(r"^decode: +[\d.]+ ms/step = [\d.]+ ms/token over 2 sequence\(s\), \d+ tokens/s$", out, re.M)
+    assert "bandwidth" not in out  # a numpy run says nothing about the kernels' bandwidth
+    assert re.search(r"^seq 0 generated token ids: \[\d+(, \d+){4}\]$", out, re.M)
+    # captured stdout is not a terminal: progress as whole lines, no carriage returns
+    assert "\r" not in out and len(re.findall(r"^  decoded \d/5 tokens per sequence.*seq 0 last token ids: \[", out, re.M)) == 3
     assert decode.main(["--numpy", "--check", "--batch", "1", "--prompt-len", "3", "--new-tokens", "3",
                         "--layers", "2"]) == 0
     assert "numpy vs numpy again: identical tokens and logits over 3 steps -> OK" in capsys.readouterr().out

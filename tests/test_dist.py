@@ -10,6 +10,7 @@ of the result plus the fp32 rounding of the partial sums, ``4 * world * 2^-24 * 
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -140,15 +141,41 @@ def test_unique_id_rendezvous(tmp_path):
         dist_env.read_unique_id(str(tmp_path / "empty"), timeout=0.1)
 
 
-def test_nccl_loader_fails_with_a_clear_message():
+def _cupy_without_nccl(monkeypatch):
+    """A CuPy whose NCCL binding could not load libnccl.so.2, whether CuPy and NCCL are installed
+    here or not: the loader's failure path runs on every machine."""
+    import types
+
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = False
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = nccl
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_nccl_loader_fails_with_a_clear_message(monkeypatch, tmp_path):
     from fp4kit.distributed import nccl_lib
 
-    try:
-        nccl = nccl_lib.load()
-    except RuntimeError as e:
-        assert "libnccl.so.2" in str(e) and "FP4KIT_NCCL_LIBRARY" in str(e) and "nccl.available" in str(e)
-    else:
-        assert nccl.available
+    _cupy_without_nccl(monkeypatch)
+    monkeypatch.setenv("FP4KIT_NCCL_LIBRARY", str(tmp_path / "libnccl.so.2"))
+    with pytest.raises(RuntimeError) as e:
+        nccl_lib.load()
+    message = str(e.value)
+    assert "CuPy could not load libnccl.so.2" in message and str(tmp_path / "libnccl.so.2") in message  # what it tried
+    assert "FP4KIT_NCCL_LIBRARY" in message and "nccl.available" in message  # how to fix and check it
+
+
+def test_nccl_loader_without_cupy_raises_its_documented_error(monkeypatch):
+    from fp4kit.distributed import nccl_lib
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "cupy.cuda.nccl", raising=False)
+    monkeypatch.setattr(nccl_lib, "candidate_paths", lambda: [])
+    with pytest.raises(RuntimeError, match="CuPy"):
+        nccl_lib.load()
 
 
 # -- launcher ---------------------------------------------------------------------------------------
@@ -573,11 +600,39 @@ def test_kernel_module_constants():
     assert dist.EP_CAPACITY_OVERFLOW is status.EP_CAPACITY_OVERFLOW  # re-exported, named once (test_status_flags)
 
 
-def test_multigpu_scripts_compile():
+def test_multigpu_scripts_use_only_what_fp4kit_has():
+    """Both scripts need several GPUs to run; here every fp4kit module they import or launch
+    (``-m fp4kit...``), every name they import from one, and every attribute they take of an
+    imported fp4kit module must exist, so a renamed or removed API fails here rather than on the
+    multi-GPU machine."""
+    import ast
+    import importlib
+    import importlib.util
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for path in ("tests/multigpu/check_dist.py", "benchmarks/bench_dist.py"):
         source = open(os.path.join(root, path)).read()
-        compile(source, path, "exec")  # syntax only: both need GPUs to run
+        tree = ast.parse(source, path)
+        modules = {}  # local name -> fp4kit module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp4kit"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    value = getattr(module, alias.name, None)
+                    if value is None:  # a submodule not imported by its package yet
+                        value = importlib.import_module(f"{node.module}.{alias.name}")
+                    if isinstance(value, type(os)):
+                        modules[alias.asname or alias.name] = value
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("fp4kit"):
+                        modules[alias.asname or alias.name.split(".")[0]] = importlib.import_module(alias.name)
+        assert modules, f"{path}: no fp4kit import found"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                assert hasattr(modules[node.value.id], node.attr), f"{path}:{node.lineno}: {node.value.id}.{node.attr}"
+        for launched in re.findall(r"-m[\s\",']+(fp4kit(?:\.\w+)+)", source):
+            assert importlib.util.find_spec(launched) is not None, f"{path}: launches {launched}, which does not exist"
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -600,13 +655,7 @@ def test_expert_parallel_replicated_tokens_equal_the_single_layer(rng, world, mo
 
 
 def test_init_at_world_size_two_needs_nccl(monkeypatch, tmp_path):
-    from fp4kit.distributed import nccl_lib
-
-    try:
-        nccl_lib.load()
-        pytest.skip("NCCL is available here")
-    except RuntimeError:
-        pass
+    _cupy_without_nccl(monkeypatch)
     monkeypatch.setenv(dist_env.WORLD_SIZE, "2")
     monkeypatch.setenv(dist_env.RANK, "0")
     monkeypatch.setenv(dist_env.RENDEZVOUS, str(tmp_path))

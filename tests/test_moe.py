@@ -84,7 +84,9 @@ def test_layer_matches_a_token_by_token_loop(rng):
         ids, weights = ref.route(x, gate, **vars(routing))
         from fp4kit.reference.gemm import gemm
 
-        expect = np.zeros((4, 64), np.float32)
+        # the same operations token by token: the slot outputs (fp32) summed exactly in float64, one
+        # fp32 and one bf16 rounding, as the layer does, so the result is equal bit for bit
+        expect = np.zeros((4, 64), np.float64)
         for t in range(4):
             for j in range(3):
                 e, wt = ids[t, j], weights[t, j]
@@ -92,7 +94,7 @@ def test_layer_matches_a_token_by_token_loop(rng):
                 a = qref.swiglu(h, "interleaved", 5.0, np.array([wt], np.float32) if before else None).astype(BF16)
                 out = gemm(a, s2.expert(e), None, None, np.float32)[0]
                 expect[t] += out if before else out * wt
-        assert np.allclose(y, expect.astype(BF16).astype(np.float32), rtol=1e-2, atol=1e-2 * np.abs(expect).max())
+        assert np.array_equal(y, expect.astype(np.float32).astype(BF16).astype(np.float32))
 
 
 def test_shared_expert_is_added(rng):
@@ -110,7 +112,6 @@ def test_shared_expert_is_added(rng):
     "kwargs, message",
     [
         (dict(routing=RoutingConfig(top_k=9)), "top_k: expected 1..8 for 8 experts"),
-        (dict(routing=RoutingConfig(top_k=2, score_func="relu")), "score_func"),
         (dict(routing=RoutingConfig(top_k=2, n_group=3, topk_group=1)), "n_group/topk_group"),
         (dict(routing=RoutingConfig(top_k=8, n_group=4, topk_group=1)), "top_k: 8 exceeds the experts"),
         (dict(bias=np.zeros(7, np.float32)), r"bias: expected float32 \[8\]"),
@@ -198,3 +199,63 @@ def test_expert_stack_tiling_round_trips(rng):
         assert np.array_equal(qref.dequantize(tiled.expert(e)), qref.dequantize(experts[e]))
     with pytest.raises(ValueError, match="fuse linear stacks"):
         ExpertStack.fuse_gate_up(tiled, tiled)
+
+
+# -- dispatch and combine: the device steps' specification on hand cases -------------------------------
+
+def test_dispatch_on_a_hand_case():
+    from fp4kit.reference import dist as dist_ref
+
+    ids = np.array([[2, 0], [2, 3], [0, 2]], np.int32)
+    weights = np.array([[0.5, 0.25], [1.0, 2.0], [4.0, 8.0]], np.float32)
+    counts, tickets = dist_ref.tickets(ids, 4)
+    assert counts.tolist() == [2, 0, 3, 1] and tickets.tolist() == [[0, 0], [1, 0], [1, 2]]
+    offsets, active, slot_row, row_token, row_weight = ref.dispatch(counts, tickets, ids, weights)
+    assert offsets.tolist() == [0, 2, 2, 5, 6]
+    assert active.tolist() == [0, 2, 3]  # expert 1 has no pair
+    assert slot_row.tolist() == [2, 0, 3, 5, 1, 4]  # expert 0 owns rows 0-1, expert 2 rows 2-4, expert 3 row 5
+    assert row_token.tolist() == [0, 2, 0, 1, 2, 1]
+    assert row_weight.tolist() == [0.25, 4.0, 0.5, 1.0, 8.0, 2.0]
+
+
+def test_dispatch_with_tickets_in_any_order(rng):
+    """The router's atomics hand out tickets in any order: rows stay in their expert's range and
+    every row keeps its pair's token and weight."""
+    from fp4kit.reference import dist as dist_ref
+
+    t, k, e = 9, 3, 6
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    counts, tickets = dist_ref.tickets(ids, e)
+    flat, tk = ids.reshape(-1), tickets.reshape(-1).copy()
+    for x in range(e):  # shuffle the tickets within each expert
+        pairs = np.nonzero(flat == x)[0]
+        tk[pairs] = rng.permutation(tk[pairs])
+    offsets, active, slot_row, row_token, row_weight = ref.dispatch(counts, tk.reshape(t, k), ids, weights)
+    assert sorted(slot_row.tolist()) == list(range(t * k))
+    assert ((offsets[flat] <= slot_row) & (slot_row < offsets[flat + 1])).all()
+    assert np.array_equal(row_token[slot_row], np.arange(t * k) // k)
+    assert np.array_equal(row_weight[slot_row], weights.reshape(-1))
+    assert active.tolist() == sorted(set(flat.tolist()))
+
+
+def test_combine_on_a_hand_case():
+    y = np.array([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0], [0.5, 0.25]], np.float32)  # sorted rows
+    slot_row = np.array([2, 0, 1, 3], np.uint32)  # token 0: rows 2, 0; token 1: rows 1, 3
+    weights = np.array([[0.5, 2.0], [0.25, 4.0]], np.float32)
+    plain = ref.combine(y, slot_row, weights, weighted=False)
+    assert plain.dtype == BF16 and plain.astype(np.float32).tolist() == [[101.0, 202.0], [10.5, 20.25]]
+    weighted = ref.combine(y, slot_row, weights, weighted=True)
+    assert weighted.astype(np.float32).tolist() == [[52.0, 104.0], [4.5, 6.0]]
+    shared = np.array([[1.0, -2.0], [0.5, 0.0]], BF16)
+    assert ref.combine(y, slot_row, weights, True, shared).astype(np.float32).tolist() == [[53.0, 102.0], [5.0, 6.0]]
+
+
+def test_combine_rounds_in_fp32_in_slot_order_then_once_to_bf16():
+    # 1 + 2^-24 + 2^-24 in fp32 slot order is 1 (each add rounds back); in one float64 sum it is
+    # 1 + 2^-23, which bf16 also rounds to 1; 1 + 2^-8 + 2^-9 shows the single bf16 rounding
+    y = np.array([[1.0], [2.0**-24], [2.0**-24], [2.0**-8], [2.0**-9]], np.float32)
+    out = ref.combine(y, np.array([0, 1, 2], np.uint32), np.ones((1, 3), np.float32), weighted=False)
+    assert out.astype(np.float32).item() == 1.0
+    out = ref.combine(y, np.array([0, 3, 4], np.uint32), np.ones((1, 3), np.float32), weighted=False)
+    assert out.astype(np.float32).item() == 1.0 + 2.0**-7  # 1 + 3 * 2^-9 rounds up to the next bf16

@@ -145,3 +145,74 @@ def test_layer_in_a_cuda_graph(rng):
         with cp.cuda.Stream(non_blocking=True):
             expect = cp.asnumpy(dev(cp.asarray(xn)).copy()).astype(np.float32)
         assert gref.calc_diff(got, expect) == 0  # replay = eager, bit for bit
+
+
+# -- dispatch and combine kernels against their specification (fp4kit.reference.moe) -----------------
+
+def _plan_buffers(e, pairs):
+    """The dispatch outputs, poisoned (0xFF bytes) so that an unwritten entry shows."""
+    from types import SimpleNamespace
+
+    full = lambda n, dt: cp.full(n, 0xFFFFFFFF, cp.uint32).view(dt)  # noqa: E731
+    return SimpleNamespace(offsets=full(e + 1, cp.uint32), active=full(e, cp.uint32), num_active=full(1, cp.uint32),
+                           slot_row=full(pairs, cp.uint32), row_token=full(pairs, cp.uint32),
+                           row_weight=full(pairs, cp.float32))
+
+
+@pytest.mark.parametrize("t, k, e", [(1, 6, 256), (37, 6, 64), (300, 8, 256), (5, 2, 1024)])
+def test_dispatch_kernel_matches_reference(rng, t, k, e):
+    from fp4kit.ops import moe as moe_ops
+    from fp4kit.reference import dist as dist_ref
+
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[: t // 2, 0] = 3  # a hot expert
+    weights = rng.random((t, k)).astype(np.float32)
+    counts, tickets = dist_ref.tickets(ids, e)
+    offsets, active, slot_row, row_token, row_weight = ref.dispatch(counts, tickets, ids, weights)
+    d_counts = cp.asarray(counts)
+    plan = _plan_buffers(e, t * k)
+    moe_ops.dispatch(d_counts, cp.asarray(tickets), cp.asarray(ids), cp.asarray(weights), k, plan)
+    assert np.array_equal(cp.asnumpy(plan.offsets), offsets)
+    n = int(plan.num_active.get()[0])
+    assert n == active.size and np.array_equal(cp.asnumpy(plan.active[:n]), active)
+    assert np.array_equal(cp.asnumpy(plan.slot_row), slot_row)
+    assert np.array_equal(cp.asnumpy(plan.row_token), row_token)
+    assert cp.asnumpy(plan.row_weight).tobytes() == row_weight.tobytes()
+    assert int(d_counts.sum()) == 0  # zeroed for the next call
+
+
+def test_dispatch_after_the_device_router_is_a_consistent_plan(rng):
+    """Tickets from the router's atomics come in any order: every pair still gets a row of its
+    expert's range, each row once, with the pair's token and weight."""
+    e, h, i, t = 64, 512, 256, 40
+    dev, _ = build(rng, e, h, i, V4, limit=10.0)
+    x = cp.asarray(rng.standard_normal((t, h)).astype(BF16))
+    ids, weights = (cp.asnumpy(a) for a in dev.route(x))
+    plan = dev._plans[t]
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=e)
+    offsets = cp.asnumpy(plan.offsets)
+    slot_row = cp.asnumpy(plan.slot_row).astype(np.int64)
+    assert np.array_equal(offsets, np.concatenate([[0], np.cumsum(counts)]))
+    assert sorted(slot_row.tolist()) == list(range(t * V4.top_k))
+    assert ((offsets[flat] <= slot_row) & (slot_row < offsets[flat + 1])).all()
+    assert np.array_equal(cp.asnumpy(plan.row_token)[slot_row], np.arange(t * V4.top_k) // V4.top_k)
+    assert cp.asnumpy(plan.row_weight)[slot_row].tobytes() == weights.reshape(-1).tobytes()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("t, k, h", [(1, 6, 4096), (33, 8, 7168), (64, 2, 16)])
+def test_combine_kernel_matches_reference(rng, weighted, with_shared, t, k, h):
+    from fp4kit.ops import moe as moe_ops
+
+    pairs = t * k
+    y = (rng.standard_normal((pairs, h)) * rng.lognormal(0, 2, (pairs, 1))).astype(np.float32)
+    slot_row = rng.permutation(pairs).astype(np.uint32)
+    weights = rng.random((t, k)).astype(np.float32)
+    shared = rng.standard_normal((t, h)).astype(BF16) if with_shared else None
+    want = ref.combine(y, slot_row, weights, weighted, shared)
+    out = cp.full((t, h), 0x4B4B, cp.uint16).view(BF16)  # poison: a finite value
+    moe_ops.combine(cp.asarray(y), cp.asarray(slot_row), cp.asarray(weights), weighted,
+                    None if shared is None else cp.asarray(shared), out)
+    assert np.array_equal(cp.asnumpy(out).view(np.uint16), want.view(np.uint16))

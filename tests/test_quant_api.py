@@ -7,6 +7,7 @@ import pytest
 
 import fp4kit
 from fp4kit import formats
+from fp4kit.ops.quant import swiglu
 from fp4kit.reference import quant as ref
 
 BF16 = ml_dtypes.bfloat16
@@ -127,3 +128,63 @@ def test_dlpack_cpu_producer_runs_the_reference(rng):
 def test_bad_input_gets_a_clear_error(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+# -- ops.quant.swiglu: the bf16 SwiGLU of the W4A16 down-projection input ---------------------------
+
+def _swiglu_float64(h, layout, limit, row_scale):
+    """silu(gate) * up from the definition, in float64: the layouts written out independently."""
+    h = np.asarray(h).astype(np.float64)
+    if layout == "interleaved":  # 16-element chunks alternate gate, up
+        chunks = h.reshape(*h.shape[:-1], -1, 2, 16)
+        g, u = chunks[..., 0, :].reshape(*h.shape[:-1], -1), chunks[..., 1, :].reshape(*h.shape[:-1], -1)
+    else:
+        g, u = np.split(h, 2, axis=-1)
+    if limit is not None:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    act = g / (1 + np.exp(-g)) * u
+    return act if row_scale is None else act * row_scale[..., None]
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32])
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_swiglu_is_silu_gate_times_up_rounded_once_to_bf16(rng, dtype, layout):
+    h = (rng.standard_normal((2, 3, 128)) * 4).astype(dtype)
+    rs = rng.uniform(0.1, 2, (2, 3)).astype(np.float32)
+    for limit, row_scale in ((None, None), (5.0, None), (5.0, rs)):
+        y = swiglu(h, layout=layout, limit=limit, row_scale=row_scale)
+        assert y.shape == (2, 3, 64) and y.dtype == BF16
+        exact = _swiglu_float64(h, layout, limit, row_scale)
+        # one bf16 rounding of an fp32 result a few fp32 ulps from exact (silu's exp ~2 ulp)
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 2.0**-126))) - 7)
+        err = np.abs(y.astype(np.float64) - exact)
+        assert (err <= 0.5 * ulp + 8 * 2.0**-24 * np.abs(exact)).all(), (err / ulp).max()
+        # and the swapped halves (a layout bug) are far outside that
+        swapped = _swiglu_float64(np.concatenate(np.split(np.asarray(h, np.float64), 2, -1)[::-1], -1)
+                                  if layout == "concatenated" else
+                                  np.asarray(h, np.float64).reshape(2, 3, -1, 2, 16)[..., ::-1, :].reshape(2, 3, 128),
+                                  layout, limit, row_scale)
+        assert np.abs(y.astype(np.float64) - swapped).max() > 1.0
+
+
+def test_swiglu_nan_stays_nan_and_out_is_written_in_place(rng):
+    h = rng.standard_normal((4, 64)).astype(np.float32)
+    h[1, 3] = np.nan  # gate element 3 of row 1 (interleaved: the first 16 are gate)
+    out = np.full((4, 32), np.inf, BF16)
+    y = swiglu(h, limit=1.0, out=out)
+    assert y is out
+    assert np.isnan(out[1, 3].astype(np.float32)) and np.isfinite(np.delete(out.astype(np.float32).ravel(), 35)).all()
+    assert np.array_equal(out.view(np.uint16), swiglu(h, limit=1.0).view(np.uint16))
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda h: swiglu(h[:, :48]), ValueError, "h: last dimension must be a multiple of 32"),
+    (lambda h: swiglu(h, layout="blocked"), ValueError, "layout: expected one of"),
+    (lambda h: swiglu(h, limit=-1.0), ValueError, "limit: expected a positive finite float"),
+    (lambda h: swiglu(h, row_scale=np.ones(3, np.float32)), ValueError, r"row_scale: expected float32 of shape \(4,\)"),
+    (lambda h: swiglu(h, out=np.empty((4, 32), np.float32)), ValueError, "out: expected shape"),
+    (lambda h: swiglu(h.astype(np.int32)), TypeError, "h: expected dtype bfloat16, float16 or float32"),
+])
+def test_swiglu_bad_input(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call(np.zeros((4, 64), np.float32))

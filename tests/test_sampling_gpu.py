@@ -77,10 +77,9 @@ def test_same_seed_offset_same_tokens_rows_independent(rng):
     same = cp.asarray(np.tile(np.zeros(5000, np.float32), (64, 1)))
     d = draw(same, Generator(9)).get()
     assert len(set(d.tolist())) > 50  # identical rows, different draws
-    # the kernel's draws are the reference's (same Philox numbers) except for fp32 near-ties
-    host = x.get()
-    want = ref.sample(host, 9, 4, top_p=0.95)
-    assert np.mean(a == want) >= 0.95
+    # the kernel's draws are the reference's (same Philox numbers): every row not decided by an
+    # fp32 near-tie agrees exactly (was: any 3 of the 64 rows could differ)
+    assert_matches_reference(x.get(), a, 9, 4, min_robust=0.9, top_p=0.95)
 
 
 def test_graph_replays_draw_fresh_tokens_and_advance_offset(rng):

@@ -79,11 +79,11 @@ def init(*, timeout: float | None = None) -> Communicator:
         os.environ[key] = value
     timeout = float(os.environ.get("FP4KIT_DIST_TIMEOUT", 300)) if timeout is None else timeout
 
-    import cupy
-
     from . import nccl_lib
 
-    nccl = nccl_lib.load()  # first: without NCCL nothing else matters
+    nccl = nccl_lib.load()  # first: without NCCL (or CuPy) nothing else matters, and it says how to fix it
+    import cupy
+
     cupy.cuda.Device(_int_env(DEVICE, _int_env(LOCAL_RANK, rank))).use()
     if rank == 0:
         unique_id = nccl.get_unique_id()

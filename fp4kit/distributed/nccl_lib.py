@@ -59,7 +59,11 @@ def load():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CuPy warns on a missing library; the error below says more
-        from cupy.cuda import nccl
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise RuntimeError("NCCL: CuPy cannot be imported (" + str(e) + "); pip install 'fp4kit[cuda13]' "
+                               "(or '[cuda12]') first. " + _HOW_TO_FIX) from e
     if not getattr(nccl, "available", False):
         tried = candidate_paths() or ["(no candidate found)"]
         raise RuntimeError(f"NCCL: CuPy could not load libnccl.so.2 (tried the loader path and {tried}); " + _HOW_TO_FIX)

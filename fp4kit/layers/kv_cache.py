@@ -16,6 +16,8 @@ dropped and recorded in the device status word (``KV_COMP_OVERFLOW``), never wri
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from ..ops import kv_cache as kv_ops
@@ -49,6 +51,10 @@ class KVCache:
                  device=True):
         if ratio not in RATIOS:
             raise ValueError(f"ratio: expected one of {RATIOS}, got {ratio}")
+        for name, value in (("batch", batch), ("window", window), ("head_dim", head_dim), ("ratio", ratio),
+                            ("max_comp", max_comp), ("rope_dim", rope_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
         if head_dim % 16 or head_dim <= 0:
             raise ValueError(f"head_dim: expected a positive multiple of 16, got {head_dim}")
         if window <= 0 or batch <= 0 or max_comp <= 0:
@@ -97,7 +103,9 @@ class KVCache:
         kv : bf16 ``[B, T, D]`` — the layer's latent KV of the new tokens (the ring buffer's rows)
         comp_kv, comp_score : bf16 or fp32 ``[B, T, coff*D]`` — the compressor's inputs (ratio > 0)
         counts : int32 ``[B]``, optional — valid new tokens per sequence (<= T; prefill of prompts of
-            different lengths); in the cache's memory, read on the device
+            different lengths); in the cache's memory, read on the device. A count outside ``[0, T]``
+            is data, not an error: it is clamped to that range and recorded in the status word
+            (`fp4kit.runtime.status.KV_INPUT`)
         """
         kv = self._check("kv", kv, (self.batch, None, self.head_dim), (arrays.BF16,))
         t = kv.shape[1]
@@ -112,7 +120,9 @@ class KVCache:
         if counts is not None:
             counts = self._check("counts", counts, (self.batch,), (np.dtype(np.int32),))
         if self.xp is np:
-            n = None if counts is None else counts
+            n = None if counts is None else np.clip(counts, 0, t).astype(np.int32)
+            if n is not None and not np.array_equal(n, counts):
+                status.record_host(status.KV_INPUT)
             ref.append_swa(self.swa, self.pos, kv, n)
             if self.ratio:
                 dropped = ref.append_compressed(self.comp, self.comp_len, self.kv_state, self.score_state, self.pos,

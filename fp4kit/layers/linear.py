@@ -44,7 +44,9 @@ class Linear:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if not isinstance(weight, Nvfp4Tensor) or len(weight.shape) != 2:
-            raise TypeError(f"weight: expected a 2-D Nvfp4Tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
+            got = type(weight).__name__ + (f" of shape {tuple(weight.shape)}" if hasattr(weight, "shape") else "")
+            raise TypeError(f"weight: expected a 2-D Nvfp4Tensor [N, K], got {got} "
+                            "(Linear.from_float quantizes a float weight)")
         if input_scale is not None:
             input_scale = arrays.as_scalar_fp32("input_scale", input_scale, weight.packed)
         if arrays.is_device_array(weight.packed):
@@ -67,6 +69,9 @@ class Linear:
     @classmethod
     def from_float(cls, weight, *, bias=None, mode: str = "w4a4", input_scale=None) -> "Linear":
         """Quantize a bf16/fp16/fp32 ``[N, K]`` weight (on the GPU for device arrays)."""
+        weight = arrays.as_array(weight, "weight")
+        if weight.ndim != 2 or weight.shape[1] % 16:
+            raise ValueError(f"weight: expected [N, K] with K a multiple of 16, got shape {tuple(weight.shape)}")
         return cls(quant_ops.quantize(weight), bias=bias, mode=mode, input_scale=input_scale)
 
     @classmethod

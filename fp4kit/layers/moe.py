@@ -27,6 +27,7 @@ decode factors for experts fused from shards with different global scales).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,7 @@ from ..ops import quant as quant_ops
 from ..reference import fp32
 from ..reference import moe as moe_ref
 from ..reference.elementwise import token_rows
+from ..reference.quant import has_nonfinite
 from ..runtime import arrays, status, workspace
 from ..runtime.workspace import zeros_outside_capture
 from .shared_expert import interleave_rows
@@ -158,6 +160,18 @@ class RoutingConfig:
     renormalize: bool = True
     routed_scale: float = 1.0
 
+    def __post_init__(self):
+        # what can be checked without the expert count (`MoE` checks the rest)
+        for name in ("top_k", "n_group", "topk_group"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise TypeError(f"{name}: expected a positive int, got {type(v).__name__} {v!r}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {self.score_func!r}")
+        r = self.routed_scale
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not (np.isfinite(r) and r > 0):
+            raise ValueError(f"routed_scale: expected a positive finite number, got {r!r}")
+
 
 @dataclass
 class _Plan:
@@ -204,6 +218,9 @@ class MoE:
                  w1: ExpertStack | None = None, w3: ExpertStack | None = None, bias=None, tid2eid=None,
                  limit: float | None = None, weight_before_down: bool = True, mode: str = "w4a4", shared=None):
         self.gate_weight = arrays.as_array(gate_weight, "gate_weight")
+        if self.gate_weight.ndim != 2 or self.gate_weight.shape[0] != w2.shape[0]:
+            raise ValueError(f"gate_weight: expected [experts, hidden] with {w2.shape[0]} experts (w2 is [E, H, I] = "
+                             f"{w2.shape}), got shape {tuple(self.gate_weight.shape)}")
         e, h = self.gate_weight.shape
         if (w13 is None) == (w1 is None or w3 is None):
             raise ValueError("w13: pass either the fused w13 or both w1 and w3")
@@ -220,6 +237,8 @@ class MoE:
             raise ValueError(f"hidden and inner sizes must be multiples of 16, got hidden={h}, inner={inner}")
         if mode not in ("w4a4", "w4a16"):
             raise ValueError(f"mode: expected 'w4a4' or 'w4a16', got {mode!r}")
+        quant_ops.check_limit(limit)
+        _check_shared(shared, h)
         if tid2eid is not None:
             tid2eid = arrays.as_array(tid2eid, "tid2eid")
             host = np.asarray(tid2eid.get() if arrays.is_device_array(tid2eid) else tid2eid)  # once, at construction
@@ -251,7 +270,15 @@ class MoE:
     def from_float(cls, gate_weight, w1, w3, w2, routing: RoutingConfig, *, fused: bool = True, **kwargs) -> "MoE":
         """Quantize per-expert float weights ``w1, w3 [E, I, H]``, ``w2 [E, H, I]`` (on the GPU for
         device arrays), one global scale per expert and matrix (W13 shares one per expert)."""
-        e = w1.shape[0]
+        w1, w3, w2 = (arrays.as_array(w, n) for w, n in ((w1, "w1"), (w3, "w3"), (w2, "w2")))
+        if w1.ndim != 3 or w1.shape[1] % 16 or w1.shape[2] % 16:
+            raise ValueError(f"w1: expected [experts, inner, hidden] with inner and hidden multiples of 16, "
+                             f"got shape {tuple(w1.shape)}")
+        if w3.shape != w1.shape:
+            raise ValueError(f"w3: expected the shape of w1 {tuple(w1.shape)}, got {tuple(w3.shape)}")
+        e, i, h = w1.shape
+        if tuple(w2.shape) != (e, h, i):
+            raise ValueError(f"w2: expected [experts, hidden, inner] = {(e, h, i)}, got {tuple(w2.shape)}")
         if fused:
             w13 = ExpertStack.from_tensors([quant_ops.quantize(interleave_rows(w1[i], w3[i])) for i in range(e)])
             parts = {"w13": w13}
@@ -313,6 +340,8 @@ class MoE:
             raise TypeError(f"x: expected bfloat16 or float32, got {x.dtype}")
         arrays.check_contiguous("x", x)
         token_ids = check_token_ids(token_ids, x, self.tid2eid)
+        if x.shape[0] == 0:  # no tokens: an empty result, as quantize gives for an empty tensor
+            return arrays.array_module(x).empty((0, self.hidden), arrays.BF16)
         if not arrays.is_device_array(x):
             return self._forward_reference(x, token_ids)
         return self._forward_device(x, token_ids)
@@ -322,6 +351,8 @@ class MoE:
         return [stack.expert(i) for i in range(self.num_experts)]
 
     def _forward_reference(self, x, token_ids):
+        if has_nonfinite(x):  # what Linear's quantizer records, in either mode
+            status.record_host(status.NONFINITE_INPUT)
         ids, weights = moe_ref.route(x, self.gate_weight, bias=self.bias, tid2eid=self.tid2eid, token_ids=token_ids,
                                      **vars(self.routing))
         if self.fused:
@@ -397,6 +428,19 @@ class MoE:
         shared = self.shared(x) if self.shared is not None else None
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
         return plan.out
+
+
+def _check_shared(shared, hidden: int) -> None:
+    """A shared expert must map ``[T, hidden]`` to ``[T, hidden]``; layers with weights are checked."""
+    if shared is None:
+        return
+    if not callable(shared):
+        raise TypeError(f"shared: expected a callable [T, H] -> [T, H] (e.g. a SharedExpert), got {type(shared).__name__}")
+    gate_up, down = getattr(shared, "gate_up", None), getattr(shared, "down", None)
+    sizes = (getattr(gate_up, "in_features", hidden), getattr(down, "out_features", hidden))
+    if sizes != (hidden, hidden):
+        raise ValueError(f"shared: expected a shared expert of hidden size {hidden} (in and out), got in_features "
+                         f"{sizes[0]} and out_features {sizes[1]}")
 
 
 def _check_routing(r: RoutingConfig, e: int) -> None:

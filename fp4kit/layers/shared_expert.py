@@ -75,8 +75,12 @@ class SharedExpert:
                 f"down: expected in_features {gate_up.out_features // 2} (half of gate_up's {gate_up.out_features}), "
                 f"got {down.in_features}"
             )
+        if down.out_features != gate_up.in_features:
+            raise ValueError(f"down: expected out_features {gate_up.in_features} (gate_up's in_features: the "
+                             f"output has the input's hidden size), got {down.out_features}")
         if gate_up.mode != down.mode:
             raise ValueError(f"gate_up and down must share a mode, got {gate_up.mode!r} and {down.mode!r}")
+        quant_ops.check_limit(limit)
         self.gate_up, self.down, self.limit = gate_up, down, limit
         self._buffers: dict[tuple, object] = {}
 
@@ -90,7 +94,14 @@ class SharedExpert:
         arrays); gate and up share one global scale."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        w13 = interleave_rows(arrays.as_array(w_gate, "w_gate"), arrays.as_array(w_up, "w_up"))
+        w_gate, w_up, w_down = (arrays.as_array(w, n) for w, n in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down")))
+        if w_gate.ndim != 2 or w_gate.shape[0] % 16 or w_gate.shape[1] % 16 or w_up.shape != w_gate.shape:
+            raise ValueError(f"w_gate, w_up: expected equal shapes [I, H] with I and H multiples of 16, "
+                             f"got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+        if tuple(w_down.shape) != tuple(w_gate.shape[::-1]):
+            raise ValueError(f"w_down: expected shape [H, I] = {tuple(w_gate.shape[::-1])} for w_gate [I, H] = "
+                             f"{tuple(w_gate.shape)}, got {tuple(w_down.shape)}")
+        w13 = interleave_rows(w_gate, w_up)
         return cls(Linear.from_float(w13, mode=mode), Linear.from_float(w_down, mode=mode), limit=limit)
 
     @classmethod

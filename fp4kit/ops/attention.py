@@ -27,7 +27,7 @@ import numbers
 import numpy as np
 
 from ..reference import attention as ref
-from ..runtime import arrays, loader
+from ..runtime import arrays, loader, status
 from ..runtime import workspace as scratch
 
 _MODULE = "attention"
@@ -207,7 +207,9 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         Sliding-window ring buffer: token ``t`` at slot ``t % W``.
     pos : int32 ``[B]``
         Tokens written per sequence (device memory on the device path); the valid slots are
-        ``0 .. min(pos, W) - 1``, all of them once the ring has wrapped.
+        ``0 .. min(pos, W) - 1``, all of them once the ring has wrapped. A negative position
+        counts as 0 and, like a ``comp_len`` outside ``[0, C]`` (clamped), is recorded in the
+        status word (`fp4kit.runtime.status.KV_INPUT`).
     comp : bf16 ``[B, C, D]``
         Compressed cache of capacity ``C``.
     comp_len : int32 ``[B]``
@@ -246,6 +248,9 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     if out is not None:
         arrays.check_out("out", out, q.shape, dtype, q)
     splits = _splits_value(num_splits, candidates)
+
+    if not arrays.is_device_array(q) and ((pos < 0).any() or (comp_len < 0).any() or (comp_len > comp.shape[1]).any()):
+        status.record_host(status.KV_INPUT)  # positions are data: counted as 0 / clamped, and recorded
 
     if not arrays.is_device_array(q):
         if workspace is not None:

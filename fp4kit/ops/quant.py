@@ -9,6 +9,8 @@ No op reads a device value on the host, so every device op can be captured in a 
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .. import formats
@@ -106,6 +108,15 @@ def _record_host_nonfinite(values) -> None:
         status.record_host(status.NONFINITE_INPUT)
 
 
+def _record_host_bad_scale(s) -> None:
+    """A host encode scale that is not a positive finite fp32 (0, negative, NaN, ±Inf) makes every
+    code and decode factor meaningless: record it as the device records it (a scale is data, never
+    read back on the device path, so this is a status event rather than an exception)."""
+    v = np.asarray(s, np.float32).reshape(())
+    if not (v > 0 and v <= np.finfo(np.float32).max):
+        status.record_host(status.NONFINITE_INPUT)
+
+
 def amax(x, *, out=None):
     """``max |x|`` over the whole tensor as a 0-d fp32 array (NaN if any element is NaN).
 
@@ -142,6 +153,8 @@ def global_scale_from_amax(amax_value, *, out=None):
     amax_value = arrays.as_scalar_fp32("amax", amax_value)
     if out is not None:
         arrays.check_out("out", out, (), np.float32, amax_value)
+    if not arrays.is_device_array(amax_value) and np.signbit(np.asarray(amax_value, np.float32)).any():
+        status.record_host(status.NONFINITE_INPUT)  # an amax is |x|: a negative one (even -0.0) is not one
     if not arrays.is_device_array(amax_value):
         result = ref.global_scale_from_amax(amax_value.reshape(()))
         _record_host_nonfinite(amax_value)
@@ -154,7 +167,7 @@ def global_scale_from_amax(amax_value, *, out=None):
 
 
 def quantize(x, *, global_scale=None, scale_layout: str = "linear", out: Nvfp4Tensor | None = None) -> Nvfp4Tensor:
-    """Quantize ``x`` to NVFP4 (DESIGN.md §1 recipe, bit-exact with the reference).
+    """Quantize ``x`` to NVFP4 (the recipe of docs/design.md §1, bit-exact with the reference).
 
     Parameters
     ----------
@@ -175,13 +188,16 @@ def quantize(x, *, global_scale=None, scale_layout: str = "linear", out: Nvfp4Te
         Its ``global_scale`` holds the ``S`` used: computed by the kernel, or a device-side
         copy of the static scale.
 
-    A NaN or Inf input is recorded in the status word (`fp4kit.check_finite`).
+    A NaN or Inf input, and a static ``global_scale`` that is not a positive finite number, are
+    recorded in the status word (`fp4kit.check_finite`).
     """
     x = _intake(x, "x", BLOCK_SIZE)
     global_scale = _scale_arg(global_scale, x)
     out = _prepare_out(out, tuple(x.shape), scale_layout, x)
     if not arrays.is_device_array(x):
         _record_host_nonfinite(x)
+        if global_scale is not None:
+            _record_host_bad_scale(global_scale)
         return _copy_into(out, ref.quantize(x, global_scale, scale_layout))
     suffix = arrays.DTYPE_SUFFIX[x.dtype]
     layout_args, work = _layout_args(out)
@@ -196,13 +212,22 @@ def quantize(x, *, global_scale=None, scale_layout: str = "linear", out: Nvfp4Te
     return out
 
 
+def check_limit(limit) -> None:
+    """DeepSeek-V4's ``swiglu_limit``: None or a positive finite real number."""
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+        raise TypeError(f"limit: expected a positive finite float or None, got {type(limit).__name__} {limit!r}")
+    if not (np.isfinite(limit) and limit > 0):
+        raise ValueError(f"limit: expected a positive finite float or None, got {limit!r}")
+
+
 def _swiglu_args(h, layout, limit, row_scale):
     """Validated (h, row_scale) and the source arguments shared by the SwiGLU kernels."""
     h = _intake(h, "h", 2 * BLOCK_SIZE)
     if layout not in ref.SWIGLU_LAYOUTS:
         raise ValueError(f"layout: expected one of {ref.SWIGLU_LAYOUTS}, got {layout!r}")
-    if limit is not None and not (np.isfinite(limit) and limit > 0):
-        raise ValueError(f"limit: expected a positive finite float or None, got {limit!r}")
+    check_limit(limit)
     if row_scale is not None:
         row_scale = arrays.as_array(row_scale, "row_scale")
         if row_scale.dtype != np.float32 or tuple(row_scale.shape) != tuple(h.shape[:-1]):
@@ -270,6 +295,8 @@ def swiglu_quantize(
     if not arrays.is_device_array(h):
         act = ref.swiglu(h, layout, limit, row_scale)
         _record_host_nonfinite(act)
+        if global_scale is not None:
+            _record_host_bad_scale(global_scale)
         return _copy_into(out, ref.quantize(act, global_scale, scale_layout))
     suffix = f"{arrays.DTYPE_SUFFIX[h.dtype]}_{layout}"
     layout_args, work = _layout_args(out)
@@ -287,11 +314,15 @@ def swiglu_quantize(
 def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     """``e2m1 * (fp32(block_scale) / S)`` rounded to ``dtype`` (bf16, fp16 or fp32).
 
-    Works on either scale layout; the result has ``q.shape`` and lives where ``q`` lives.
+    Works on either scale layout; the result has ``q.shape`` and lives where ``q`` lives. A
+    ``q.global_scale`` that is not a positive finite number is recorded in the status word.
     """
     if not isinstance(q, Nvfp4Tensor):
         raise TypeError(f"q: expected an Nvfp4Tensor, got {type(q).__name__}")
     dtype = _dtype(dtype)
+    if not arrays.is_device_array(q.packed):
+        _record_host_bad_scale(q.global_scale)
+
     if out is not None:
         arrays.check_out("out", out, q.shape, dtype, q.packed)
     if not arrays.is_device_array(q.packed):

@@ -145,3 +145,54 @@ def take_rows(a, rows):
         return Nvfp4Tensor(np.asarray(a.packed)[rows], np.asarray(a.block_scales)[rows], np.asarray(a.global_scale),
                            "linear", (len(rows), a.shape[-1]))
     return np.asarray(a)[rows]
+
+
+def dispatch(counts, tickets, ids, weights):
+    """The device dispatch of a routed batch: ``(offsets [E+1], active [A], slot_row [P], row_token [P],
+    row_weight [P])`` for ``P = T * top_k`` (token, slot) pairs, all uint32 but ``row_weight`` fp32.
+
+    ``counts [E]`` are the pairs per expert and ``tickets [T, top_k]`` each pair's rank among the pairs
+    of its expert (`fp4kit.reference.dist.tickets` gives them in pair order; the router's atomics give
+    them in any order). ``offsets`` is the exclusive prefix sum of ``counts``; ``active`` lists the
+    experts with a pair, in id order; pair ``p`` goes to sorted row ``offsets[ids[p]] + tickets[p]``,
+    which holds its token ``p // top_k`` and its routing weight.
+    """
+    counts = np.asarray(counts).astype(np.int64)
+    ids = np.asarray(ids)
+    top_k = ids.shape[-1]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    active = np.nonzero(counts)[0].astype(np.uint32)
+    flat = ids.reshape(-1).astype(np.int64)
+    slot_row = (offsets[flat].astype(np.int64) + np.asarray(tickets).reshape(-1)).astype(np.uint32)
+    row_token = np.empty(flat.size, np.uint32)
+    row_weight = np.empty(flat.size, np.float32)
+    row_token[slot_row] = np.arange(flat.size) // top_k
+    row_weight[slot_row] = np.asarray(weights, np.float32).reshape(-1)
+    return offsets, active, slot_row, row_token, row_weight
+
+
+def combine(y, slot_row, weights, weighted: bool, shared=None) -> np.ndarray:
+    """Routed results back in token order, with the combine kernel's arithmetic: bf16 ``[T, H]`` with
+    ``out[t] = sum over slots j of y[slot_row[t, j]]`` (times ``weights[t, j]`` when ``weighted``: the
+    weight applied after the down projection, V3), accumulated in fp32 in slot order (a fused
+    multiply-add per weighted term), plus ``shared[t]`` (bf16) in fp32, rounded once to bf16.
+
+    ``y`` fp32 ``[P, H]`` in sorted-row order, ``slot_row`` ``[T * top_k]``, ``weights`` fp32 ``[T, top_k]``.
+    The fused multiply-add is formed in float64 (the product of two fp32 values is exact there) and
+    rounded once to fp32, which equals the hardware's single rounding except for a float64 rounding
+    landing on an fp32 tie (probability about 2^-29 per term).
+    """
+    y = np.asarray(y, np.float32)
+    weights = np.asarray(weights, np.float32)
+    t, k = weights.shape
+    rows = np.asarray(slot_row).reshape(t, k).astype(np.int64)
+    acc = np.zeros((t, y.shape[1]), np.float32)
+    for j in range(k):
+        v = y[rows[:, j]]
+        if weighted:
+            acc = (v.astype(np.float64) * weights[:, j, None].astype(np.float64) + acc).astype(np.float32)
+        else:
+            acc = acc + v  # fp32 add, round to nearest
+    if shared is not None:
+        acc = acc + np.asarray(shared).astype(np.float32)
+    return acc.astype(BF16)

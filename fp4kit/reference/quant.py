@@ -29,7 +29,12 @@ Difference from TRT-LLM's default "fast-math" recipe: it uses ``rcp.approx`` whe
 IEEE division, and ``S * (vmax * rcp(6))`` instead of ``vmax * (S * (1/6))``; about 0.1 % of codes
 differ on realistic data, all at exact ties. ModelOpt's weight export divides instead of
 multiplying by a reciprocal and clamps block scales to ``[2**-9, 448]`` (an all-zero block gets
-scale 1.0, byte 0x38); dequantized values agree, bytes can differ in those corner cases.
+scale 1.0, byte 0x38). Its dequantized values are not always these: a block whose scale
+underflows E4M3 (``vmax * S / 6 < 2**-10``) is zeroed here (``sf = 0``, every element
+dequantizes to 0) while ModelOpt clamps its scale to ``2**-9`` and keeps the values; and an
+element at a division tie can round to the neighbouring E2M1 code (``x / scale`` there,
+``x * (1 / scale)`` here). Everywhere else codes and dequantized values agree; a ModelOpt file is
+read as written, bit for bit.
 """
 
 from __future__ import annotations

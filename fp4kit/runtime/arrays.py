@@ -129,6 +129,12 @@ def as_scalar_fp32(name: str, s, like=None):
 
     Scales are never Python floats: a device op must not depend on a host value.
     """
+    if isinstance(s, (np.generic, float, int)):
+        raise TypeError(
+            f"{name}: expected a 0-d float32 array in the same memory as the input, got the "
+            f"{type(s).__name__} scalar {s!r}; wrap it, e.g. np.asarray(np.float32(v)) for a numpy input "
+            "or cupy.asarray(np.float32(v)) for a device input (scales stay in device memory)"
+        )
     if not (isinstance(s, np.ndarray) or hasattr(s, "__dlpack__")):
         raise TypeError(
             f"{name}: expected a 0-d float32 array in the same memory as the input, got {type(s).__name__}"

@@ -14,7 +14,9 @@ import threading
 
 from .workspace import zeros_outside_capture
 
-#: a NaN or ±Inf reached an NVFP4 encoder (quantize, amax, swiglu_quantize)
+#: a NaN or ±Inf reached an NVFP4 encoder (quantize, amax, swiglu_quantize), or an encode scale
+#: or amax that is not a positive finite number (resp. not a finite number >= 0) reached quantize,
+#: dequantize or global_scale_from_amax: the result is not a faithful NVFP4 value
 NONFINITE_INPUT = 1
 #: the indexer met a NaN score (ranked as -inf) or a live length outside [0, capacity] (clamped)
 INDEXER_INPUT = 2
@@ -24,15 +26,19 @@ KV_COMP_OVERFLOW = 4
 SAMPLER_INPUT = 8
 #: a token id outside [0, vocab) reached the embedding gather or hash routing (row 0 was read instead)
 TOKEN_RANGE = 16
+#: KVCache.append met a count outside [0, T] (clamped), or sparse attention a negative position
+#: (counted as 0) or a compressed length outside [0, capacity] (clamped)
+KV_INPUT = 32
 #: pairs of an expert-parallel MoE call did not fit the all-to-all capacity and were dropped
 EP_CAPACITY_OVERFLOW = 1 << 8
 
 FLAG_NAMES = {
-    NONFINITE_INPUT: "non-finite input to an NVFP4 encoder",
+    NONFINITE_INPUT: "non-finite input to an NVFP4 encoder, or a global scale / amax out of range",
     INDEXER_INPUT: "indexer: a NaN score or a length outside [0, capacity]",
     KV_COMP_OVERFLOW: "a compressed-KV buffer overflowed (entries dropped, none overwritten)",
     SAMPLER_INPUT: "sampler: a NaN/+Inf logit, a row without a finite logit, or an invalid per-row parameter",
     TOKEN_RANGE: "embedding or hash routing: a token id outside [0, vocab) (row 0 read instead)",
+    KV_INPUT: "KV cache or sparse attention: a count, position or compressed length out of range (clamped)",
     EP_CAPACITY_OVERFLOW: "expert-parallel MoE: pairs beyond the all-to-all capacity were dropped",
 }
 

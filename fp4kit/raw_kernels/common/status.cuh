@@ -9,4 +9,5 @@
 #define FP4_STATUS_KV_COMP_OVERFLOW 4u       // a compressed-KV entry was dropped: its buffer was full
 #define FP4_STATUS_SAMPLER_INPUT 8u          // a NaN/+Inf logit, a row without a finite one, a bad parameter
 #define FP4_STATUS_TOKEN_RANGE 16u           // a token id outside [0, vocab) (row 0 was read instead)
+#define FP4_STATUS_KV_INPUT 32u              // a KV count, position or compressed length out of range (clamped)
 #define FP4_STATUS_EP_CAPACITY_OVERFLOW 256u // expert-parallel pairs beyond the all-to-all capacity, dropped

@@ -1,0 +1,73 @@
+"""The GPU suite's scripts, checked on the CPU: scripts/gpu_suite.sh fails when a step fails (and
+passes when none does), and scripts/sanitize_kernels.py runs every kernel family's workload on
+the numpy backend (on a GPU the same calls run the kernels under compute-sanitizer)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _suite(tmp_path, python_exit: int, steps: str):
+    """gpu_suite.sh with stand-ins for nvidia-smi, cuobjdump, compute-sanitizer and its Python."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("nvidia-smi", "cuobjdump", "compute-sanitizer"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho stand-in\n")
+    fake_python = bin_dir / "fake-python"
+    fake_python.write_text(f"#!/bin/sh\ncat >/dev/null 2>&1 </dev/null\necho \"fake python $*\"\nexit {python_exit}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(fake_python), OUT=str(tmp_path / "logs"))
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), steps], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_gpu_suite_exits_non_zero_when_a_step_fails(tmp_path):
+    done = _suite(tmp_path, python_exit=3, steps="tests")
+    assert done.returncode != 0
+    assert "=== gpu-tests exit 3" in done.stdout and "FAILED steps:" in done.stdout and "gpu-tests" in done.stdout
+
+
+def test_gpu_suite_requires_every_gpu_test_to_run(tmp_path):
+    done = _suite(tmp_path, python_exit=0, steps="tests")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "=== gpu-tests: env FP4KIT_REQUIRE_GPU=1" in done.stdout
+    assert "every step passed" in done.stdout
+
+
+def test_gpu_suite_sanitizes_every_family(tmp_path):
+    done = _suite(tmp_path, python_exit=0, steps="sanitize")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "memcheck-families: timeout 900 compute-sanitizer --tool memcheck" in done.stdout
+    assert "racecheck-families: timeout 900 compute-sanitizer --tool racecheck" in done.stdout
+    assert done.stdout.count("scripts/sanitize_kernels.py\n") == 2
+
+
+def test_sanitizer_workloads_run_on_numpy(capsys):
+    import sanitize_kernels
+
+    assert sanitize_kernels.main(["--numpy"]) == 0
+    out = capsys.readouterr().out
+    for family in ("quant", "gemm", "moe", "kv_cache", "indexer", "attention", "sampling", "elementwise", "dist"):
+        assert f"ok   {family}" in out
+    assert "9 of 9 kernel families passed" in out
+
+
+def test_sanitizer_workload_reports_a_failing_family(monkeypatch, capsys):
+    import sanitize_kernels
+
+    def broken(be, rng):
+        raise AssertionError("quantize: device and numpy results differ")
+
+    monkeypatch.setattr(sanitize_kernels, "run_quant", broken)
+    assert sanitize_kernels.main(["--numpy", "--only", "quant,elementwise"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL quant" in out and "ok   elementwise" in out and "1 of 2 kernel families passed" in out
+    with pytest.raises(SystemExit):
+        sanitize_kernels.main(["--numpy", "--only", "nope"])
