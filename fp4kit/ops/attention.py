@@ -286,7 +286,7 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
     kernel(grid, (_THREADS,), (q, swa, pos, comp, comp_len, indices, sink, out, part_o, part_ml, _I32(heads),
                               _I32(head_dim), _I32(swa.shape[1]), _I32(comp.shape[1]), _I32(indices.shape[1]),
-                              _I32(chunk), scale_log2, out_f32), shared_mem=shared)
+                              _I32(chunk), scale_log2, out_f32, status.device_word()), shared_mem=shared)
     if splits > 1:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS).function
         combine((heads, batch), (_COMBINE_THREADS,), (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),

@@ -14,7 +14,8 @@ _U32 = np.uint32
 def append_swa(swa, pos, kv, counts) -> None:
     b, t, d = kv.shape
     loader.get_kernel(_MODULE, "kv_append_swa", block=64).function(
-        (t, b), (64,), (kv, 0 if counts is None else counts, swa, pos, _U32(t), _U32(swa.shape[1]), _U32(d)))
+        (t, b), (64,), (kv, 0 if counts is None else counts, swa, pos, _U32(t), _U32(swa.shape[1]), _U32(d),
+                        status.device_word()))
 
 
 def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, *, ratio, eps, rope_dim,
@@ -30,4 +31,4 @@ def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_l
 
 def advance(pos, counts, t: int) -> None:
     loader.get_kernel(_MODULE, "kv_advance", block=256)(1, 256, (pos, 0 if counts is None else counts,
-                                                                   _U32(pos.shape[0]), _U32(t)))
+                                                                   _U32(pos.shape[0]), _U32(t), status.device_word()))

@@ -330,6 +330,7 @@ def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     import cupy
 
     arrays.check_same_device(**{"q.packed": q.packed, "q.block_scales": q.block_scales, "q.global_scale": q.global_scale})
+    q = formats.to_linear(q)  # a tiled GEMM weight: its checkpoint layout (a copy), which the kernel reads
     for name in ("packed", "block_scales"):
         arrays.check_contiguous(f"q.{name}", getattr(q, name))
     arrays.check_aligned("q.packed", q.packed, 8)
@@ -339,6 +340,6 @@ def dequantize(q: Nvfp4Tensor, dtype=np.float32, *, out=None):
     out = cupy.empty(q.shape, dtype=dtype) if out is None else out
     kernel = _kernel(f"dequantize_{arrays.DTYPE_SUFFIX[dtype]}")
     args = (q.packed, q.block_scales, q.global_scale, out, _U32(rows), _U32(kblocks),
-            _I32(q.scale_layout == "swizzled"), _U32(formats.swizzled_shape(rows, kblocks)[1]))
+            _I32(q.scale_layout == "swizzled"), _U32(formats.swizzled_shape(rows, kblocks)[1]), status.device_word())
     kernel(_grid(kernel, rows * kblocks), _THREADS, args)
     return out

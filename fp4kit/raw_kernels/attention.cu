@@ -41,6 +41,8 @@
 //   grid (Hq, B), 128 threads, merges the splits and the sink in split order.
 #include <cuda_bf16.h>
 
+#include "common/status.cuh"
+
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kHeads = 16;           // query heads per block: the M of one m16n8k16 tile
@@ -131,7 +133,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         const int* __restrict__ comp_len, const int* __restrict__ indices,
                         const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ part_o,
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
-                        float scale_log2, int out_f32) {
+                        float scale_log2, int out_f32, unsigned* __restrict__ status) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
     __nv_bfloat16* stages = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -155,6 +157,9 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     const int begin = min(split * chunk, total), end = bad ? begin : min(begin + chunk, total);
     const int window_live = min(max(pos[b], 0), W);
     const int comp_live = min(max(comp_len[b], 0), C);
+    // lengths outside their range are clamped (above) and reported once per sequence
+    if (split == 0 && blockIdx.y == 0 && tid == 0 && (pos[b] < 0 || comp_len[b] < 0 || comp_len[b] > C))
+        atomicOr(status, FP4_STATUS_KV_INPUT);
     int count = 0;
     for (int base = begin; base < end; base += kThreads) {
         const int c = base + tid;

@@ -13,17 +13,29 @@
 //                   of z + ape, weighted sum of c, RMSNorm, RoPE, stored at comp[b, comp_len[b]]
 //                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_COMP_OVERFLOW instead.
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
+// Every kernel clamps counts[b] to [0, T]; kv_append_swa records one outside it (FP4_STATUS_KV_INPUT).
 #include "common/fp32.cuh"
 #include "common/status.cuh"
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// counts[b] clamped to [0, T] (all T without counts); `record` or-s FP4_STATUS_KV_INPUT for one
+// out of range, so that each kernel reads the same count and one of them reports it.
+__device__ __forceinline__ unsigned token_count(const int* counts, unsigned b, unsigned T, bool record,
+                                                unsigned* status) {
+    if (!counts) return T;
+    const int c = counts[b];
+    if (c >= 0 && (unsigned)c <= T) return (unsigned)c;
+    if (record) atomicOr(status, FP4_STATUS_KV_INPUT);
+    return c < 0 ? 0u : T;
+}
+
 extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat16* kv, const int* counts,
                                                               __nv_bfloat16* swa, const int* pos, unsigned T,
-                                                              unsigned W, unsigned D) {
+                                                              unsigned W, unsigned D, unsigned* status) {
     const unsigned i = blockIdx.x, b = blockIdx.y;
-    const unsigned n = counts ? (unsigned)counts[b] : T;
+    const unsigned n = token_count(counts, b, T, i == 0 && threadIdx.x == 0, status);
     if (i >= n || i + W < n) return;  // not this sequence's token, or overwritten later in this call
     const unsigned slot = ((unsigned)pos[b] + i) % W;
     const uint4* src = reinterpret_cast<const uint4*>(kv + ((size_t)b * T + i) * D);
@@ -31,8 +43,8 @@ extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat
     for (unsigned c = threadIdx.x; c < D / 8; c += blockDim.x) dst[c] = src[c];
 }
 
-extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T) {
-    for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += counts ? counts[b] : (int)T;
+extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T, unsigned* status) {
+    for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += (int)token_count(counts, b, T, false, status);
 }
 
 __device__ float block_sum(float v, float* scratch) {
@@ -76,7 +88,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
     __shared__ float scratch[32];
     const unsigned b = blockIdx.x;
     const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
-    const unsigned n = counts ? (unsigned)counts[b] : Tn;
+    const unsigned n = token_count(counts, b, Tn, false, status);  // kv_append_swa reports it
     float* ks = kv_state + (size_t)b * slots * width;
     float* ss = score_state + (size_t)b * slots * width;
     unsigned len = (unsigned)comp_len[b];

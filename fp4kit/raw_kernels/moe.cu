@@ -120,12 +120,15 @@ __device__ void router(const float* logits, const float* bias, const int* token_
     }
     for (unsigned e = threadIdx.x; e < E; e += blockDim.x) {
         const float l = score[e];
+        if (!(fabsf(l) <= 3.402823466e38f)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);  // NaN/Inf input
         float s;
         if (score_func == kSqrtSoftplus) s = sqrtf(l > 20.0f ? l : log1pf(expf(l)));
         else if (score_func == kSigmoid) s = 1.0f / (1.0f + expf(-l));
         else s = expf(l - mx) / denom;
         score[e] = s;
-        select[e] = s + (bias ? bias[e] : 0.0f);
+        // a NaN never wins a comparison, so block_argmax would return no index: rank it last
+        const float sel = s + (bias ? bias[e] : 0.0f);
+        select[e] = isnan(sel) ? -FP4_INF : sel;
     }
     __syncthreads();
     if (tid2eid) {

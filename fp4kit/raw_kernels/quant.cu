@@ -172,6 +172,9 @@ __device__ void amax_quantize(const Source& src, unsigned nblocks, const QuantOu
         }
     } else {
         s = *static_scale;
+        // a static encode scale is data: one outside (0, FLT_MAX] is recorded like a non-finite input
+        if (blockIdx.x == 0 && threadIdx.x == 0 && !(s > 0.0f && s <= FP4_FLT_MAX))
+            atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
     }
     if (!kQuantize) return;
     if (kAmax && resident) {
@@ -264,9 +267,11 @@ FP4_DEFINE_SWIGLU_BF16(f32_concatenated, float, false)
 // out = e2m1 * (fp32(scale) / S), one 16-element block per thread per step.
 template <typename T>
 __device__ void dequantize_blocks(const unsigned char* packed, const unsigned char* scales, const float* global_scale,
-                                  T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks) {
+                                  T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks,
+                                  unsigned* status) {
     const unsigned nblocks = rows * kblocks;
     const float s = fp4_ftz(*global_scale);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && !(s > 0.0f && s <= FP4_FLT_MAX)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
     for (unsigned b = blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += gridDim.x * blockDim.x) {
         const uint2 codes = reinterpret_cast<const uint2*>(packed)[b];
         const size_t at = swizzled ? fp4_swizzled_offset(b / kblocks, b % kblocks, padded_kblocks) : b;
@@ -282,8 +287,9 @@ __device__ void dequantize_blocks(const unsigned char* packed, const unsigned ch
 #define FP4_DEFINE_DEQUANT(SUFFIX, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                               \
         dequantize_##SUFFIX(const unsigned char* packed, const unsigned char* scales, const float* global_scale, \
-                            T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks) { \
-        dequantize_blocks(packed, scales, global_scale, out, rows, kblocks, swizzled, padded_kblocks);    \
+                            T* out, unsigned rows, unsigned kblocks, int swizzled, unsigned padded_kblocks, \
+                            unsigned* status) {                                                           \
+        dequantize_blocks(packed, scales, global_scale, out, rows, kblocks, swizzled, padded_kblocks, status); \
     }
 
 FP4_DEFINE_DEQUANT(bf16, __nv_bfloat16)
@@ -294,6 +300,6 @@ extern "C" __global__ void global_scale_from_amax(const float* amax, float* scal
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const float a = *amax;
         *scale_out = fp4_global_scale_from_amax(a);
-        if (!(fabsf(a) <= FP4_FLT_MAX)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
+        if (!(fabsf(a) <= FP4_FLT_MAX) || (__float_as_uint(a) >> 31)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
     }
 }
