@@ -32,6 +32,9 @@ SCALE_LAYOUTS = ("linear", "swizzled", "tiled")
 SWIZZLE_ROWS = 128  # rows of one swizzled tile
 SWIZZLE_COLS = 4  # block-scale columns of one swizzled tile
 
+ROW_INTERLEAVE = 16  # rows per chunk where gate and up rows alternate (SwiGLU's "interleaved" layout)
+_FLT_MIN = np.float32(1.17549435e-38)
+
 # The tiled GEMM weight layout (``scale_layout="tiled"``, see `to_tiled`).
 TILE_ROWS = 16  # weight rows of one tile: the MMA's M dimension
 TILE_K = 64  # k of one tile ("chunk"): 4 MMA k16 steps, one 16-byte load per lane
@@ -367,3 +370,72 @@ def to_linear(q: "Nvfp4Tensor") -> "Nvfp4Tensor":
     if q.scale_layout == "linear":
         return q
     return Nvfp4Tensor(q.linear_packed, q.linear_block_scales, q.global_scale, "linear", q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row fusion: one weight from several, without re-quantizing.
+
+
+def interleave_rows(gate, up):
+    """Rows of ``gate`` and ``up`` (``[I, ...]`` each) alternating in chunks of 16: ``[2I, ...]``."""
+    xp = array_module(gate)
+    i = gate.shape[0]
+    if i % ROW_INTERLEAVE or up.shape != gate.shape:
+        raise ValueError(f"gate/up: expected equal shapes with rows a multiple of 16, got {gate.shape} and {up.shape}")
+    c = i // ROW_INTERLEAVE
+    g = gate.reshape(c, 1, ROW_INTERLEAVE, *gate.shape[1:])
+    u = up.reshape(c, 1, ROW_INTERLEAVE, *up.shape[1:])
+    return xp.concatenate([g, u], axis=1).reshape(2 * i, *gate.shape[1:])
+
+
+FUSE_ARRANGEMENTS = ("concatenated", "interleaved")
+
+
+def fuse_rows(parts, arrangement: str = "concatenated", row_decodes=None):
+    """Join the rows of NVFP4 weights ``[N_i, K]`` into one ``[sum N_i, K]`` weight, every byte kept.
+
+    ``arrangement``: ``"concatenated"`` (part after part, e.g. q|k|v shards) or ``"interleaved"``
+    (exactly two equal parts, gate and up, alternating in chunks of 16 rows: the layout the fused
+    SwiGLU reads). Returns ``(fused, row_decode)``: the fused tensor (linear layout, global scale 1)
+    and the fp32 per-row decode factor ``row_decode [sum N_i]``: ``fp32(1 / S_i)`` of the part each
+    row came from (``__fdiv_rn`` under ftz, as the kernels compute it), or that part's own
+    ``row_decodes[i]`` when given. Row ``n`` then dequantizes as ``e2m1 * fp32(block_scale) *
+    row_decode[n]``: parts with different global scales stay exact, and a GEMM applies the factor in
+    its epilogue (``row_decode=`` of `fp4kit.ops.gemm.gemm`). The global scale is 1 so that
+    ``alpha = 1 / (S_a * S_w)`` stays right where a GEMM applies both.
+    """
+    if arrangement not in FUSE_ARRANGEMENTS:
+        raise ValueError(f"arrangement: expected one of {FUSE_ARRANGEMENTS}, got {arrangement!r}")
+    if not parts:
+        raise ValueError("parts: expected at least one Nvfp4Tensor, got none")
+    for i, p in enumerate(parts):
+        if not isinstance(p, Nvfp4Tensor):
+            raise TypeError(f"parts[{i}]: expected an Nvfp4Tensor, got {type(p).__name__}")
+        if len(p.shape) != 2 or p.shape[1] != parts[0].shape[1]:
+            raise ValueError(
+                f"parts[{i}]: expected a 2-D [N, {parts[0].shape[-1]}] tensor like parts[0], got shape {list(p.shape)}"
+            )
+    if arrangement == "interleaved" and (len(parts) != 2 or parts[0].shape != parts[1].shape):
+        raise ValueError(f"parts: 'interleaved' takes two equal weights (gate, up), got shapes {[p.shape for p in parts]}")
+    xp = array_module(parts[0].packed)
+    if any(array_module(p.packed) is not xp for p in parts):
+        raise ValueError("parts: expected all parts in the same memory (all numpy or all CuPy)")
+    if row_decodes is None:
+        row_decodes = [None] * len(parts)
+    decode = []
+    for p, given in zip(parts, row_decodes):
+        if given is None:
+            with np.errstate(divide="ignore", over="ignore"):
+                d = xp.float32(1) / p.global_scale.reshape(()).astype(np.float32)
+            d = xp.where(xp.abs(d) < _FLT_MIN, xp.float32(0), d)  # ftz, as the kernels' division
+            given = xp.broadcast_to(d, (p.shape[0],))
+        decode.append(xp.asarray(given, dtype=np.float32).reshape(p.shape[0]))
+    if arrangement == "interleaved":
+        join = lambda a, b: interleave_rows(a, b)  # noqa: E731
+    else:
+        join = lambda *a: xp.concatenate(a, axis=0)  # noqa: E731
+    packed = join(*[p.linear_packed for p in parts])
+    scales = join(*[p.linear_block_scales for p in parts])
+    row_decode = xp.ascontiguousarray(join(*decode).astype(np.float32, copy=False))
+    n = sum(p.shape[0] for p in parts)
+    return Nvfp4Tensor(packed, scales, xp.ones((), dtype=np.float32), "linear", (n, parts[0].shape[1])), row_decode

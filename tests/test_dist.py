@@ -340,7 +340,7 @@ def _row_tolerance(x_act, full: Linear, world: int, bias) -> np.ndarray:
             x_act.global_scale, "linear", (x_act.shape[0], k))
         if not isinstance(a, Nvfp4Tensor):
             a = np.asarray(a)[:, r * k:(r + 1) * k]
-        partial_abs = partial_abs + np.abs(gref.gemm(a, part, None, full.w_row_decode, np.float64))
+        partial_abs = partial_abs + np.abs(gref.gemm(a, part, None, full.row_decode, np.float64))
     if bias is not None:
         partial_abs = partial_abs + np.abs(bias)
     return partial_abs * 4 * world * 2.0**-24
@@ -380,7 +380,7 @@ def test_column_parallel_from_float_has_a_global_scale_per_shard(rng, world):
     row_decode = np.concatenate([np.full(n, gref.decode_factor(lay.local.weight.global_scale), np.float32)
                                  for lay in layers])
     single = Linear(Nvfp4Tensor(packed, scales, layers[0].local.weight.global_scale, "linear", (64, 128)), bias=b,
-                    w_row_decode=row_decode)
+                    row_decode=row_decode)
     x = rng.standard_normal((7, 128)).astype(BF16)
     outs = dist.SimulatedGroup(world).run(lambda c: layers[c.rank](x))
     for y in outs:

@@ -114,3 +114,24 @@ def test_nvfp4_tensor_validates_fields():
         _tensor(shape=(2, 30))
     with pytest.raises(TypeError, match="packed: expected an array"):
         _tensor(packed=[1, 2])
+
+
+def test_fuse_rows_is_the_one_row_fusion(rng):
+    """Concatenated (q|k|v shards) and interleaved (gate|up, chunks of 16) fusion keep every byte and
+    give each row its part's decode factor; a part's own per-row factors are carried through."""
+    from fp4kit.reference import quant as qref
+
+    gate, up = (qref.quantize(rng.standard_normal((32, 64)).astype(np.float32) * s) for s in (5.0, 0.01))
+    fused, row_decode = formats.fuse_rows([gate, up], "interleaved")
+    assert np.array_equal(fused.packed, formats.interleave_rows(gate.packed, up.packed))
+    assert float(fused.global_scale) == 1.0
+    expect = formats.interleave_rows(np.full(32, np.float32(1) / gate.global_scale, np.float32),
+                                     np.full(32, np.float32(1) / up.global_scale, np.float32))
+    assert np.array_equal(row_decode, expect)
+    cat, cat_decode = formats.fuse_rows([gate, up], row_decodes=[None, np.arange(32, dtype=np.float32)])
+    assert np.array_equal(cat.block_scales, np.concatenate([gate.block_scales, up.block_scales]))
+    assert np.array_equal(cat_decode[32:], np.arange(32, dtype=np.float32))
+    with pytest.raises(ValueError, match="arrangement: expected one of"):
+        formats.fuse_rows([gate, up], "stacked")
+    with pytest.raises(ValueError, match="'interleaved' takes two equal weights"):
+        formats.fuse_rows([gate, up, up], "interleaved")

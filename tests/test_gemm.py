@@ -51,7 +51,7 @@ def test_fused_gate_up_with_different_global_scales_is_exact(rng):
     fused, row_decode = fuse_gate_up(gate, up)
     assert fused.shape == (64, 64)
     x = rng.standard_normal((3, 64)).astype(BF16)
-    y = gemm(x, fused, w_row_decode=row_decode, out_dtype=np.float32)
+    y = gemm(x, fused, row_decode=row_decode, out_dtype=np.float32)
     yg = gemm(x, gate, out_dtype=np.float32)
     yu = gemm(x, up, out_dtype=np.float32)
     assert np.array_equal(y, interleave_rows(yg.T, yu.T).T)
@@ -114,7 +114,7 @@ def _dequantized(a):
         (lambda w, x: gemm(x[:, :32].copy(), w), ValueError, "a: expected last dimension K=64"),
         (lambda w, x: gemm(x.astype(np.float32), w), TypeError, "a: expected an Nvfp4Tensor or a bfloat16 array, got dtype float32"),
         (lambda w, x: gemm(x, w, bias=np.ones(5, np.float32)), ValueError, r"bias: expected shape \(16,\)"),
-        (lambda w, x: gemm(x, w, w_row_decode=np.ones(16, np.float64)), ValueError, "w_row_decode: expected shape"),
+        (lambda w, x: gemm(x, w, row_decode=np.ones(16, np.float64)), ValueError, "row_decode: expected shape"),
         (lambda w, x: gemm(x, w, out=np.zeros((2, 15), BF16)), ValueError, r"out: expected shape \(2, 16\)"),
         (lambda w, x: gemm(x, w, out_dtype=np.float16), TypeError, "out_dtype: expected bfloat16 or float32"),
         (lambda w, x: gemm(x, w, decode_max_m=-1), ValueError, "decode_max_m: expected a non-negative int"),

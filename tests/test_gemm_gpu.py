@@ -130,7 +130,7 @@ def test_row_decode_for_fused_shards(rng):
     fused_h, row_decode_h = fuse_gate_up(gate, up)
     assert np.array_equal(cp.asnumpy(row_decode), row_decode_h)
     x = rng.standard_normal((4, 2048)).astype(BF16)
-    y = gemm(cp.asarray(x), to_tiled(fused), w_row_decode=row_decode, out_dtype=np.float32)
+    y = gemm(cp.asarray(x), to_tiled(fused), row_decode=row_decode, out_dtype=np.float32)
     expect = ref.gemm(x, fused_h, None, row_decode_h, np.float64)
     assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND
 

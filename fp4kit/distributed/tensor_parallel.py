@@ -54,8 +54,8 @@ def shard_slice(size: int, comm: Communicator, what: str, multiple: int = 1) -> 
     return slice(comm.rank * part, (comm.rank + 1) * part)
 
 
-def _copy_local(linear: Linear, weight: Nvfp4Tensor, *, w_row_decode=None, bias=None) -> Linear:
-    local = Linear(weight, bias=bias, mode=linear.mode, input_scale=linear.input_scale, w_row_decode=w_row_decode)
+def _copy_local(linear: Linear, weight: Nvfp4Tensor, *, row_decode=None, bias=None) -> Linear:
+    local = Linear(weight, bias=bias, mode=linear.mode, input_scale=linear.input_scale, row_decode=row_decode)
     local.decode_max_m = linear.decode_max_m
     return local
 
@@ -128,7 +128,7 @@ class ColumnParallelLinear:
         part = Nvfp4Tensor(w.packed[rows].copy(), w.block_scales[rows].copy(), w.global_scale.copy(), "linear",
                            (rows.stop - rows.start, w.shape[1]))
         take = (lambda a: None if a is None else a[rows].copy())
-        local = _copy_local(linear, part, w_row_decode=take(linear.w_row_decode), bias=take(linear.bias))
+        local = _copy_local(linear, part, row_decode=take(linear.row_decode), bias=take(linear.bias))
         return cls(local, comm, gather_output=gather_output)
 
     def __call__(self, x, *, out=None):
@@ -238,7 +238,7 @@ class RowParallelLinear:
         k0, k1 = cols.start, cols.stop
         part = Nvfp4Tensor(w.packed[:, k0 // 2: k1 // 2].copy(), w.block_scales[:, k0 // 16: k1 // 16].copy(),
                            w.global_scale.copy(), "linear", (w.shape[0], k1 - k0))
-        local = _copy_local(linear, part, w_row_decode=linear.w_row_decode)
+        local = _copy_local(linear, part, row_decode=linear.row_decode)
         return cls(local, comm, bias=linear.bias, activation_scale=activation_scale, input_is_sharded=input_is_sharded)
 
     def __call__(self, x, *, out=None):

@@ -36,11 +36,11 @@ class Linear:
     input_scale : 0-d fp32 array, optional
         Static encode scale ``S_a`` of the activation (W4A4), in the weight's memory. ``None``
         computes it from each input's amax on the device.
-    w_row_decode : fp32 ``[N]``, optional
+    row_decode : fp32 ``[N]``, optional
         Per-row decode factors of a fused weight whose shards had different global scales.
     """
 
-    def __init__(self, weight: Nvfp4Tensor, *, bias=None, mode: str = "w4a4", input_scale=None, w_row_decode=None):
+    def __init__(self, weight: Nvfp4Tensor, *, bias=None, mode: str = "w4a4", input_scale=None, row_decode=None):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if not isinstance(weight, Nvfp4Tensor) or len(weight.shape) != 2:
@@ -52,7 +52,7 @@ class Linear:
         if arrays.is_device_array(weight.packed):
             weight = to_tiled(weight)
         self.weight, self.bias, self.mode = weight, bias, mode
-        self.input_scale, self.w_row_decode = input_scale, w_row_decode
+        self.input_scale, self.row_decode = input_scale, row_decode
         self._buffers = workspace.BufferCache()
         #: rows up to which the graph-capturable decode GEMM is used (above: cuBLAS prefill); raise
         #: it to capture large-M calls in a CUDA graph
@@ -108,7 +108,7 @@ class Linear:
         data = a.packed if isinstance(a, Nvfp4Tensor) else a
         if out is None and arrays.is_device_array(data):
             out = self._output_buffer(tuple(a.shape[:-1]))
-        return gemm_ops.gemm(a, self.weight, bias=self.bias, w_row_decode=self.w_row_decode, out=out,
+        return gemm_ops.gemm(a, self.weight, bias=self.bias, row_decode=self.row_decode, out=out,
                              decode_max_m=self.decode_max_m)
 
     def __call__(self, x, *, out=None):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import formats
-from ..formats import Nvfp4Tensor
+from ..formats import Nvfp4Tensor, interleave_rows
 from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
 from ..reference import fp32
@@ -42,7 +42,6 @@ from ..reference.elementwise import token_rows
 from ..reference.quant import has_nonfinite
 from ..runtime import arrays, status, workspace
 from ..runtime.workspace import zeros_outside_capture
-from .shared_expert import interleave_rows
 
 SCORE_FUNCS = moe_ref.SCORE_FUNCS
 
@@ -136,14 +135,13 @@ class ExpertStack:
             raise ValueError("w1/w3: fuse linear stacks (to_linear()), then tile the fused one")
         xp = arrays.array_module(w1.packed)
 
-        def rows(a, b):  # [E, I, ...] x 2 -> [E, 2I, ...], chunks of 16 rows alternating
-            return xp.stack([interleave_rows(a[i], b[i]) for i in range(a.shape[0])])
+        def row_decode(stack, e):
+            return None if stack.row_decode is None else stack.row_decode[e]
 
-        e, i, _ = w1.shape
-        d1 = w1.decode[:, None] * xp.ones((1, i), np.float32) if w1.row_decode is None else w1.row_decode
-        d3 = w3.decode[:, None] * xp.ones((1, i), np.float32) if w3.row_decode is None else w3.row_decode
-        return cls(rows(w1.packed, w3.packed), rows(w1.block_scales, w3.block_scales), w1.global_scale.copy(),
-                   w1.decode.copy(), rows(d1, d3).astype(np.float32))
+        fused = [formats.fuse_rows([w1.expert(e), w3.expert(e)], "interleaved",
+                                   row_decodes=[row_decode(w1, e), row_decode(w3, e)]) for e in range(w1.shape[0])]
+        return cls(xp.stack([f.packed for f, _ in fused]), xp.stack([f.block_scales for f, _ in fused]),
+                   w1.global_scale.copy(), w1.decode.copy(), xp.stack([d for _, d in fused]))
 
     def expert(self, e: int) -> Nvfp4Tensor:
         """Expert ``e`` as an `Nvfp4Tensor` (views)."""
@@ -461,11 +459,7 @@ def _check_routing(r: RoutingConfig, e: int) -> None:
 def _concat_experts(w1: ExpertStack, w3: ExpertStack) -> tuple[list[Nvfp4Tensor], list]:
     """Per-expert ``[gate | up]`` weights ``[2I, H]`` for the reference of the unfused path, with one
     decode factor per row (gate and up keep their own global scales)."""
-    tensors, row_decode = [], []
-    for i in range(w1.shape[0]):
-        g, u = w1.expert(i), w3.expert(i)
-        tensors.append(Nvfp4Tensor(np.concatenate([g.packed, u.packed]), np.concatenate([g.block_scales, u.block_scales]),
-                                   g.global_scale, "linear", (2 * g.shape[0], g.shape[1])))
-        row_decode.append(np.concatenate([np.full(g.shape[0], w1.decode[i], np.float32),
-                                          np.full(u.shape[0], w3.decode[i], np.float32)]))
-    return tensors, row_decode
+    fused = [formats.fuse_rows([w1.expert(i), w3.expert(i)], "concatenated",
+                               row_decodes=[None if s.row_decode is None else s.row_decode[i] for s in (w1, w3)])
+             for i in range(w1.shape[0])]
+    return [f for f, _ in fused], [d for _, d in fused]

@@ -15,47 +15,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor
+from ..formats import Nvfp4Tensor, fuse_rows, interleave_rows  # noqa: F401 (interleave_rows: re-exported)
 from ..ops import quant as quant_ops
-from ..reference import fp32
-from ..reference.quant import SWIGLU_INTERLEAVE
 from ..runtime import arrays
 from .linear import MODES, Linear
-
-
-def interleave_rows(gate, up):
-    """Rows of ``gate`` and ``up`` (``[I, ...]`` each) alternating in chunks of 16: ``[2I, ...]``."""
-    xp = arrays.array_module(gate)
-    i = gate.shape[0]
-    if i % SWIGLU_INTERLEAVE or up.shape != gate.shape:
-        raise ValueError(f"gate/up: expected equal shapes with rows a multiple of 16, got {gate.shape} and {up.shape}")
-    c = i // SWIGLU_INTERLEAVE
-    g = gate.reshape(c, 1, SWIGLU_INTERLEAVE, *gate.shape[1:])
-    u = up.reshape(c, 1, SWIGLU_INTERLEAVE, *up.shape[1:])
-    return xp.concatenate([g, u], axis=1).reshape(2 * i, *gate.shape[1:])
 
 
 def fuse_gate_up(gate: Nvfp4Tensor, up: Nvfp4Tensor) -> tuple[Nvfp4Tensor, object]:
     """Interleave two NVFP4 weights ``[I, H]`` into ``W13 [2I, H]`` without touching a byte.
 
-    Returns the fused tensor (whose ``global_scale`` is gate's) and a per-row fp32 decode vector
-    ``[2I]`` (``1 / S`` of the shard each row came from), which the GEMM applies exactly.
+    Returns the fused tensor (global scale 1) and a per-row fp32 decode vector ``[2I]`` (``1 / S``
+    of the shard each row came from), which the GEMM applies exactly (`fp4kit.formats.fuse_rows`).
     """
     for name, t in (("gate", gate), ("up", up)):
-        if not isinstance(t, Nvfp4Tensor) or t.scale_layout != "linear" or len(t.shape) != 2:
-            raise ValueError(f"{name}: expected a 2-D Nvfp4Tensor with linear scales")
+        if not isinstance(t, Nvfp4Tensor) or len(t.shape) != 2:
+            raise ValueError(f"{name}: expected a 2-D Nvfp4Tensor")
     if gate.shape != up.shape:
         raise ValueError(f"gate/up: expected equal shapes, got {gate.shape} and {up.shape}")
-    xp = arrays.array_module(gate.packed)
-    fused = Nvfp4Tensor(interleave_rows(gate.packed, up.packed), interleave_rows(gate.block_scales, up.block_scales),
-                        gate.global_scale.copy(), "linear", (2 * gate.shape[0], gate.shape[1]))
-    ones = xp.ones(gate.shape[0], dtype=np.float32)
-    if xp is np:
-        dec_g, dec_u = fp32.div(np.float32(1), gate.global_scale), fp32.div(np.float32(1), up.global_scale)
-    else:
-        dec_g, dec_u = 1 / gate.global_scale, 1 / up.global_scale  # fp32 IEEE division on the device
-    row_decode = interleave_rows(ones * dec_g, ones * dec_u).astype(np.float32)
-    return fused, row_decode
+    return fuse_rows([gate, up], "interleaved")
 
 
 class SharedExpert:
@@ -115,7 +92,7 @@ class SharedExpert:
                 raise KeyError(f"checkpoint: no quantized weight {name!r}")
         fused, row_decode = fuse_gate_up(checkpoint.weights[gate_name], checkpoint.weights[up_name])
         input_scale = checkpoint.input_scales.get(gate_name)
-        gate_up = Linear(fused, mode=mode, input_scale=input_scale, w_row_decode=row_decode)
+        gate_up = Linear(fused, mode=mode, input_scale=input_scale, row_decode=row_decode)
         down = Linear.from_checkpoint(checkpoint, down_name, mode=mode)
         return cls(gate_up, down, limit=limit)
 

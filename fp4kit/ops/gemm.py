@@ -109,7 +109,7 @@ def gemm(
     w: Nvfp4Tensor,
     *,
     bias=None,
-    w_row_decode=None,
+    row_decode=None,
     out=None,
     out_dtype=arrays.BF16,
     decode_max_m: int = DECODE_MAX_M,
@@ -123,7 +123,7 @@ def gemm(
         stays on the device.
     w : Nvfp4Tensor ``[N, K]``, linear scale layout
     bias : fp32 or bf16 ``[N]``, optional
-    w_row_decode : fp32 ``[N]``, optional
+    row_decode : fp32 ``[N]``, optional
         A decode factor per output row replacing ``1 / S_w`` (fused weights whose shards had
         different global scales, see `fp4kit.checkpoint`).
     out : bf16 or fp32 array ``[..., N]``, optional
@@ -132,7 +132,7 @@ def gemm(
         Largest row count that takes the decode kernel. Above 64 rows the decode kernel re-reads
         the weight per 64 rows (slower than the cuBLAS prefill path, but capturable in a graph).
 
-    ``alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
+    ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
     """
     _check_weight(w)
@@ -141,7 +141,7 @@ def gemm(
     a_data = a.packed if isinstance(a, Nvfp4Tensor) else a
     arrays.check_same_device(a=a_data, w=w.packed)
     bias = _vector("bias", bias, n, (np.float32, arrays.BF16), w.packed)
-    w_row_decode = _vector("w_row_decode", w_row_decode, n, (np.float32,), w.packed)
+    row_decode = _vector("row_decode", row_decode, n, (np.float32,), w.packed)
     m = int(np.prod(lead, dtype=np.int64))
     out_dtype = np.dtype(out.dtype if out is not None else out_dtype)
     if out_dtype not in (arrays.BF16, np.dtype(np.float32)):
@@ -154,17 +154,17 @@ def gemm(
         raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
 
     if not arrays.is_device_array(w.packed):
-        return arrays.host_result(ref.gemm(a, w, bias, w_row_decode, out_dtype).reshape(*lead, n), out)
+        return arrays.host_result(ref.gemm(a, w, bias, row_decode, out_dtype).reshape(*lead, n), out)
 
     import cupy
 
     out = cupy.empty((*lead, n), dtype=out_dtype) if out is None else out
     if m == 0:
         return out
-    epilogue = (w.global_scale, _ptr(w_row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
+    epilogue = (w.global_scale, _ptr(row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32))
     if m > decode_max_m:
-        _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and w_row_decode is None)
+        _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
         return out
     rows = out.reshape(m, n)
     for m0 in range(0, m, 64):  # 64 rows per launch: the weight is streamed once per 64 rows

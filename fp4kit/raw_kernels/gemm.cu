@@ -3,12 +3,12 @@
 //
 // Arguments (row-major, contiguous):
 //   w_codes    uint8 tiled codes, [N/16 * K/64 * 512];  w_scales uint8 tiled E4M3 scales [N/16 * K/256 * 256]
-//   w_global   fp32 [1]           encode scale S_w; or w_row_decode fp32 [N]: a decode factor per output row
+//   w_global   fp32 [1]           encode scale S_w; or row_decode fp32 [N]: a decode factor per output row
 //                                 (fused weights whose shards had different global scales)
 //   act        bf16 [M, K] (W4A16), or uint8 [M, K/2] with act_scales uint8 [M, K/16] and act_global fp32 [1]
 //              (W4A4: the activation quantized by quant.cu, linear layout)
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
-//   alpha = (w_row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
+//   alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
 // gemm_tiled_{bf16,nvfp4}_<T>x<R>: M <= 8 * T tokens, R row tiles per warp. Grid (ceil(N / (128 R)),
 //   splits), 256 threads, 2 * 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
@@ -23,7 +23,7 @@
 using namespace gemm;
 
 #define FP4_GEMM_EPILOGUE_ARGS                                                                            \
-    const float *w_global, const float *w_row_decode, const void *bias, int bias_kind, void *out, int out_f32, \
+    const float *w_global, const float *row_decode, const void *bias, int bias_kind, void *out, int out_f32, \
         unsigned M, unsigned N, unsigned K
 
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
@@ -32,7 +32,7 @@ using namespace gemm;
     extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_bf16_##T##x##R(                     \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, w_row_decode, nullptr, bias, bias_kind, out, out_f32};                \
+        const Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                \
         gemm_block<T, R>(w_codes, w_scales, ActBf16<T>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x,    \
                          blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});               \
     }                                                                                                     \
@@ -40,7 +40,7 @@ using namespace gemm;
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};             \
+        const Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};             \
         gemm_block<T, R>(w_codes, w_scales, ActNvfp4<T>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, \
                          K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
     }
@@ -108,14 +108,14 @@ extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const
 // out[m, n] = acc[m, n] * alpha(n) (+ bias[n]), acc fp32 [M, N] from cuBLAS.
 extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc, const float* act_global,
                                                                 FP4_GEMM_EPILOGUE_ARGS) {
-    Epilogue ep{w_global, w_row_decode, act_global, bias, bias_kind, out, out_f32};
+    Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};
     ep.init();
     const size_t total = (size_t)M * N;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
         ep.store((unsigned)(i / N), (unsigned)(i % N), N, acc[i], 1.0f);
 }
 
-// alpha_beta[0] = alpha (w_row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a
+// alpha_beta[0] = alpha (row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a
 // cuBLAS call in device pointer mode, so no host ever reads the global scales.
 extern "C" __global__ void gemm_alpha(const float* w_global, const float* act_global, float* alpha_beta) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {

@@ -240,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
 // time (the weight tile is re-read per 8T rows; T is chosen by the host from the token count, so
 // at decode every expert's rows fit in one pass). Weights: tiled stacks, one expert after another.
 template <int T, class Act>
-__device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* w_row_decode,
+__device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* row_decode,
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
                          unsigned out_ld, unsigned out_col, const unsigned* offsets, const unsigned* active,
                          const unsigned* num_active, unsigned N, unsigned K) {
@@ -253,7 +253,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
     const uint2* scales = w_scales + (size_t)e * row_tiles * groups * 32;
     for (unsigned m0 = 0; m0 < rows; m0 += 8 * T) {
         act.row = gemm::RowMap{gather, row0 + m0};
-        gemm::Epilogue ep{nullptr, w_row_decode ? w_row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out,
+        gemm::Epilogue ep{nullptr, row_decode ? row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out,
                           out_f32};
         ep.w_decode = w_decode + e;
         ep.out_ld = out_ld;
@@ -266,20 +266,20 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
 }
 
 #define FP4_MOE_GEMM_ARGS                                                                                 \
-    const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *w_row_decode,        \
+    const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *row_decode,        \
         const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned *offsets, \
         const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
 
 #define FP4_DEFINE_MOE_GEMM(T)                                                                            \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_bf16_##T(                     \
         const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
-        moe_gemm<T>(w_codes, w_scales, w_decode, w_row_decode, gemm::ActBf16<T>{act, gemm::RowMap{nullptr, 0}}, \
+        moe_gemm<T>(w_codes, w_scales, w_decode, row_decode, gemm::ActBf16<T>{act, gemm::RowMap{nullptr, 0}}, \
                     gather, nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);   \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_nvfp4_##T(                    \
         const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
         FP4_MOE_GEMM_ARGS) {                                                                              \
-        moe_gemm<T>(w_codes, w_scales, w_decode, w_row_decode,                                            \
+        moe_gemm<T>(w_codes, w_scales, w_decode, row_decode,                                            \
                     gemm::ActNvfp4<T>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
                     out_f32, out_ld, out_col, offsets, active, num_active, N, K);                         \
     }

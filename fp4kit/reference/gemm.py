@@ -35,19 +35,19 @@ def decode_factor(global_scale) -> np.float32:
     return fp32.div(F32(1), F32(np.asarray(global_scale))).astype(F32)[()]
 
 
-def alpha(w: Nvfp4Tensor, a=None, w_row_decode=None) -> np.ndarray:
+def alpha(w: Nvfp4Tensor, a=None, row_decode=None) -> np.ndarray:
     """The fp32 output factor: per tensor (0-d) or per output row ``[N]``."""
-    w_dec = np.asarray(w_row_decode, F32) if w_row_decode is not None else decode_factor(w.global_scale)
+    w_dec = np.asarray(row_decode, F32) if row_decode is not None else decode_factor(w.global_scale)
     if isinstance(a, Nvfp4Tensor):
         return fp32.mul(w_dec, decode_factor(a.global_scale))
     return np.asarray(w_dec, F32)
 
 
-def gemm(a, w: Nvfp4Tensor, bias=None, w_row_decode=None, out_dtype=np.float32) -> np.ndarray:
+def gemm(a, w: Nvfp4Tensor, bias=None, row_decode=None, out_dtype=np.float32) -> np.ndarray:
     """``alpha * A_vals @ W_vals.T (+ bias)`` in float64, rounded once to ``out_dtype``."""
     a_vals = unscaled_values(a) if isinstance(a, Nvfp4Tensor) else np.asarray(a).astype(np.float64)
     y = a_vals.reshape(-1, w.shape[-1]) @ unscaled_values(w).T
-    y = y * alpha(w, a, w_row_decode).astype(np.float64)
+    y = y * alpha(w, a, row_decode).astype(np.float64)
     if bias is not None:
         y = y + np.asarray(bias).astype(np.float64)
     return y.reshape(*np.shape(a_vals)[:-1], w.shape[0]).astype(out_dtype)

@@ -48,7 +48,7 @@ from . import fp32
 from .fp32 import F32, FLT_MAX
 
 #: gate and up alternate in chunks of this many elements in the "interleaved" layout
-SWIGLU_INTERLEAVE = 16
+SWIGLU_INTERLEAVE = formats.ROW_INTERLEAVE
 SWIGLU_LAYOUTS = ("interleaved", "concatenated")
 
 _SIGN_MASK = np.uint32(0x7FFFFFFF)

@@ -203,8 +203,8 @@ struct ActNvfp4 {
 };
 
 struct Epilogue {
-    const float* w_global;      // encode scale S_w (unused with w_decode or w_row_decode)
-    const float* w_row_decode;  // nullptr: one decode factor for every row
+    const float* w_global;      // encode scale S_w (unused with w_decode or row_decode)
+    const float* row_decode;  // nullptr: one decode factor for every row
     const float* act_global;    // nullptr: W4A16
     const void* bias;
     int bias_kind;  // 0 none, 1 fp32, 2 bf16
@@ -215,15 +215,15 @@ struct Epilogue {
     unsigned out_row_base = 0;        // output row of local token 0
     unsigned out_col = 0;             // output column of weight row 0
 
-    float w_dec, a_dec;  // 1 / S_w (unused with w_row_decode) and 1 / S_a (1 for W4A16)
+    float w_dec, a_dec;  // 1 / S_w (unused with row_decode) and 1 / S_a (1 for W4A16)
 
     __device__ __forceinline__ void init() {
-        w_dec = w_row_decode ? 0.0f : (w_decode ? *w_decode : __fdiv_rn(1.0f, *w_global));
+        w_dec = row_decode ? 0.0f : (w_decode ? *w_decode : __fdiv_rn(1.0f, *w_global));
         a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
     }
 
     __device__ __forceinline__ float alpha(unsigned n, float unscale) const {
-        return __fmul_rn(__fmul_rn(w_row_decode ? w_row_decode[n] : w_dec, a_dec), unscale);
+        return __fmul_rn(__fmul_rn(row_decode ? row_decode[n] : w_dec, a_dec), unscale);
     }
 
     // y = sum * alpha * unscale (+ bias) into out[token, n]
