@@ -19,8 +19,8 @@ M >= 256: >= 0.9x bf16; W4A4 <= 1.15x W4A16 at M <= 64.
 
     PYTHONPATH=. python benchmarks/bench_linear.py [--quick] [--sweep] [--sass]
 
-``--sweep`` also times every launch shape (row tiles per warp x blocks per SM) at M <= 64 and
-prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
+``--sweep`` also times every launch shape (row tiles per warp, weight tiles per fetch, blocks per
+SM) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
 """
 
 from __future__ import annotations
@@ -86,24 +86,26 @@ def fp8_rowwise(torch, x_t, w_t):
     return xq, xs, wq, ws.t().contiguous()
 
 
-def sweep(table, w_list, x, xq, out, m, n, k):
-    """Every launch shape of the decode kernel for this (M, N, K): µs of W4A16 per variant."""
-    saved = dict(gemm_ops.ROW_TILES_PER_WARP), dict(gemm_ops.BLOCKS_PER_SM)
-    tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= m)
+def sweep(table, w_list, x, out, m, n, k):
+    """Every launch shape of the decode kernel for this (M, N, K): µs of W4A16 per variant (row
+    tiles per warp, weight tiles per fetch, blocks per SM); returns the best (µs, R, F, blocks/SM)."""
+    knobs = (gemm_ops.ROW_TILES_PER_WARP, gemm_ops.FETCH_TILES, gemm_ops.BLOCKS_PER_SM)
+    saved = [dict(d) for d in knobs]
+    tiles = gemm_ops.token_tiles(m)
+    shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
     results = []
     try:
-        for r, per_sm in itertools.product((1, 2) if tiles <= 2 else (1,), (1, 2, 4, 8)):
-            gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, per_sm
+        for (r, f), per_sm in itertools.product(shapes, (1, 2, 4, 8)):
+            gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.FETCH_TILES[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, f, per_sm
             t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
             splits = gemm_ops.launch_config(m, n, k)[3]
-            results.append((t, r, per_sm, splits))
-            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "row tiles/warp": r, "blocks/SM": per_sm,
+            results.append((t, r, f, per_sm))
+            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "row tiles/warp": r, "tiles/fetch": f, "blocks/SM": per_sm,
                          "splits": splits, "µs": t})
     finally:
-        gemm_ops.ROW_TILES_PER_WARP.clear()
-        gemm_ops.ROW_TILES_PER_WARP.update(saved[0])
-        gemm_ops.BLOCKS_PER_SM.clear()
-        gemm_ops.BLOCKS_PER_SM.update(saved[1])
+        for d, old in zip(knobs, saved):
+            d.clear()
+            d.update(old)
     return min(results)
 
 
@@ -118,7 +120,7 @@ def main() -> None:
     table = Table(title, ["shape NxK", "M", "path", "µs", "read floor µs", "% of read floor", "% of copy BW",
                           "TFLOP/s", "cuBLAS bf16 µs", "FP8 µs", "x bf16", "x FP8", "W4A4 / W4A16", "target"])
     sweep_table = Table(f"Decode GEMM launch shapes ({device_name()})",
-                        ["shape NxK", "M", "row tiles/warp", "blocks/SM", "splits", "µs"])
+                        ["shape NxK", "M", "row tiles/warp", "tiles/fetch", "blocks/SM", "splits", "µs"])
     shapes = [SHAPES[0], SHAPES[5], SHAPES[7], SHAPES[8]] if quick else SHAPES
     ms = (1, 16, 64, 256) if quick else MS
     for n, k in shapes:
@@ -143,9 +145,9 @@ def main() -> None:
             rows = []
             if m <= 64:
                 if do_sweep:
-                    best = sweep(sweep_table, weights, x, xq, out, m, n, k)
-                    print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs at R={best[1]}, {best[2]} blocks/SM, "
-                          f"{best[3]} splits", flush=True)
+                    best = sweep(sweep_table, weights, x, out, m, n, k)
+                    print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs at R={best[1]}, F={best[2]}, "
+                          f"{best[3]} blocks/SM", flush=True)
                 t16 = graph_us(lambda i: gemm(x, weights[i % nw], out=out), calls=2 * nw)
                 t4 = graph_us(lambda i: gemm(xq, weights[i % nw], out=out), calls=2 * nw)
                 rows = [("w4a16", t16, t4 / t16), ("w4a4", t4, None)]

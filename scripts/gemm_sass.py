@@ -36,7 +36,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 ALU = {"LOP3", "SHF", "PRMT", "LEA", "IADD3", "ISETP", "SEL", "LOP", "FLO", "POPC", "VIADD", "IABS", "IMNMX",
        "VIMNMX", "BMSK", "SGXT"}
 MEM = {"LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS", "LD", "ST", "LDC", "ULDC"}
-WINDOW_WEIGHTS = 8 * 32  # weights per thread and row tile in one window
+# Weights per thread and row tile in one pass of the loop body: a window of 8 tiles of 64 k (T <= 2)
+# holding two fetch groups of 4; or a window of 4 tiles (T > 2), or of 8 tiles fetched at once
+# (``f8``), one group per window, where the body holds both parities of the register double buffer,
+# i.e. two windows: 8 or 16 tiles. Each tile is 32 weights per thread (16 rows x 64 k / 32 lanes).
+def body_weights(tiles: int, fetch8: bool) -> int:
+    return (16 if fetch8 else 8) * 32
 
 
 def _tool(name: str) -> str:
@@ -102,12 +107,12 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        m = re.fullmatch(r"gemm_tiled_(bf16|nvfp4)_(\d+)x(\d+)", name)
+        m = re.fullmatch(r"gemm_tiled_(bf16|nvfp4)_(\d+)x(\d+)(f8)?", name)
         if not m:
             continue
         tiles, r = int(m.group(2)), int(m.group(3))
         ops = mainloop_mix(ins)
-        per = WINDOW_WEIGHTS * r
+        per = body_weights(tiles, bool(m.group(4))) * r
         alu = sum(v for k, v in ops.items() if k in ALU)
         rows.append({"kernel": name, "token_tiles": tiles, "row_tiles_per_warp": r,
                      "instructions_per_weight": sum(ops.values()) / per,

@@ -29,6 +29,8 @@ DECODE_MAX_M = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
+#: weight tiles a warp fetches at once, by token tiles (4 or 8; 8 only for 1 and 2 token tiles)
+FETCH_TILES = {1: 4, 2: 4, 4: 4, 8: 4}
 #: split K until the grid has this many 8-warp blocks per SM (when K allows), by token tiles:
 #: more tokens make the split-K partials larger, and their kernels are less bound by latency
 BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
@@ -235,7 +237,8 @@ def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k
     if groups > _MAX_ROW_GROUPS:
         raise ValueError(f"w: N={n} has more than {_MAX_ROW_GROUPS} row groups; split the weight")
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}")
+    suffix = "f8" if FETCH_TILES[tiles] == 8 else ""
+    kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}{suffix}")
     smem = shared_bytes(tiles)
     if kernel.function.max_dynamic_shared_size_bytes < smem:
         kernel.function.max_dynamic_shared_size_bytes = smem

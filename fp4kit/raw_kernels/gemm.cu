@@ -10,7 +10,7 @@
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
 //   alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
-// gemm_tiled_{bf16,nvfp4}_<T>x<R>: M <= 8 * T tokens, R row tiles per warp. Grid (ceil(N / (128 R)),
+// gemm_tiled_{bf16,nvfp4}_<T>x<R>[f8]: M <= 8 * T tokens, R row tiles per warp, f8: 8 weight tiles per fetch. Grid (ceil(N / (128 R)),
 //   splits), 256 threads, 2 * 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
 //   (i, s) covers tiles [s * chunks_per_split, ...) of K and the blocks of row group i meet through
 //   counters[i] (zero on entry, zero again on exit) and partials [splits][M][N rounded to 16].
@@ -28,29 +28,32 @@ using namespace gemm;
 
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
 
-#define FP4_DEFINE_GEMM_TILED(T, R)                                                                       \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_bf16_##T##x##R(                     \
+#define FP4_DEFINE_GEMM_TILED(T, R, F, NAME)                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_bf16_##NAME(                     \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                \
-        gemm_block<T, R>(w_codes, w_scales, ActBf16<T>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x,    \
-                         blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});               \
+        const Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                  \
+        gemm_block<T, R, F>(w_codes, w_scales, ActBf16<T>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x, \
+                            blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});           \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_nvfp4_##T##x##R(                    \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_nvfp4_##NAME(                    \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};             \
-        gemm_block<T, R>(w_codes, w_scales, ActNvfp4<T>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, N, \
-                         K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
+        const Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};               \
+        gemm_block<T, R, F>(w_codes, w_scales, ActNvfp4<T>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, \
+                            N, K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
     }
 
-FP4_DEFINE_GEMM_TILED(1, 1)
-FP4_DEFINE_GEMM_TILED(1, 2)
-FP4_DEFINE_GEMM_TILED(2, 1)
-FP4_DEFINE_GEMM_TILED(2, 2)
-FP4_DEFINE_GEMM_TILED(4, 1)
-FP4_DEFINE_GEMM_TILED(8, 1)
+// <T>x<R>[f8]: T token tiles, R row tiles per warp, weight tiles fetched 4 (or 8) at a time
+FP4_DEFINE_GEMM_TILED(1, 1, 4, 1x1)
+FP4_DEFINE_GEMM_TILED(1, 2, 4, 1x2)
+FP4_DEFINE_GEMM_TILED(1, 1, 8, 1x1f8)
+FP4_DEFINE_GEMM_TILED(2, 1, 4, 2x1)
+FP4_DEFINE_GEMM_TILED(2, 2, 4, 2x2)
+FP4_DEFINE_GEMM_TILED(2, 1, 8, 2x1f8)
+FP4_DEFINE_GEMM_TILED(4, 1, 4, 4x1)
+FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
 
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
 // cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.

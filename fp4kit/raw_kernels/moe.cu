@@ -259,7 +259,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
         ep.out_ld = out_ld;
         ep.out_row_base = row0 + m0;
         ep.out_col = out_col;
-        gemm::gemm_block<T, 1>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
+        gemm::gemm_block<T, 1, gemm::kGroupChunks>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
                                gemm::SplitK{nullptr, nullptr, 1, chunks});
         __syncthreads();  // the next rows reuse the shared activation buffers
     }

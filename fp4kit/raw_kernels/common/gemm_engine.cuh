@@ -247,16 +247,19 @@ struct SplitK {
     unsigned chunks_per_split;  // a multiple of the window (Window<T>::kChunks)
 };
 
-template <int R>
+// The weight tiles a warp fetches at once: F tiles (a multiple of the 4 of a scale word) of each of
+// its R row tiles, and their F/4 scale words.
+template <int R, int F>
 struct WeightGroup {
-    uint4 codes[R][kGroupChunks];
-    uint2 scales[R];
+    uint4 codes[R][F];
+    uint2 scales[R][F / kGroupChunks];
 };
 
-// One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T)
+// One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T),
+// fetching F weight tiles per row tile at once
 // over the K range of split `split`. w_codes / w_scales point at one [N, K] weight. Dynamic shared
 // memory: two activation buffers (2 * Window<T>::kBytes).
-template <int T, int R, class Act>
+template <int T, int R, int F, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     extern __shared__ uint4 smem_raw[];
@@ -283,15 +286,17 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         scale_next[r] = w_scales + (tile * groups + c_begin / kGroupChunks) * 32 + lane;
     }
     // the group of tiles c .. c + 3 (those at or past c_end read as zero); c advances by 4 per call
-    auto fetch = [&](unsigned c, WeightGroup<R>& wg) {
+    static_assert(F % kGroupChunks == 0 && Win::kChunks % F == 0, "a fetch is whole scale words within a window");
+    auto fetch = [&](unsigned c, WeightGroup<R, F>& wg) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll
-            for (int j = 0; j < kGroupChunks; ++j)
+            for (int j = 0; j < F; ++j)
                 wg.codes[r][j] = c + j < c_end ? load_stream(code_next[r] + j * 32, policy) : make_uint4(0u, 0u, 0u, 0u);
-            wg.scales[r] = load_stream(scale_next[r], policy);
-            code_next[r] += kGroupChunks * 32;
-            scale_next[r] += 32;
+#pragma unroll
+            for (int w = 0; w < F / kGroupChunks; ++w) wg.scales[r][w] = load_stream(scale_next[r] + w * 32, policy);
+            code_next[r] += F * 32;
+            scale_next[r] += F / kGroupChunks * 32;
         }
     };
 
@@ -302,17 +307,18 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         for (int i = 0; i < T; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
 
     // tiles j < valid of a group whose activation starts at act_tile (window column of tile 0)
-    auto compute = [&](const WeightGroup<R>& wg, const __nv_bfloat16* act_tile, unsigned valid) {
+    auto compute = [&](const WeightGroup<R, F>& wg, const __nv_bfloat16* act_tile, unsigned valid) {
 #pragma unroll
-        for (int j = 0; j < kGroupChunks; ++j) {
+        for (int j = 0; j < F; ++j) {
             if (j >= valid) break;
             unsigned sc_g[R], sc_g8[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (j == 0) scale_pairs<0>(wg.scales[r], sc_g[r], sc_g8[r]);
-                if (j == 1) scale_pairs<1>(wg.scales[r], sc_g[r], sc_g8[r]);
-                if (j == 2) scale_pairs<2>(wg.scales[r], sc_g[r], sc_g8[r]);
-                if (j == 3) scale_pairs<3>(wg.scales[r], sc_g[r], sc_g8[r]);
+                const uint2 sw = wg.scales[r][j / kGroupChunks];
+                if (j % 4 == 0) scale_pairs<0>(sw, sc_g[r], sc_g8[r]);
+                if (j % 4 == 1) scale_pairs<1>(sw, sc_g[r], sc_g8[r]);
+                if (j % 4 == 2) scale_pairs<2>(sw, sc_g[r], sc_g8[r]);
+                if (j % 4 == 3) scale_pairs<3>(sw, sc_g[r], sc_g8[r]);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // steps 2h, 2h + 1 share one 16-byte activation load per token tile
@@ -339,7 +345,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
 
     // Two register groups of weights and two activation buffers: while one group is multiplied,
     // the next group's weights and the next window's activations are in flight.
-    WeightGroup<R> first, second;
+    WeightGroup<R, F> first, second;
     if (active && c_begin < c_end) fetch(c_begin, first);
     // activation buffer `slot` (0 or 1); arithmetic rather than an array, which would live in local memory
     auto act_buf = [&](unsigned slot) { return act_s + slot * (8 * T * Win::kStride); };
@@ -350,13 +356,13 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         act.start(pending, act_buf(0), M, c_begin * kTileK, K);
         act.finish(pending, act_buf(0), M, c_begin * kTileK, K);
     }
-    // multiply group `cur` (tiles c .. c + 3, `valid` of them) while `nxt` fetches tiles c + 4 ..
-    auto group_step = [&](WeightGroup<R>& cur, WeightGroup<R>& nxt, unsigned c, const __nv_bfloat16* act_tile,
+    // multiply group `cur` (tiles c .. c + F - 1, `valid` of them) while `nxt` fetches tiles c + F ..
+    auto group_step = [&](WeightGroup<R, F>& cur, WeightGroup<R, F>& nxt, unsigned c, const __nv_bfloat16* act_tile,
                           unsigned valid) {
-        if (c + kGroupChunks < c_end) fetch(c + kGroupChunks, nxt);
+        if (c + F < c_end) fetch(c + F, nxt);
         compute(cur, act_tile, valid);
     };
-    constexpr int kGroups = Win::kChunks / kGroupChunks;  // per window: 1 or 2
+    constexpr int kGroups = Win::kChunks / F;  // per window: 1 or 2
     unsigned cw = c_begin, slot = 0, odd = 0;  // odd: the current group is in `second`
     for (; cw + Win::kChunks <= c_end; cw += Win::kChunks, slot ^= 1, odd ^= kGroups & 1) {  // full windows
         __syncthreads();  // this window's activation is in place; every warp is done with the other buffer
@@ -367,8 +373,8 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
             const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
 #pragma unroll
             for (int gi = 0; gi < kGroups; ++gi) {
-                if ((odd ^ gi) & 1) group_step(second, first, cw + gi * kGroupChunks, act_tile + gi * kGroupChunks * kTileK, kGroupChunks);
-                else group_step(first, second, cw + gi * kGroupChunks, act_tile + gi * kGroupChunks * kTileK, kGroupChunks);
+                if ((odd ^ gi) & 1) group_step(second, first, cw + gi * F, act_tile + gi * F * kTileK, F);
+                else group_step(first, second, cw + gi * F, act_tile + gi * F * kTileK, F);
             }
         }
         if (more) act.finish(pending, act_buf(slot ^ 1), M, k_next, K);
@@ -379,11 +385,11 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
             const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
 #pragma unroll
             for (int gi = 0; gi < kGroups; ++gi) {
-                const unsigned c = cw + gi * kGroupChunks;
+                const unsigned c = cw + gi * F;
                 if (c < c_end) {
-                    const unsigned valid = min(c_end - c, (unsigned)kGroupChunks);
-                    if ((odd ^ gi) & 1) group_step(second, first, c, act_tile + gi * kGroupChunks * kTileK, valid);
-                    else group_step(first, second, c, act_tile + gi * kGroupChunks * kTileK, valid);
+                    const unsigned valid = min(c_end - c, (unsigned)F);
+                    if ((odd ^ gi) & 1) group_step(second, first, c, act_tile + gi * F * kTileK, valid);
+                    else group_step(first, second, c, act_tile + gi * F * kTileK, valid);
                 }
             }
         }
