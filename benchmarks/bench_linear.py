@@ -17,7 +17,7 @@ Targets (not tests): M = 1: >= 85 % of the read floor, >= 1.6x FP8 and >= 2.4x b
 shape; M = 16: >= 70 % of the read floor, >= 1.5x FP8; M = 64: >= 1.3x FP8 and >= 2x bf16;
 M >= 256: >= 0.9x bf16; W4A4 <= 1.15x W4A16 at M <= 64.
 
-    PYTHONPATH=. python benchmarks/bench_linear.py [--quick] [--sweep] [--sass]
+    PYTHONPATH=. python benchmarks/bench_linear.py [--quick] [--sweep] [--sass] [--shapes=NxK,...] [--ms=1,16,...]
 
 ``--sweep`` also times every launch shape (row tiles per warp, weight tiles per fetch, blocks per
 SM) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
@@ -123,6 +123,11 @@ def main() -> None:
                         ["shape NxK", "M", "row tiles/warp", "tiles/fetch", "blocks/SM", "splits", "µs"])
     shapes = [SHAPES[0], SHAPES[5], SHAPES[7], SHAPES[8]] if quick else SHAPES
     ms = (1, 16, 64, 256) if quick else MS
+    for arg in sys.argv[1:]:  # --shapes NxK,NxK,... and --ms 1,16,...: a subset
+        if arg.startswith("--shapes="):
+            shapes = [tuple(int(v) for v in s.split("x")) for s in arg.split("=", 1)[1].split(",")]
+        if arg.startswith("--ms="):
+            ms = tuple(int(v) for v in arg.split("=", 1)[1].split(","))
     for n, k in shapes:
         w_float = cp.asarray(rng.standard_normal((n, k), dtype=np.float32))
         w_q = to_tiled(fp4kit.quantize(w_float))

@@ -30,7 +30,7 @@ _TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
 #: weight tiles a warp fetches at once, by token tiles (4 or 8; 8 only for 1 and 2 token tiles)
-FETCH_TILES = {1: 4, 2: 4, 4: 4, 8: 4}
+FETCH_TILES = {1: 4, 2: 8, 4: 4, 8: 4}
 #: split K until the grid has this many 8-warp blocks per SM (when K allows), by token tiles:
 #: more tokens make the split-K partials larger, and their kernels are less bound by latency
 BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
