@@ -298,8 +298,10 @@ FP4_DEFINE_DEQUANT(f32, float)
 
 extern "C" __global__ void global_scale_from_amax(const float* amax, float* scale_out, unsigned* status) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        const float a = *amax;
+        // the sign is tested on the stored bits: an amax is |x|, so even -0.0 is not one
+        const unsigned bits = *reinterpret_cast<const unsigned*>(amax);
+        const float a = __uint_as_float(bits);
         *scale_out = fp4_global_scale_from_amax(a);
-        if (!(fabsf(a) <= FP4_FLT_MAX) || (__float_as_uint(a) >> 31)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
+        if ((bits & 0x7FFFFFFFu) > 0x7F7FFFFFu || (bits >> 31)) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
     }
 }
