@@ -430,13 +430,45 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     __syncthreads();
     if (!last_block) return;
     __threadfence();
-    const unsigned rows = kWarps * R * 16, n0 = group * rows;
-    for (unsigned i = threadIdx.x; i < rows * M; i += kThreads) {
-        const unsigned n = n0 + i % rows, token = i / rows;
-        if (n >= N) continue;
-        float sum = 0.0f;
-        for (unsigned s = 0; s < sk.splits; ++s) sum = __fadd_rn(sum, __ldcg(sk.partials + ((size_t)s * M + token) * ld + n));
-        ep.store(token, n, N, sum);
+    // The reduction is latency-bound: each thread takes 4 outputs x 4 adjacent columns (float4) and
+    // keeps the loads of 4 splits of all of them in flight, adding the splits in order.
+    constexpr int kQuads = 4, kSplitsAtOnce = 4;
+    const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
+    for (unsigned q0 = threadIdx.x; q0 < quads; q0 += kThreads * kQuads) {
+        float4 sum[kQuads];
+#pragma unroll
+        for (int u = 0; u < kQuads; ++u) sum[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (unsigned s0 = 0; s0 < sk.splits; s0 += kSplitsAtOnce) {
+            float4 part[kSplitsAtOnce][kQuads];
+#pragma unroll
+            for (int v = 0; v < kSplitsAtOnce; ++v)
+#pragma unroll
+                for (int u = 0; u < kQuads; ++u) {
+                    const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
+                    part[v][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (s0 + v < sk.splits && q < quads && n < ld)
+                        part[v][u] = __ldcg(reinterpret_cast<const float4*>(sk.partials + ((size_t)(s0 + v) * M + token) * ld + n));
+                }
+#pragma unroll
+            for (int v = 0; v < kSplitsAtOnce; ++v)
+#pragma unroll
+                for (int u = 0; u < kQuads; ++u)
+                    if (s0 + v < sk.splits) {
+                        sum[u].x = __fadd_rn(sum[u].x, part[v][u].x);
+                        sum[u].y = __fadd_rn(sum[u].y, part[v][u].y);
+                        sum[u].z = __fadd_rn(sum[u].z, part[v][u].z);
+                        sum[u].w = __fadd_rn(sum[u].w, part[v][u].w);
+                    }
+        }
+#pragma unroll
+        for (int u = 0; u < kQuads; ++u) {
+            const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
+            if (q >= quads) continue;
+            const float v[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (n + c < N) ep.store(token, n + c, N, v[c]);
+        }
     }
     if (threadIdx.x == 0) sk.counters[group] = 0u;
 }
