@@ -147,6 +147,8 @@ def main() -> None:
             flops = 2 * m * n * k
             out = cp.empty((m, n), BF16)
             nw = len(weights)
+            torch.cuda.synchronize()  # the baselines' setup above runs on PyTorch's stream: let it finish first
+            cp.cuda.Device().synchronize()
             rows = []
             if m <= 64:
                 if do_sweep:

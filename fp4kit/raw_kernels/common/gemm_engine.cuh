@@ -255,6 +255,50 @@ struct WeightGroup {
     uint2 scales[R][F / kGroupChunks];
 };
 
+// out = sum over splits (in order) of the fp32 partials, for the outputs of one row group: thread
+// i takes kQuads groups of 4 adjacent columns (float4) and loads kAtOnce splits of each at a time.
+template <int kQuads, int kAtOnce>
+__device__ __forceinline__ void reduce_splits(const SplitK& sk, const Epilogue& ep, unsigned group, unsigned rows,
+                                              unsigned quads, unsigned M, unsigned N, unsigned ld) {
+    const unsigned n0 = group * rows;
+    for (unsigned q0 = threadIdx.x; q0 < quads; q0 += kThreads * kQuads) {
+        float4 sum[kQuads];
+#pragma unroll
+        for (int u = 0; u < kQuads; ++u) sum[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (unsigned s0 = 0; s0 < sk.splits; s0 += kAtOnce) {
+            float4 part[kAtOnce][kQuads];
+#pragma unroll
+            for (int v = 0; v < kAtOnce; ++v)
+#pragma unroll
+                for (int u = 0; u < kQuads; ++u) {
+                    const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
+                    part[v][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (s0 + v < sk.splits && q < quads && n < ld)
+                        part[v][u] = __ldcg(reinterpret_cast<const float4*>(sk.partials + ((size_t)(s0 + v) * M + token) * ld + n));
+                }
+#pragma unroll
+            for (int v = 0; v < kAtOnce; ++v)
+#pragma unroll
+                for (int u = 0; u < kQuads; ++u)
+                    if (s0 + v < sk.splits) {
+                        sum[u].x = __fadd_rn(sum[u].x, part[v][u].x);
+                        sum[u].y = __fadd_rn(sum[u].y, part[v][u].y);
+                        sum[u].z = __fadd_rn(sum[u].z, part[v][u].z);
+                        sum[u].w = __fadd_rn(sum[u].w, part[v][u].w);
+                    }
+        }
+#pragma unroll
+        for (int u = 0; u < kQuads; ++u) {
+            const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
+            if (q >= quads) continue;
+            const float v[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (n + c < N) ep.store(token, n + c, N, v[c]);
+        }
+    }
+}
+
 // One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T),
 // fetching F weight tiles per row tile at once
 // over the K range of split `split`. w_codes / w_scales point at one [N, K] weight. Dynamic shared
@@ -430,46 +474,12 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     __syncthreads();
     if (!last_block) return;
     __threadfence();
-    // The reduction is latency-bound: each thread takes 4 outputs x 4 adjacent columns (float4) and
-    // keeps the loads of 4 splits of all of them in flight, adding the splits in order.
-    constexpr int kQuads = 4, kSplitsAtOnce = 4;
-    const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
-    for (unsigned q0 = threadIdx.x; q0 < quads; q0 += kThreads * kQuads) {
-        float4 sum[kQuads];
-#pragma unroll
-        for (int u = 0; u < kQuads; ++u) sum[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (unsigned s0 = 0; s0 < sk.splits; s0 += kSplitsAtOnce) {
-            float4 part[kSplitsAtOnce][kQuads];
-#pragma unroll
-            for (int v = 0; v < kSplitsAtOnce; ++v)
-#pragma unroll
-                for (int u = 0; u < kQuads; ++u) {
-                    const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
-                    part[v][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (s0 + v < sk.splits && q < quads && n < ld)
-                        part[v][u] = __ldcg(reinterpret_cast<const float4*>(sk.partials + ((size_t)(s0 + v) * M + token) * ld + n));
-                }
-#pragma unroll
-            for (int v = 0; v < kSplitsAtOnce; ++v)
-#pragma unroll
-                for (int u = 0; u < kQuads; ++u)
-                    if (s0 + v < sk.splits) {
-                        sum[u].x = __fadd_rn(sum[u].x, part[v][u].x);
-                        sum[u].y = __fadd_rn(sum[u].y, part[v][u].y);
-                        sum[u].z = __fadd_rn(sum[u].z, part[v][u].z);
-                        sum[u].w = __fadd_rn(sum[u].w, part[v][u].w);
-                    }
-        }
-#pragma unroll
-        for (int u = 0; u < kQuads; ++u) {
-            const unsigned q = q0 + u * kThreads, token = q / (rows / 4), n = n0 + q % (rows / 4) * 4;
-            if (q >= quads) continue;
-            const float v[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (n + c < N) ep.store(token, n + c, N, v[c]);
-        }
-    }
+    // The reduction is latency-bound: each thread keeps 16 float4 loads in flight, 16 splits of one
+    // group of 4 adjacent outputs when there are few outputs (small M), else 4 splits of 4 groups;
+    // either way the splits are added in order.
+    const unsigned rows = kWarps * R * 16, quads = rows / 4 * M;
+    if (quads <= kThreads) reduce_splits<1, 16>(sk, ep, group, rows, quads, M, N, ld);
+    else reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
     if (threadIdx.x == 0) sk.counters[group] = 0u;
 }
 
