@@ -255,8 +255,8 @@ struct WeightGroup {
     uint2 scales[R][F / kGroupChunks];
 };
 
-// out = sum over splits (in order) of the fp32 partials, for the outputs of one row group: thread
-// i takes kQuads groups of 4 adjacent columns (float4) and loads kAtOnce splits of each at a time.
+// out = sum over splits (in order) of the fp32 partials, for the outputs of one row group: each
+// thread takes kQuads groups of 4 adjacent columns (float4) and loads kAtOnce splits of each at a time.
 template <int kQuads, int kAtOnce>
 __device__ __forceinline__ void reduce_splits(const SplitK& sk, const Epilogue& ep, unsigned group, unsigned rows,
                                               unsigned quads, unsigned M, unsigned N, unsigned ld) {
@@ -474,12 +474,22 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     __syncthreads();
     if (!last_block) return;
     __threadfence();
-    // The reduction is latency-bound: each thread keeps 16 float4 loads in flight, 16 splits of one
-    // group of 4 adjacent outputs when there are few outputs (small M), else 4 splits of 4 groups;
-    // either way the splits are added in order.
-    const unsigned rows = kWarps * R * 16, quads = rows / 4 * M;
-    if (quads <= kThreads) reduce_splits<1, 16>(sk, ep, group, rows, quads, M, N, ld);
-    else reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
+    // The reduction is latency-bound. Few outputs (small M): one output per thread, whose split loads
+    // the compiler issues together. More: 4 groups of 4 adjacent outputs (float4) per thread with 4
+    // splits of each in flight. Either way the splits are added in order.
+    const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
+    if (rows * M <= kThreads) {
+        for (unsigned i = threadIdx.x; i < rows * M; i += kThreads) {
+            const unsigned n = n0 + i % rows, token = i / rows;
+            if (n >= N) continue;
+            float sum = 0.0f;
+            for (unsigned s = 0; s < sk.splits; ++s)
+                sum = __fadd_rn(sum, __ldcg(sk.partials + ((size_t)s * M + token) * ld + n));
+            ep.store(token, n, N, sum);
+        }
+    } else {
+        reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
+    }
     if (threadIdx.x == 0) sk.counters[group] = 0u;
 }
 
