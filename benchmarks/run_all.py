@@ -59,8 +59,10 @@ def _inverse_x_floor(row, meta):
 
 def _linear(row, meta):
     # roofline: the floor is the larger of the byte time and the flop time, so the achieved
-    # fraction is the larger of the two fractions (prefill rows are compute bound)
-    bw = _pct_of_copy(row, meta)
+    # fraction is the larger of the two fractions (prefill rows are compute bound); the byte time is
+    # the streaming read of the weight measured in the same run where the row has one
+    read = row.get("% of read floor")
+    bw = read / 100 if isinstance(read, (int, float)) else _pct_of_copy(row, meta)
     peak = _bf16_peak(meta.get("device", ""))
     flops = row.get("TFLOP/s")
     compute = None if peak is None or flops is None else flops / peak
@@ -88,7 +90,7 @@ def _generic(row, meta):
 FRACTION_OF_FLOOR = {
     "bench_quant": _pct_of_copy,          # "% of copy BW": bytes moved / time vs copy bandwidth
     "bench_attention": _pct_of_copy,      # idem; rows without it (torch.topk alone) are not plotted
-    "bench_linear": _linear,              # max("% of copy BW", TFLOP/s / bf16 peak)
+    "bench_linear": _linear,              # max("% of read floor" or "% of copy BW", TFLOP/s / bf16 peak)
     "bench_moe": _inverse_x_floor,        # 1 / "x floor" (touched-expert byte floor)
     "bench_sampling": _sampling,          # logits bytes at the copy bandwidth / µs
     "bench_decode": _pct_of_copy,         # bytes the step must read / time vs copy bandwidth
