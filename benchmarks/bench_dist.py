@@ -2,7 +2,7 @@
 experts, top-6, inner 2048, one shared expert, W4A4), EP = world size, against the single-GPU layer
 measured in the same run. Run by the launcher, one process per GPU:
 
-    PYTHONPATH=. python -m fp4kit.distributed.launch --nproc 2 benchmarks/bench_dist.py
+    .venv/bin/python -m fp4kit.distributed.launch --nproc 2 benchmarks/bench_dist.py
 
 Every rank builds the same full layer (benchmarks/bench_moe.py's `build`, same seed), keeps it for
 the single-GPU baseline, and shards it. Each rank brings T tokens of its own; a call is

@@ -17,7 +17,7 @@ Targets (not tests): M = 1: >= 85 % of the read floor, >= 1.6x FP8 and >= 2.4x b
 shape; M = 16: >= 70 % of the read floor, >= 1.5x FP8; M = 64: >= 1.3x FP8 and >= 2x bf16;
 M >= 256: >= 0.9x bf16; W4A4 <= 1.15x W4A16 at M <= 64.
 
-    PYTHONPATH=. python benchmarks/bench_linear.py [--quick] [--sweep] [--sass] [--shapes=NxK,...] [--ms=1,16,...]
+    .venv/bin/python benchmarks/bench_linear.py [--quick] [--sweep] [--sass] [--shapes=NxK,...] [--ms=1,16,...]
 
 ``--sweep`` also times every launch shape (row tiles per warp, weight tiles per fetch, blocks per
 SM) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).

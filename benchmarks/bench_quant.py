@@ -11,7 +11,7 @@ Rows (bf16 input, K = 7168 unless stated):
   (the second pass hits L2), >= 85 % of the two-read bound (input read twice from HBM) otherwise.
 The baseline is the same recipe written in PyTorch, timed eagerly with events.
 
-    PYTHONPATH=. python benchmarks/bench_quant.py
+    .venv/bin/python benchmarks/bench_quant.py
 """
 
 from __future__ import annotations

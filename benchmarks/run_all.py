@@ -1,9 +1,9 @@
 """Run every benchmark and gather the results into one dated report.
 
-    python3 benchmarks/run_all.py                      # every benchmarks/bench_*.py
-    python3 benchmarks/run_all.py --only quant,moe     # a subset (names without "bench_")
-    python3 benchmarks/run_all.py --from-existing      # assemble from results/bench_*.json, run nothing
-    python3 benchmarks/run_all.py --plot-only benchmarks/results/<date>-<gpu>.json
+    .venv/bin/python benchmarks/run_all.py                      # every benchmarks/bench_*.py
+    .venv/bin/python benchmarks/run_all.py --only quant,moe     # a subset (names without "bench_")
+    .venv/bin/python benchmarks/run_all.py --from-existing      # assemble from results/bench_*.json, run nothing
+    .venv/bin/python benchmarks/run_all.py --plot-only benchmarks/results/<date>-<gpu>.json
 
 Each benchmark runs as its own subprocess with the repository on PYTHONPATH and writes its rows
 through `common.Table.save`. A benchmark that fails (non-zero exit, or no JSON written) is

@@ -4,7 +4,7 @@
     .venv/bin/python examples/decode.py --preset v4-flash-slice --layers 4 --batch 8 --prompt-len 512 --new-tokens 128
     .venv/bin/python examples/decode.py --check                # graph = eager (= numpy for tiny)
     .venv/bin/python examples/decode.py --save /tmp/m && .venv/bin/python examples/decode.py --load /tmp/m
-    python -m fp4kit.distributed.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
+    .venv/bin/python -m fp4kit.distributed.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
 
 The weights are random (an integer hash of the seed, each tensor's name and index), so the token
 ids it prints are not text and mean nothing: the example measures and checks the machinery.

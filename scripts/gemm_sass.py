@@ -11,7 +11,7 @@ integer/logic instructions on the ALU pipe (LOP3, SHF, PRMT, LEA, IADD3, ...), I
 multiply-add, FMA pipe: left shifts and address arithmetic), bf16 multiplies (HMUL2), tensor-core
 MMAs and memory instructions.
 
-    python scripts/gemm_sass.py [--arch sm_90a] [--json FILE]
+    .venv/bin/python scripts/gemm_sass.py [--arch sm_90a] [--json FILE]
 
 ``cuobjdump`` (and the ``nvdisasm`` it calls) come from the PATH or from the pip packages
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``.

@@ -45,9 +45,9 @@ if has tests; then
 fi
 if has multigpu; then  # needs 2 GPUs
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    run check-dist timeout 300 python3 -m fp4kit.distributed.launch --nproc 2 tests/multigpu/check_dist.py
-    run decode-check-tp2-ep2 timeout 300 python3 -m fp4kit.distributed.launch --nproc 2 examples/decode.py --check --tp 2 --ep 2
-    run decode-slice-tp2-ep2 timeout 300 python3 -m fp4kit.distributed.launch --nproc 2 examples/decode.py \
+    run check-dist timeout 300 "$PYTHON" -m fp4kit.distributed.launch --nproc 2 tests/multigpu/check_dist.py
+    run decode-check-tp2-ep2 timeout 300 "$PYTHON" -m fp4kit.distributed.launch --nproc 2 examples/decode.py --check --tp 2 --ep 2
+    run decode-slice-tp2-ep2 timeout 300 "$PYTHON" -m fp4kit.distributed.launch --nproc 2 examples/decode.py \
         --preset v4-flash-slice --layers 4 --batch 1 --prompt-len 16 --new-tokens 64 --tp 2 --ep 2
 fi
 if has profile; then

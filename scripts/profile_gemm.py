@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one decode GEMM a few times, for a profiler (``ncu -k regex:gemm_tiled -s 2 -c 1``).
 
-    python scripts/profile_gemm.py M N K [w4a4]
+    .venv/bin/python scripts/profile_gemm.py M N K [w4a4]
 """
 
 import sys

@@ -2,7 +2,7 @@
 expert-parallel MoE against the single-GPU layers, capacity overflow, and a sharded step captured
 in a CUDA graph. Run by the launcher (one process per GPU):
 
-    python -m fp4kit.distributed.launch --nproc 2 tests/multigpu/check_dist.py
+    .venv/bin/python -m fp4kit.distributed.launch --nproc 2 tests/multigpu/check_dist.py
 
 Every rank builds the same full layers from the same seed, shards them, and compares its sharded
 result with the single-GPU layer on its own GPU. Rank 0 prints one PASS/FAIL line per check (the
