@@ -116,3 +116,23 @@ def test_tiled_layout_bad_inputs():
     w = to_tiled(qref.quantize(np.ones((16, 64), np.float32)))
     with pytest.raises(ValueError, match="packed: expected shape"):
         Nvfp4Tensor(w.packed[:-16], w.block_scales, w.global_scale, "tiled", w.shape)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64])
+def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m):
+    """Every split of K gets at least one whole activation window and together they cover K; the
+    split-K partials fit their per-stream scratch; more rows never split more than fits."""
+    from fp4kit.formats import tiled_dims
+    from fp4kit.ops import gemm as gemm_ops
+
+    for n, k in [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129280, 4096), (32768, 1024), (2056, 1040)]:
+        for sms in (1, 132):
+            tiles, r, groups, splits, per_split = gemm_ops.launch_config(m, n, k, sms=sms)
+            row_tiles, chunks, _ = tiled_dims(n, k)
+            assert 8 * tiles >= m and groups * 8 * r >= row_tiles
+            assert per_split % gemm_ops._window_chunks(tiles) == 0
+            assert splits >= 1 and (splits - 1) * per_split < chunks <= splits * per_split
+            if splits > 1:
+                assert splits * m * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
+    assert gemm_ops.launch_config(1, 2048, 7168, sms=132)[3] > 1  # small weights split K
+    assert gemm_ops.launch_config(1, 129280, 4096, sms=132)[3] == 1  # the lm_head fills the GPU by itself

@@ -194,21 +194,23 @@ def row_groups(n: int, row_tiles_per_warp: int) -> int:
     return -(-tiled_dims(n, TILE_K)[0] // (_WARPS * row_tiles_per_warp))
 
 
-def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM.
+def launch_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM
+    of ``m <= 64`` rows on a GPU with ``sms`` multiprocessors (default: the current device's).
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` blocks per SM, in whole activation
-    windows and within the split-K scratch (`_PARTIALS_BYTES`).
+    windows and within the split-K scratch (`_PARTIALS_BYTES`); every split gets at least one tile.
     """
-    import cupy
+    if sms is None:
+        import cupy
 
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     tiles = token_tiles(m)
     r = ROW_TILES_PER_WARP[tiles]
     row_tiles, chunks, _ = tiled_dims(n, k)
     groups = row_groups(n, r)
     window = _window_chunks(tiles)
     windows = -(-chunks // window)
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     splits = max(1, min(windows, -(-BLOCKS_PER_SM[tiles] * sms // groups)))
     splits = max(1, min(splits, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))
     per_split = -(-windows // splits) * window
