@@ -85,6 +85,31 @@ def test_save_load_round_trip_is_exact(rng, tmp_path):
         assert loaded.extra[name].dtype == a.dtype and np.array_equal(loaded.extra[name], a)
 
 
+def test_tiled_load_is_the_gemm_layout_and_saves_back_the_same_bytes(rng, tmp_path):
+    """load_nvfp4(tiled=True) gives the layout the layers use (one copy in a model built from it);
+    saving a tiled weight writes the checkpoint layout, byte for byte."""
+    from fp4kit.formats import to_linear
+    from fp4kit.layers import Linear
+
+    weights = {"m.up": fp4kit.quantize(rng.standard_normal((48, 96)).astype(F32)),
+               "m.experts": fp4kit.quantize(rng.standard_normal((2, 16, 32)).astype(F32))}
+    ck.save_nvfp4(tmp_path / "a", weights)
+    plain, tiled = ck.load_nvfp4(tmp_path / "a"), ck.load_nvfp4(tmp_path / "a", tiled=True)
+    for prefix, w in weights.items():
+        t = tiled.weights[prefix]
+        assert t.scale_layout == "tiled" and t.shape == w.shape
+        back = to_linear(t)
+        assert np.array_equal(back.packed, w.packed) and np.array_equal(back.block_scales, w.block_scales)
+    x = rng.standard_normal((3, 96)).astype(BF16)
+    y_tiled = Linear.from_checkpoint(tiled, "m.up", mode="w4a16")(x)
+    assert np.array_equal(y_tiled.view(np.uint16), Linear.from_checkpoint(plain, "m.up", mode="w4a16")(x).view(np.uint16))
+    ck.save_nvfp4(tmp_path / "b", tiled.weights)
+    a, b = (ck.load_nvfp4(tmp_path / d) for d in ("a", "b"))
+    for prefix in weights:
+        assert np.array_equal(a.weights[prefix].packed, b.weights[prefix].packed)
+        assert np.array_equal(a.weights[prefix].block_scales, b.weights[prefix].block_scales)
+
+
 def test_file_layout_on_disk_is_modelopt(rng, tmp_path):
     q = fp4kit.quantize(rng.standard_normal((4, 32)).astype(F32))
     s_a = np.array(300.0, F32)

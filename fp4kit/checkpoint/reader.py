@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats import BLOCK_SIZE, Nvfp4Tensor
+from ..formats import BLOCK_SIZE, Nvfp4Tensor, to_tiled
 from ..runtime import device as runtime_device
 from . import compressed_tensors, modelopt
 from .compressed_tensors import COMPRESSED_TENSORS
@@ -224,7 +224,7 @@ class CheckpointFiles:
         return not scales.any()
 
 
-def load_nvfp4(path, *, device=None) -> Checkpoint:
+def load_nvfp4(path, *, device=None, tiled: bool = False) -> Checkpoint:
     """Load an NVFP4 checkpoint (ModelOpt or compressed-tensors layout).
 
     Parameters
@@ -238,6 +238,10 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
         from the file. The one meaning of ``device=`` in fp4kit (`fp4kit.runtime.device`): without
         a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``,
         before any file is opened.
+    tiled : bool
+        Put every weight in the tiled GEMM layout (`fp4kit.formats.to_tiled`) as it is placed, the
+        layout fp4kit's layers convert their device weights to when they are built: a model built
+        from the checkpoint then holds one copy of each weight. Saving converts back.
 
     Returns
     -------
@@ -266,7 +270,8 @@ def load_nvfp4(path, *, device=None) -> Checkpoint:
         scales = ckpt.read_block_scales(q)
         stored, s = ckpt.read_scale(q.global_scale, q.layout, all_zero=not scales.any())
         shape = (*packed.shape[:-1], 2 * packed.shape[-1])
-        result.weights[prefix] = Nvfp4Tensor(put(packed), put(scales), put(s), "linear", shape)
+        weight = Nvfp4Tensor(put(packed), put(scales), put(s), "linear", shape)
+        result.weights[prefix] = to_tiled(weight) if tiled and len(shape) >= 2 else weight
         scalars = [(q.global_scale, stored)]
         if q.input_scale is not None:
             stored_a, s_a = ckpt.read_scale(q.input_scale, q.layout)
