@@ -136,3 +136,25 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m):
                 assert splits * m * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
     assert gemm_ops.launch_config(1, 2048, 7168, sms=132)[3] > 1  # small weights split K
     assert gemm_ops.launch_config(1, 129280, 4096, sms=132)[3] == 1  # the lm_head fills the GPU by itself
+
+
+def test_kernel_launch_raises_the_shared_memory_limit_once_and_passes_the_grid():
+    """`loader.Kernel.launch`, the launch of the GEMM, grouped-GEMM and attention kernels: a tuple
+    grid, dynamic shared memory, and the 48 KB default limit raised only when needed."""
+    from fp4kit.runtime import loader
+
+    class Function:  # records what a cupy.RawKernel would be asked
+        max_dynamic_shared_size_bytes = 48 * 1024
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            self.calls.append((grid, block, args, shared_mem))
+
+    f = Function()
+    kernel = loader.Kernel(f, False, 1)
+    kernel.launch((3, 2), 256, ("a",), shared_mem=66560)
+    assert f.max_dynamic_shared_size_bytes == 66560 and f.calls == [((3, 2), (256,), ("a",), 66560)]
+    kernel.launch((5,), 128, (), shared_mem=1024)
+    assert f.max_dynamic_shared_size_bytes == 66560 and f.calls[-1] == ((5,), (128,), (), 1024)

@@ -13,8 +13,6 @@ result is exact (no re-quantization).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..formats import Nvfp4Tensor, fuse_rows, interleave_rows  # noqa: F401 (interleave_rows: re-exported)
 from ..ops import quant as quant_ops
 from ..runtime import arrays

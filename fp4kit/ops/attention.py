@@ -20,7 +20,6 @@ probabilities).
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -85,16 +84,9 @@ def workspace_size(batch: int, heads: int, head_dim: int, num_splits: int) -> in
     return batch * num_splits * heads * (head_dim + 2)
 
 
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
 def num_splits_for(q, candidates: int) -> int:
     """`default_num_splits` for a device array ``q [B, Hq, D]`` on its device's SM count."""
-    return default_num_splits(q.shape[0], q.shape[1], candidates, _sm_count(arrays.device_id(q)))
+    return default_num_splits(q.shape[0], q.shape[1], candidates, loader.sm_count(arrays.device_id(q)))
 
 
 def _take(name: str, x, dtype, layout: str, shape: tuple):
@@ -272,9 +264,7 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         workspace = _shared_workspace(needed)
     chunk = -(-candidates // splits)
     shared = smem_bytes(head_dim, chunk)
-    kernel = loader.get_kernel(_MODULE, "sparse_decode_attention", block=_THREADS).function
-    if kernel.max_dynamic_shared_size_bytes < shared:  # a query, not a stream operation: fine under capture
-        kernel.max_dynamic_shared_size_bytes = shared
+    kernel = loader.get_kernel(_MODULE, "sparse_decode_attention", block=_THREADS)
     if splits > 1:
         partial_rows = batch * splits * heads
         part_o = workspace[: partial_rows * head_dim]
@@ -284,9 +274,9 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     out_f32 = _I32(dtype == np.float32)
     scale_log2 = _F32(scale * math.log2(math.e))
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
-    kernel(grid, (_THREADS,), (q, swa, pos, comp, comp_len, indices, sink, out, part_o, part_ml, _I32(heads),
-                              _I32(head_dim), _I32(swa.shape[1]), _I32(comp.shape[1]), _I32(indices.shape[1]),
-                              _I32(chunk), scale_log2, out_f32, status.device_word()), shared_mem=shared)
+    kernel.launch(grid, _THREADS, (q, swa, pos, comp, comp_len, indices, sink, out, part_o, part_ml, _I32(heads),
+                                   _I32(head_dim), _I32(swa.shape[1]), _I32(comp.shape[1]), _I32(indices.shape[1]),
+                                   _I32(chunk), scale_log2, out_f32, status.device_word()), shared_mem=shared)
     if splits > 1:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS).function
         combine((heads, batch), (_COMBINE_THREADS,), (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),

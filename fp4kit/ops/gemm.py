@@ -204,7 +204,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
     if sms is None:
         import cupy
 
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        sms = loader.sm_count(cupy.cuda.Device().id)
     tiles = token_tiles(m)
     r = ROW_TILES_PER_WARP[tiles]
     row_tiles, chunks, _ = tiled_dims(n, k)
@@ -217,23 +217,6 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
     return tiles, r, groups, -(-chunks // per_split), per_split
 
 
-def _split_scratch():
-    """Per-stream split-K scratch: fp32 partials and zeroed row-group counters (never reallocated,
-    so a captured graph keeps valid pointers)."""
-    import cupy
-
-    key = ("gemm.splitk", cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    scratch = _SPLIT_SCRATCH.get(key)
-    if scratch is None:
-        scratch = (workspace.device_buffer("gemm.partials", _PARTIALS_BYTES).view(np.float32),
-                   workspace.zeros_outside_capture(_MAX_ROW_GROUPS, np.uint32))
-        _SPLIT_SCRATCH[key] = scratch
-    return scratch
-
-
-_SPLIT_SCRATCH: dict = {}
-
-
 def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int) -> None:
     tiles, r, groups, splits, per_split = launch_config(m, n, k)
     if groups > _MAX_ROW_GROUPS:
@@ -241,13 +224,12 @@ def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k
     kind = "nvfp4" if len(act) == 3 else "bf16"
     suffix = "f8" if FETCH_TILES[tiles] == 8 else ""
     kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}{suffix}")
-    smem = shared_bytes(tiles)
-    if kernel.function.max_dynamic_shared_size_bytes < smem:
-        kernel.function.max_dynamic_shared_size_bytes = smem
-    partials, counters = _split_scratch()
-    kernel.function((groups, splits), (32 * _WARPS,),
-                    (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
-                     _U32(splits), _U32(per_split)), shared_mem=smem)
+    # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
+    partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
+    counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)
+    kernel.launch((groups, splits), 32 * _WARPS,
+                  (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
+                   _U32(splits), _U32(per_split)), shared_mem=shared_bytes(tiles))
 
 
 def _ptr(v):

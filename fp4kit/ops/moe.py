@@ -61,8 +61,7 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
         raise ValueError("stack: the grouped GEMM reads tiled expert stacks; convert with stack.to_tiled()")
     n, k = stack.shape[1:]
     slots = min(stack.shape[0], plan.slot_row.size)
-    rows = min(64, plan.slot_row.size if max_rows is None else max_rows)
-    tiles = gemm_ops.token_tiles(rows)
+    tiles = gemm_ops.token_tiles(plan.slot_row.size if max_rows is None else max_rows)
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
               plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
@@ -72,10 +71,7 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     else:
         kernel = loader.get_kernel(_MODULE, f"moe_gemm_bf16_{tiles}")
         args = (act, *common)
-    smem = gemm_ops.shared_bytes(tiles)
-    if kernel.function.max_dynamic_shared_size_bytes < smem:
-        kernel.function.max_dynamic_shared_size_bytes = smem
-    kernel.function((gemm_ops.row_groups(n, 1), slots), (256,), args, shared_mem=smem)
+    kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 
 
 def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:

@@ -128,6 +128,22 @@ class Kernel:
     def __call__(self, grid: int, block: int, args: tuple) -> None:
         self.function((int(grid),), (int(block),), args)
 
+    def launch(self, grid: tuple, block: int, args: tuple, shared_mem: int = 0) -> None:
+        """Launch on a 1- to 3-D grid with ``shared_mem`` bytes of dynamic shared memory, raising the
+        kernel's limit first when it is above 48 KB (a function attribute, not a stream operation:
+        fine under graph capture)."""
+        if shared_mem and self.function.max_dynamic_shared_size_bytes < shared_mem:
+            self.function.max_dynamic_shared_size_bytes = shared_mem
+        self.function(tuple(int(g) for g in grid), (int(block),), args, shared_mem=shared_mem)
+
+
+@functools.cache
+def sm_count(device_id: int) -> int:
+    """Multiprocessors of CUDA device ``device_id`` (read once: CuPy's ``attributes`` queries them all)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
 
 def get_module(name: str, *, cooperative: bool = False):
     """The compiled `cupy.RawModule` of ``raw_kernels/<name>.cu`` for the current device."""
@@ -157,8 +173,7 @@ def get_kernel(module: str, function: str, *, cooperative: bool = False, block: 
     def build():
         raw = get_module(module, cooperative=cooperative).get_function(function)
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, block, 0)
-        sms = device.attributes["MultiProcessorCount"]
-        return Kernel(raw, cooperative, max(1, per_sm) * sms)
+        return Kernel(raw, cooperative, max(1, per_sm) * sm_count(device.id))
 
     return _kernels.get((device.id, module, function, cooperative, block), build)
 

@@ -17,7 +17,7 @@ _lock = threading.Lock()
 _buffers: dict[tuple[str, int, int], object] = {}
 
 
-def _per_stream(kind: str, n: int, dtype):
+def _per_stream(kind: str, n: int, dtype, zeroed: bool = False):
     import cupy
 
     key = (kind, cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
@@ -26,9 +26,16 @@ def _per_stream(kind: str, n: int, dtype):
         with _lock:
             buf = _buffers.get(key)
             if buf is None:
-                buf = cupy.empty(n, dtype=dtype)
+                buf = zeros_outside_capture(n, dtype) if zeroed else cupy.empty(n, dtype=dtype)
                 _buffers[key] = buf
     return buf
+
+
+def stream_buffer(name: str, n: int, dtype, *, zeroed: bool = False):
+    """A fixed ``[n]`` device buffer for the current device and stream, made once and never
+    reallocated (a captured graph keeps pointing at it); ``zeroed`` zeroes it once, outside any
+    capture (for counters that the kernels using them reset themselves)."""
+    return _per_stream("stream:" + name, n, dtype, zeroed)
 
 
 def partials():
