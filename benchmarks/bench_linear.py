@@ -87,25 +87,39 @@ def fp8_rowwise(torch, x_t, w_t):
 
 
 def sweep(table, w_list, x, out, m, n, k):
-    """Every launch shape of the decode kernel for this (M, N, K): µs of W4A16 per variant (row
-    tiles per warp, weight tiles per fetch, blocks per SM); returns the best (µs, R, F, blocks/SM)."""
-    knobs = (gemm_ops.ROW_TILES_PER_WARP, gemm_ops.FETCH_TILES, gemm_ops.BLOCKS_PER_SM)
-    saved = [dict(d) for d in knobs]
+    """Every launch shape of the engine for this (M, N, K): µs of W4A16 per variant (mma.sync: row
+    tiles per warp, weight tiles per fetch, blocks per SM; wgmma on Hopper: blocks per SM); returns
+    the best (µs, label)."""
+    knobs = (gemm_ops.ROW_TILES_PER_WARP, gemm_ops.FETCH_TILES, gemm_ops.BLOCKS_PER_SM, gemm_ops.WGMMA_BLOCKS_PER_SM,
+             gemm_ops.WGMMA_ROW_TILES_PER_WARP)
+    saved = [dict(d) for d in knobs] + [gemm_ops.WGMMA_MIN_M]
     tiles = gemm_ops.token_tiles(m)
     shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
+    variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (1, 2, 4, 8))]
+    if cp.cuda.Device().compute_capability == "90":
+        wg_tiles = gemm_ops.launch_config(m, n, k, wgmma=True).token_tiles
+        wg_rows = (1, 2) if wg_tiles in (4, 8) else (1,)
+        variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
     results = []
     try:
-        for (r, f), per_sm in itertools.product(shapes, (1, 2, 4, 8)):
-            gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.FETCH_TILES[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, f, per_sm
+        for engine, r, f, per_sm in variants:
+            wgmma = engine == "wgmma"
+            gemm_ops.WGMMA_MIN_M = 1 if wgmma else 1 << 30
+            if wgmma:
+                gemm_ops.WGMMA_BLOCKS_PER_SM[wg_tiles], gemm_ops.WGMMA_ROW_TILES_PER_WARP[wg_tiles] = per_sm, r
+            else:
+                gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.FETCH_TILES[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, f, per_sm
             t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
-            splits = gemm_ops.launch_config(m, n, k)[3]
-            results.append((t, r, f, per_sm))
-            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "row tiles/warp": r, "tiles/fetch": f, "blocks/SM": per_sm,
-                         "splits": splits, "µs": t})
+            shape = gemm_ops.launch_config(m, n, k, wgmma=wgmma)
+            label = shape.kernel.format(kind="bf16") + f", {per_sm} blocks/SM, {shape.splits} splits"
+            results.append((t, label))
+            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel.format(kind="bf16"),
+                         "blocks/SM": per_sm, "splits": shape.splits, "µs": t})
     finally:
         for d, old in zip(knobs, saved):
             d.clear()
             d.update(old)
+        gemm_ops.WGMMA_MIN_M = saved[-1]
     return min(results)
 
 
@@ -120,7 +134,7 @@ def main() -> None:
     table = Table(title, ["shape NxK", "M", "path", "µs", "read floor µs", "% of read floor", "% of copy BW",
                           "TFLOP/s", "cuBLAS bf16 µs", "FP8 µs", "x bf16", "x FP8", "W4A4 / W4A16", "target"])
     sweep_table = Table(f"Decode GEMM launch shapes ({device_name()})",
-                        ["shape NxK", "M", "row tiles/warp", "tiles/fetch", "blocks/SM", "splits", "µs"])
+                        ["shape NxK", "M", "kernel", "blocks/SM", "splits", "µs"])
     shapes = [SHAPES[0], SHAPES[5], SHAPES[7], SHAPES[8]] if quick else SHAPES
     ms = (1, 16, 64, 256) if quick else MS
     for arg in sys.argv[1:]:  # --shapes NxK,NxK,... and --ms 1,16,...: a subset
@@ -153,8 +167,7 @@ def main() -> None:
             if m <= 64:
                 if do_sweep:
                     best = sweep(sweep_table, weights, x, out, m, n, k)
-                    print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs at R={best[1]}, F={best[2]}, "
-                          f"{best[3]} blocks/SM", flush=True)
+                    print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs, {best[1]}", flush=True)
                 t16 = graph_us(lambda i: gemm(x, weights[i % nw], out=out), calls=2 * nw)
                 t4 = graph_us(lambda i: gemm(xq, weights[i % nw], out=out), calls=2 * nw)
                 rows = [("w4a16", t16, t4 / t16), ("w4a4", t4, None)]
@@ -164,10 +177,12 @@ def main() -> None:
                                                                          out_dtype=torch.bfloat16),
                                        calls=2 * len(w8))
             else:
-                # the decode kernel once per 64 rows (capturable) and the cuBLAS prefill path
+                # the engine (capturable: wgmma token chunks on Hopper) and the dequantize + cuBLAS path
                 t_dec = graph_us(lambda i: gemm(x, weights[i % nw], out=out, decode_max_m=1 << 30), calls=nw, replays=5)
-                t_pre = events_us(lambda: gemm(x, w_q, out=out), iters=5)
-                rows = [("w4a16 decode kernel", t_dec, None), ("w4a16 prefill (cuBLAS)", t_pre, None)]
+                t_dec4 = graph_us(lambda i: gemm(xq, weights[i % nw], out=out, decode_max_m=1 << 30), calls=nw, replays=5)
+                t_pre = events_us(lambda: gemm(x, w_q, out=out, decode_max_m=0), iters=5)
+                rows = [("w4a16 engine", t_dec, t_dec4 / t_dec), ("w4a4 engine", t_dec4, None),
+                        ("w4a16 dequantize + cuBLAS", t_pre, None)]
                 t_bf16 = torch_graph_us(torch, lambda i: torch.nn.functional.linear(x_t, w_t), calls=2, replays=5)
                 t_fp8 = torch_graph_us(torch, lambda i: torch._scaled_mm(xq8, wq8.t(), scale_a=xs8, scale_b=ws8,
                                                                          out_dtype=torch.bfloat16), calls=2, replays=5)

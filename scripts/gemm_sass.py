@@ -95,7 +95,7 @@ def loops(ins) -> list[tuple[int, int]]:
 
 def mainloop_mix(ins) -> collections.Counter:
     """Opcode counts of the innermost loop holding the MMAs, without the loops nested in it."""
-    mma = [a for a, op, _ in ins if op == "HMMA"]
+    mma = [a for a, op, _ in ins if op in ("HMMA", "HGMMA")]
     all_loops = loops(ins)
     holding = [lp for lp in all_loops if any(lp[0] <= a <= lp[1] for a in mma)]
     start, end = min(holding, key=lambda lp: lp[1] - lp[0])
@@ -107,7 +107,7 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        m = re.fullmatch(r"gemm_tiled_(bf16|nvfp4)_(\d+)x(\d+)(f8)?", name)
+        m = re.fullmatch(r"gemm_(?:tiled|wgmma)_(bf16|nvfp4)_(\d+)x(\d+)(f8)?", name)
         if not m:
             continue
         tiles, r = int(m.group(2)), int(m.group(3))
@@ -118,7 +118,7 @@ def report(arch: str) -> list[dict]:
                      "instructions_per_weight": sum(ops.values()) / per,
                      "alu_int_logic_per_weight": alu / per, "imad_per_weight": ops["IMAD"] / per,
                      "int_total_per_weight": (alu + ops["IMAD"]) / per, "hmul2_per_weight": ops["HMUL2"] / per,
-                     "mma_per_weight": ops["HMMA"] / per,
+                     "mma_per_weight": (ops["HMMA"] + ops["HGMMA"]) / per,
                      "mem_per_weight": sum(v for k, v in ops.items() if k in MEM) / per,
                      "top_ops": dict(ops.most_common(10))})
     return sorted(rows, key=lambda row: row["kernel"])

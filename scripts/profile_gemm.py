@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Run one decode GEMM a few times, for a profiler (``ncu -k regex:gemm_tiled -s 2 -c 1``).
+"""Run one engine GEMM a few times, for a profiler (``ncu -k regex:gemm_ -s 2 -c 1``): any M on
+the engine (not the cuBLAS path); ``sync`` forces the mma.sync kernels on Hopper.
 
-    .venv/bin/python scripts/profile_gemm.py M N K [w4a4]
+    .venv/bin/python scripts/profile_gemm.py M N K [w4a4] [sync]
 """
 
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 
 import fp4kit
 from fp4kit.formats import to_tiled
+from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops.gemm import gemm
 
 m, n, k = (int(v) for v in sys.argv[1:4])
@@ -20,6 +22,8 @@ w = to_tiled(fp4kit.quantize(cp.asarray(rng.standard_normal((n, k), dtype=np.flo
 x = cp.asarray(rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16))
 a = fp4kit.quantize(x) if "w4a4" in sys.argv[4:] else x
 out = cp.empty((m, n), ml_dtypes.bfloat16)
+if "sync" in sys.argv[4:]:
+    gemm_ops.WGMMA_MIN_M = 1 << 30
 for _ in range(3):
-    gemm(a, w, out=out)
+    gemm(a, w, out=out, decode_max_m=1 << 30)
 cp.cuda.Device().synchronize()

@@ -35,9 +35,22 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
+@pytest.fixture(params=["mma.sync", "wgmma", "wgmma-2-row-tiles"])
+def engine(request, monkeypatch):
+    """Every M on one tensor-core path: the mma.sync kernels, or (on Hopper) the warpgroup-MMA ones,
+    with one or two row tiles per warp."""
+    if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma kernels need sm_90")
+    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param == "mma.sync" else 1)
+    if request.param == "wgmma-2-row-tiles":
+        monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 4, 2)
+        monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 8, 2)
+    return request.param
+
+
 @pytest.mark.parametrize("k", [16, 48, 1040, 2048, 7168])
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 300])
-def test_gemm_paths_match_float64(rng, m, k):
+def test_gemm_paths_match_float64(rng, m, k, engine):
     n = 2056  # not a multiple of the 16-row tile nor of a 128-row group
     w = weight(rng, n, k)
     wd = tiled(w)
@@ -48,7 +61,7 @@ def test_gemm_paths_match_float64(rng, m, k):
         ad = cp.asarray(x) if act == "bf16" else to_device(a)
         expect = ref.gemm(a, w, bias, None, np.float64)
         for out_dtype, bound in ((BF16, BOUND), (np.float32, BOUND_F32)):
-            # m = 65 and 300 run the decode kernel once per 64 rows; the prefill path too
+            # m = 65 and 300: mma.sync once per 64 rows, wgmma as token chunks; the prefill path too
             for decode_max_m in ({64, m} if m > 64 else {64, 0}):
                 out = cp.full((m, n), np.nan, out_dtype)
                 y = gemm(ad, wd, bias=cp.asarray(bias), out=out, decode_max_m=decode_max_m)
@@ -57,12 +70,12 @@ def test_gemm_paths_match_float64(rng, m, k):
 
 
 @pytest.mark.parametrize("n,k", [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129, 4096)])
-def test_split_k_is_deterministic_and_exact(rng, n, k):
+def test_split_k_is_deterministic_and_exact(rng, n, k, engine):
     """Small weights split K over many blocks; the reduction adds the splits in a fixed order."""
     w = weight(rng, n, k)
     wd = tiled(w)
     for m in (1, 16, 64):
-        *_, splits, _ = gemm_ops.launch_config(m, n, k)
+        splits = gemm_ops.launch_config(m, n, k, wgmma=engine != "mma.sync").splits
         x = rng.standard_normal((m, k)).astype(BF16)
         expect = ref.gemm(x, w, None, None, np.float64)
         first = cp.full((m, n), np.nan, np.float32)
@@ -72,7 +85,7 @@ def test_split_k_is_deterministic_and_exact(rng, n, k):
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    assert gemm_ops.launch_config(1, 2048, 7168)[3] > 1  # the split path is exercised
+    assert gemm_ops.launch_config(1, 2048, 7168, wgmma=engine != "mma.sync").splits > 1  # the split path is exercised
 
 
 def test_graph_replay_equals_eager(rng):
@@ -103,8 +116,10 @@ def test_large_m_prefill_and_decode(rng):
     expect = ref.gemm(x, w, None, None, np.float64)
     y = gemm(cp.asarray(x), tiled(w), out_dtype=np.float32)
     assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND_F32
-    y = gemm(cp.asarray(x[:300]), tiled(w), decode_max_m=1 << 30)  # decode kernel, 64-row groups
+    y = gemm(cp.asarray(x[:300]), tiled(w), decode_max_m=1 << 30)  # the engine: 64-row launches or token chunks
     assert ref.calc_diff(cp.asnumpy(y), expect[:300]) < BOUND
+    y = gemm(cp.asarray(x), tiled(w), decode_max_m=1 << 30, out_dtype=np.float32)
+    assert ref.calc_diff(cp.asnumpy(y), expect) < BOUND_F32
 
 
 def test_linear_weight_on_device_is_refused_with_a_pointer_to_to_tiled(rng):

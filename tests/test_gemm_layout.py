@@ -118,24 +118,101 @@ def test_tiled_layout_bad_inputs():
         Nvfp4Tensor(w.packed[:-16], w.block_scales, w.global_scale, "tiled", w.shape)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64])
-def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m):
+@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64, 65, 128, 129, 4096])
+def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
     """Every split of K gets at least one whole activation window and together they cover K; the
-    split-K partials fit their per-stream scratch; more rows never split more than fits."""
+    split-K partials fit their per-stream scratch; more rows never split more than fits; the token
+    chunks of a wgmma launch cover M, each with its own scratch."""
     from fp4kit.formats import tiled_dims
     from fp4kit.ops import gemm as gemm_ops
 
+    if m > 64 and not wgmma:
+        return  # the mma.sync kernels take at most 64 rows per launch
     for n, k in [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129280, 4096), (32768, 1024), (2056, 1040)]:
         for sms in (1, 132):
-            tiles, r, groups, splits, per_split = gemm_ops.launch_config(m, n, k, sms=sms)
+            shape = gemm_ops.launch_config(m, n, k, sms=sms, wgmma=wgmma)
             row_tiles, chunks, _ = tiled_dims(n, k)
-            assert 8 * tiles >= m and groups * 8 * r >= row_tiles
-            assert per_split % gemm_ops._window_chunks(tiles) == 0
-            assert splits >= 1 and (splits - 1) * per_split < chunks <= splits * per_split
-            if splits > 1:
-                assert splits * m * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
-    assert gemm_ops.launch_config(1, 2048, 7168, sms=132)[3] > 1  # small weights split K
-    assert gemm_ops.launch_config(1, 129280, 4096, sms=132)[3] == 1  # the lm_head fills the GPU by itself
+            assert shape.wgmma == wgmma and shape.row_groups * 8 * shape.row_tiles_per_warp >= row_tiles
+            assert (shape.token_chunks - 1) * 8 * shape.token_tiles < m <= shape.token_chunks * 8 * shape.token_tiles
+            assert shape.chunks_per_split % gemm_ops._window_chunks(shape.token_tiles, wgmma) == 0
+            assert shape.splits >= 1 and (shape.splits - 1) * shape.chunks_per_split < chunks
+            assert chunks <= shape.splits * shape.chunks_per_split
+            if shape.splits > 1:
+                rows = shape.token_chunks * 8 * shape.token_tiles if wgmma else m
+                assert shape.splits * rows * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
+            assert shape.shared_bytes <= 227 * 1024
+    assert gemm_ops.launch_config(1, 2048, 7168, sms=132).splits > 1  # small weights split K
+    assert gemm_ops.launch_config(1, 129280, 4096, sms=132).splits == 1  # the lm_head fills the GPU by itself
+
+
+def wgmma_pair_offset(m, kk, tiles):
+    """gemm_engine.cuh Window<T, true>::pair: where token m's bf16 pair at window position kk is staged
+    (K-columns of 8T tokens x 8 bf16 plus 8 bf16 of padding)."""
+    c, t, s, h = kk // 64, kk // 16 % 4, kk // 4 % 4, kk // 2 % 2
+    return m * 8 + ((c * 4 + s) * 2 + h) * (64 * tiles + 8) + 2 * t
+
+
+def wgmma_block16(p, thread):
+    """Window<T, true>::block16: (token, window position) of the p-th 16-element block of a thread."""
+    u, lane = p * 8 + thread // 32, thread % 32
+    return u // 4 * 8 + lane // 4, u % 4 * 64 + lane % 4 * 16
+
+
+@pytest.mark.parametrize("tiles", [2, 4, 8, 16])
+def test_wgmma_staging_stores_are_free_of_bank_conflicts(tiles):
+    """Each warp-wide 4-byte store of the wgmma staging hits 32 different banks: the bf16 copies
+    (a warp takes 32 consecutive pairs of one token) and the NVFP4 blocks (a warp takes 8 tokens x 4
+    blocks, storing pair q of each at once); together they cover the window once."""
+    pairs_per_row, seen = 256 // 2, set()
+    for thread0 in range(0, 8 * tiles * pairs_per_row, 32):  # bf16: one warp instruction per 32 pairs
+        words = [wgmma_pair_offset(i // pairs_per_row, i % pairs_per_row * 2, tiles) // 2
+                 for i in range(thread0, thread0 + 32)]
+        assert len({w % 32 for w in words}) == 32
+        seen.update(words)
+    assert len(seen) == 8 * tiles * pairs_per_row
+    blocks = 8 * tiles * 256 // 16 // 256  # per thread and window
+    for p in range(blocks):
+        for warp in range(8):
+            for q in range(8):
+                words = [wgmma_pair_offset(*(lambda m, kk: (m, kk + 2 * q))(*wgmma_block16(p, 32 * warp + lane)), tiles) // 2
+                         for lane in range(32)]
+                assert len({w % 32 for w in words}) == 32, (p, warp, q)
+    covered = {wgmma_block16(p, th) for p in range(blocks) for th in range(256)}
+    assert covered == {(m, kk) for m in range(8 * tiles) for kk in range(0, 256, 16)}
+
+
+@pytest.mark.parametrize("tiles", [2, 4, 16])
+def test_wgmma_operands_pair_the_right_k(rng, tiles):
+    """The warpgroup-MMA path, replayed: the activation staged by Window<T, true>::pair, read back as
+    wgmma's B operand (K-major, no swizzle: cores of 8 tokens x 8 k, leading offset 128 T + 16
+    bytes, stride offset 128 bytes) against each lane's A fragment from the tiled weight (row g / g + 8,
+    k 16t + 4s + {0, 1} in registers 0, 1 and + {2, 3} in 2, 3), gives the exact product."""
+    n, k, tokens = 16, 256, 8 * tiles  # one row tile, one window of 4 tiles
+    w = rng.integers(-8, 8, (n, k)).astype(np.float64)
+    x = rng.integers(-8, 8, (tokens, k)).astype(np.float64)
+    smem = np.full(k // 8 * (64 * tiles + 8), np.nan)
+    for m in range(tokens):
+        for kk in range(0, k, 2):
+            o = wgmma_pair_offset(m, kk, tiles)
+            smem[o:o + 2] = x[m, kk:kk + 2]
+    assert np.isnan(smem).sum() == k // 8 * 8  # every element staged once; the padding is left alone
+    lead, stride = 64 * tiles + 8, 128 // 2  # in bf16 elements
+    got = np.zeros((n, tokens))
+    for c in range(4):
+        for s in range(4):
+            start = (c * 4 + s) * 2 * lead
+            b = np.array([[smem[start + kk // 8 * lead + tok // 8 * stride + tok % 8 * 8 + kk % 8] for tok in range(tokens)]
+                          for kk in range(16)])  # B[kk, token] as the MMA reads it
+            a = np.zeros((16, 16))  # A[row, kk] from the lanes' fragments
+            for g in range(8):
+                for t in range(4):
+                    for reg in range(4):  # reg 0: (g, 2t), 1: (g + 8, 2t), 2: (g, 2t + 8), 3: (g + 8, 2t + 8)
+                        row, col = g + 8 * (reg & 1), 2 * t + 8 * (reg >> 1)
+                        actual = c * 64 + 16 * t + 4 * s + 2 * (reg >> 1)
+                        a[row, col:col + 2] = w[row, actual:actual + 2]
+            got += a @ b
+    assert np.array_equal(got, w @ x.T)
 
 
 def test_kernel_launch_raises_the_shared_memory_limit_once_and_passes_the_grid():

@@ -19,6 +19,8 @@ The threshold and the launch shape were chosen from ``benchmarks/bench_linear.py
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
@@ -26,7 +28,7 @@ from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
 DECODE_MAX_M = 64
-_TOKEN_TILES = (1, 2, 4, 8)  # decode kernels: 8 tokens per tile
+_TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
 #: weight tiles a warp fetches at once, by token tiles (4 or 8; 8 only for 1 and 2 token tiles)
@@ -34,12 +36,19 @@ FETCH_TILES = {1: 4, 2: 8, 4: 4, 8: 4}
 #: split K until the grid has this many 8-warp blocks per SM (when K allows), by token tiles:
 #: more tokens make the split-K partials larger, and their kernels are less bound by latency
 BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
+#: the warpgroup-MMA (wgmma, sm_90a) kernels: token tiles per block (up to 128 tokens; more rows
+#: run as token chunks of the same launch), blocks per SM to split K for, and the smallest M that
+#: takes them on Hopper (below it the mma.sync kernels)
+WGMMA_TOKEN_TILES = (2, 4, 8, 16)
+WGMMA_ROW_TILES_PER_WARP = {2: 1, 4: 1, 8: 1, 16: 1}  # 4x2 and 8x2 exist too
+WGMMA_BLOCKS_PER_SM = {2: 4, 4: 2, 8: 2, 16: 1}
+WGMMA_MIN_M = 17
 _WARPS = 8
 
 
-def _window_chunks(tiles: int) -> int:
-    """Tiles of 64 k per staged activation window (gemm_engine.cuh ``Window<T>``)."""
-    return 8 if tiles <= 2 else 4
+def _window_chunks(tiles: int, wgmma: bool = False) -> int:
+    """Tiles of 64 k per staged activation window (gemm_engine.cuh ``Window<T, kWg>``)."""
+    return 8 if tiles <= 2 and not wgmma else 4
 
 
 _PARTIALS_BYTES = 16 << 20  # split-K scratch per stream
@@ -169,24 +178,29 @@ def gemm(
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
         return out
     rows = out.reshape(m, n)
-    for m0 in range(0, m, 64):  # 64 rows per launch: the weight is streamed once per 64 rows
-        ms = min(64, m - m0)
+    wgmma = uses_wgmma(m, loader.compute_capability(out.device.id))
+    step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
+    for m0 in range(0, m, step):
+        ms = min(step, m - m0)
         if isinstance(a, Nvfp4Tensor):
             act = (a.packed.reshape(m, k // 2)[m0:], a.block_scales.reshape(m, k // BLOCK_SIZE)[m0:], a.global_scale)
         else:
             act = (a.reshape(m, k)[m0:],)
-        _launch_tiled(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k)
+        _launch(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k, wgmma)
     return out
 
 
 def token_tiles(m: int) -> int:
-    """Token tiles (8 rows each) of the decode kernel that serves ``m`` rows in one pass."""
+    """Token tiles (8 rows each) of the mma.sync kernel that serves ``m`` rows in one pass."""
     return next(t for t in _TOKEN_TILES if 8 * t >= min(m, 64))
 
 
-def shared_bytes(tiles: int) -> int:
-    """Dynamic shared memory of an engine kernel with ``tiles`` token tiles: two activation windows."""
-    return 2 * 8 * tiles * (_window_chunks(tiles) * TILE_K + 8) * 2
+def shared_bytes(tiles: int, wgmma: bool = False) -> int:
+    """Dynamic shared memory of an engine kernel with ``tiles`` token tiles: two activation windows
+    (gemm_engine.cuh ``Window``: padded token rows for mma.sync, padded K-columns for wgmma)."""
+    k = _window_chunks(tiles, wgmma) * TILE_K
+    per_window = k // 8 * (64 * tiles + 8) if wgmma else 8 * tiles * (k + 8)  # bf16
+    return 2 * per_window * 2
 
 
 def row_groups(n: int, row_tiles_per_warp: int) -> int:
@@ -194,42 +208,77 @@ def row_groups(n: int, row_tiles_per_warp: int) -> int:
     return -(-tiled_dims(n, TILE_K)[0] // (_WARPS * row_tiles_per_warp))
 
 
-def launch_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int, int, int, int]:
-    """``(token_tiles, row_tiles_per_warp, row_groups, splits, chunks_per_split)`` of a decode GEMM
-    of ``m <= 64`` rows on a GPU with ``sms`` multiprocessors (default: the current device's).
+@dataclass(frozen=True)
+class LaunchShape:
+    """One engine launch: kernel ``gemm_{kernel}`` (``tiled_<kind>_<T>x<R>[f8]`` or
+    ``wgmma_<kind>_<T>`` with ``<kind>`` to fill in), grid ``(row_groups, splits, token_chunks)``."""
 
-    Splits K over more blocks until the grid has `BLOCKS_PER_SM` blocks per SM, in whole activation
-    windows and within the split-K scratch (`_PARTIALS_BYTES`); every split gets at least one tile.
+    kernel: str
+    token_tiles: int
+    row_tiles_per_warp: int
+    row_groups: int
+    splits: int
+    chunks_per_split: int
+    token_chunks: int
+    shared_bytes: int
+
+    @property
+    def wgmma(self) -> bool:
+        return self.kernel.startswith("wgmma")
+
+
+def uses_wgmma(m: int, compute_capability: str) -> bool:
+    """Whether ``m`` rows take the warpgroup-MMA kernels: on sm_90 from `WGMMA_MIN_M` rows."""
+    return str(compute_capability) == "90" and m >= WGMMA_MIN_M
+
+
+def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False) -> LaunchShape:
+    """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
+    on a GPU with ``sms`` multiprocessors (default: the current device's).
+
+    Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
+    per SM, in whole activation windows and within the split-K scratch (`_PARTIALS_BYTES`); every
+    split gets at least one tile. A wgmma launch of more rows than one block holds (128) runs them
+    as token chunks of one grid, each with its own split-K scratch.
     """
     if sms is None:
         import cupy
 
         sms = loader.sm_count(cupy.cuda.Device().id)
-    tiles = token_tiles(m)
-    r = ROW_TILES_PER_WARP[tiles]
+    if wgmma:
+        tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
+        r, per_sm = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles]
+        kernel = f"wgmma_{{kind}}_{tiles}x{r}"
+    else:
+        tiles = token_tiles(m)
+        r, per_sm = ROW_TILES_PER_WARP[tiles], BLOCKS_PER_SM[tiles]
+        kernel = f"tiled_{{kind}}_{tiles}x{r}" + ("f8" if FETCH_TILES[tiles] == 8 else "")
+    token_chunks = -(-m // (8 * tiles))
     row_tiles, chunks, _ = tiled_dims(n, k)
     groups = row_groups(n, r)
-    window = _window_chunks(tiles)
+    window = _window_chunks(tiles, wgmma)
     windows = -(-chunks // window)
-    splits = max(1, min(windows, -(-BLOCKS_PER_SM[tiles] * sms // groups)))
-    splits = max(1, min(splits, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))
+    # split-K scratch rows: each token chunk of a wgmma launch has 8T rows of partials per split
+    scratch_rows = token_chunks * 8 * tiles if wgmma else m
+    splits = max(1, min(windows, -(-per_sm * sms // (groups * token_chunks))))
+    splits = max(1, min(splits, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS)))
     per_split = -(-windows // splits) * window
-    return tiles, r, groups, -(-chunks // per_split), per_split
+    return LaunchShape(kernel, tiles, r, groups, -(-chunks // per_split), per_split, token_chunks,
+                       shared_bytes(tiles, wgmma))
 
 
-def _launch_tiled(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int) -> None:
-    tiles, r, groups, splits, per_split = launch_config(m, n, k)
-    if groups > _MAX_ROW_GROUPS:
-        raise ValueError(f"w: N={n} has more than {_MAX_ROW_GROUPS} row groups; split the weight")
+def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
+    shape = launch_config(m, n, k, wgmma=wgmma)
+    if shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
+        raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    suffix = "f8" if FETCH_TILES[tiles] == 8 else ""
-    kernel = loader.get_kernel(_MODULE, f"gemm_tiled_{kind}_{tiles}x{r}{suffix}")
+    kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel.format(kind=kind)}")
     # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
     partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
     counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)
-    kernel.launch((groups, splits), 32 * _WARPS,
+    kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * _WARPS,
                   (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
-                   _U32(splits), _U32(per_split)), shared_mem=shared_bytes(tiles))
+                   _U32(shape.splits), _U32(shape.chunks_per_split)), shared_mem=shape.shared_bytes)
 
 
 def _ptr(v):

@@ -33,7 +33,7 @@ using namespace gemm;
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
         const Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                  \
-        gemm_block<T, R, F>(w_codes, w_scales, ActBf16<T>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x, \
+        gemm_block<R, F>(w_codes, w_scales, ActBf16<Window<T>>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x, \
                             blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});           \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_nvfp4_##NAME(                    \
@@ -41,7 +41,7 @@ using namespace gemm;
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
         const Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};               \
-        gemm_block<T, R, F>(w_codes, w_scales, ActNvfp4<T>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, \
+        gemm_block<R, F>(w_codes, w_scales, ActNvfp4<Window<T>>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, \
                             N, K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
     }
 
@@ -54,6 +54,50 @@ FP4_DEFINE_GEMM_TILED(2, 2, 4, 2x2)
 FP4_DEFINE_GEMM_TILED(2, 1, 8, 2x1f8)
 FP4_DEFINE_GEMM_TILED(4, 1, 4, 4x1)
 FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
+
+// The warpgroup-MMA (wgmma) kernels: gemm_wgmma_{bf16,nvfp4}_<T>x<R>, T in {2, 4, 8, 16} token tiles
+// (8T tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per
+// warpgroup and step). Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens
+// [8T z, 8T z + 8T) of the M rows; each token chunk has its own split-K scratch (partials
+// [chunks][splits][8T][N rounded to 16], counters [chunks][row groups]). 2 * 8T * 256 * 2 bytes of
+// dynamic shared memory.
+#define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gemm_wgmma_bf16_##T##x##R(          \
+        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
+        FP4_GEMM_SPLIT_ARGS) {                                                                            \
+        const unsigned m0 = blockIdx.z * 8 * T;                                                           \
+        Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                        \
+        ep.out_row_base = m0;                                                                             \
+        gemm_block<R, 4>(w_codes, w_scales, ActBf16<Window<T, true>>{act, RowMap{nullptr, m0}}, ep,         \
+                         min(M - m0, 8u * T), N, K, blockIdx.x, blockIdx.y,                               \
+                         chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N));            \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gemm_wgmma_nvfp4_##T##x##R(         \
+        const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
+        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
+        FP4_GEMM_SPLIT_ARGS) {                                                                            \
+        const unsigned m0 = blockIdx.z * 8 * T;                                                           \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
+        ep.out_row_base = m0;                                                                             \
+        gemm_block<R, 4>(w_codes, w_scales, ActNvfp4<Window<T, true>>{act_packed, act_scales, RowMap{nullptr, m0}}, \
+                         ep, min(M - m0, 8u * T), N, K, blockIdx.x, blockIdx.y,                           \
+                         chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N));            \
+    }
+
+// The split-K scratch of this block's token chunk (blockIdx.z).
+__device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counters, unsigned splits,
+                                              unsigned chunks_per_split, unsigned chunk_tokens, unsigned N) {
+    const size_t ld = (N + 15) / 16 * 16;
+    return SplitK{partials + blockIdx.z * splits * chunk_tokens * ld, counters + blockIdx.z * gridDim.x, splits,
+                  chunks_per_split};
+}
+
+FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
+FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
+FP4_DEFINE_GEMM_WGMMA(8, 1, 2)
+FP4_DEFINE_GEMM_WGMMA(16, 1, 1)
+FP4_DEFINE_GEMM_WGMMA(4, 2, 1)
+FP4_DEFINE_GEMM_WGMMA(8, 2, 1)
 
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
 // cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.

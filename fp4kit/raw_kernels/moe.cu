@@ -259,7 +259,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
         ep.out_ld = out_ld;
         ep.out_row_base = row0 + m0;
         ep.out_col = out_col;
-        gemm::gemm_block<T, 1, gemm::kGroupChunks>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
+        gemm::gemm_block<1, gemm::kGroupChunks>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
                                gemm::SplitK{nullptr, nullptr, 1, chunks});
         __syncthreads();  // the next rows reuse the shared activation buffers
     }
@@ -273,14 +273,14 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
 #define FP4_DEFINE_MOE_GEMM(T)                                                                            \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_bf16_##T(                     \
         const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
-        moe_gemm<T>(w_codes, w_scales, w_decode, row_decode, gemm::ActBf16<T>{act, gemm::RowMap{nullptr, 0}}, \
+        moe_gemm<T>(w_codes, w_scales, w_decode, row_decode, gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, \
                     gather, nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);   \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_nvfp4_##T(                    \
         const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
         FP4_MOE_GEMM_ARGS) {                                                                              \
         moe_gemm<T>(w_codes, w_scales, w_decode, row_decode,                                            \
-                    gemm::ActNvfp4<T>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
+                    gemm::ActNvfp4<gemm::Window<T>>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
                     out_f32, out_ld, out_col, offsets, active, num_active, N, K);                         \
     }
 

@@ -145,6 +145,14 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+@functools.cache
+def compute_capability(device_id: int) -> str:
+    """Compute capability of CUDA device ``device_id`` as CuPy spells it (``"90"`` on Hopper)."""
+    import cupy
+
+    return str(cupy.cuda.Device(device_id).compute_capability)
+
+
 def get_module(name: str, *, cooperative: bool = False):
     """The compiled `cupy.RawModule` of ``raw_kernels/<name>.cu`` for the current device."""
     import cupy

@@ -30,15 +30,47 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileK = 64;         // k of one tile
 constexpr int kGroupChunks = 4;    // tiles per scale load
 
-// The staged activation window of a kernel with T token tiles: 8 tiles (512 k) for T <= 2, 4 tiles
-// for more tokens, so that two windows stay small enough for several blocks per SM. A staged token
-// row has 16 bytes of padding: the 8 lanes of a 16-byte shared load phase hit 8 different banks.
-template <int T>
+// The staged activation window of a kernel with T token tiles, in the layout its MMA reads.
+// mma.sync (kWg false): token rows of kK bf16 plus 16 bytes of padding, so the 8 lanes of a 16-byte
+// shared load phase hit 8 different banks; 8 tiles (512 k) for T <= 2, 4 tiles for more tokens, so
+// that two windows stay small enough for several blocks per SM.
+// wgmma (kWg true): the canonical K-major operand layout without swizzle, core matrices of 8 tokens
+// x 8 k (128 B): K-column (c, s, h) holds, for all 8T tokens, the k of MMA step s of tile c, half h,
+// in the order the tiled weight's fragments use (lane t's pair of step s is actual k 16t + 4s + 2h
+// of the tile, see formats.py), so the staging scatters 4-byte pairs. Token-adjacent cores are 128
+// bytes apart (the descriptor's stride offset), K-adjacent ones 128 T + 16 (its leading offset):
+// the 16 bytes of padding put the 8 columns of a tile 4 banks apart, so the 32 pairs of a token's
+// tile, and the (8 tokens x 4 t) pairs of one column, are each stored without bank conflicts.
+template <int T, bool kWg = false>
 struct Window {
-    static constexpr int kChunks = T <= 2 ? 8 : 4;
+    static constexpr int kTiles = T;
+    static constexpr bool kWarpgroup = kWg;
+    static constexpr int kChunks = kWg || T > 2 ? 4 : 8;
     static constexpr int kK = kChunks * kTileK;
-    static constexpr int kStride = kK + 8;                    // bf16 per staged token row
-    static constexpr int kBytes = 8 * T * kStride * 2;        // one buffer
+    static constexpr int kStride = kK + 8;                  // bf16 per token row (mma.sync)
+    static constexpr int kColumn = 64 * T + 8;              // bf16 per K-column (wgmma)
+    static constexpr int kBytes = (kWg ? kK / 8 * kColumn : 8 * T * kStride) * 2;  // one buffer
+    static constexpr int kTokenStride = kWg ? 8 : kStride;  // bf16 between the same k of adjacent tokens
+    // element offset of the bf16 pair at window position kk (even) of token m
+    __device__ __forceinline__ static unsigned pair(unsigned m, unsigned kk) {
+        if (!kWg) return m * kStride + kk;
+        const unsigned c = kk / kTileK, t = kk / 16 % 4, s = kk / 4 % 4, h = kk / 2 % 2;
+        return m * kTokenStride + ((c * 4 + s) * 2 + h) * kColumn + 2 * t;
+    }
+    // The 16-element block a thread stages in its p-th turn (token m, window position kk): mma.sync,
+    // consecutive blocks per thread; wgmma, per warp 8 tokens x the 4 blocks of one tile (lane =
+    // 4 * token + block), the order whose pair stores are free of bank conflicts.
+    __device__ __forceinline__ static void block16(int p, unsigned& m, unsigned& kk) {
+        if (kWg) {
+            const unsigned u = p * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+            m = u / 4 * 8 + lane / 4;
+            kk = u % 4 * kTileK + lane % 4 * 16;
+        } else {
+            const unsigned i = p * kThreads + threadIdx.x;
+            m = i / (kK / 16);
+            kk = i % (kK / 16) * 16;
+        }
+    }
 };
 constexpr float kWeightUnscale = 67108864.0f;  // 2^26
 
@@ -116,8 +148,8 @@ struct RowMap {
     __device__ __forceinline__ size_t operator()(unsigned i) const { return rows ? rows[base + i] : base + i; }
 };
 
-// Activation staging: the window k0 .. k0 + Window<T>::kK of tokens 0 .. 8T - 1 into a shared
-// buffer [8T][Window<T>::kStride] as exact bf16 values, zero past M and past K (K is a multiple of 16, so a
+// Activation staging: the window k0 .. k0 + Win::kK of tokens 0 .. 8T - 1 into a shared buffer in
+// the layout of `Win` as exact bf16 values, zero past M and past K (K is a multiple of 16, so a
 // 16-element block is either inside K or past it). `start` issues the loads, `finish` completes
 // the buffer; the mainloop multiplies the current window between the two, so the loads of the
 // next window are in flight meanwhile.
@@ -126,20 +158,45 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
 }
 
+__device__ __forceinline__ void cp_async4(void* smem, const void* global, bool valid) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(global), "r"(valid ? 4 : 0));
+}
+
 // bf16: copied straight into shared memory (cp.async, zero-filled where invalid); no registers.
-template <int T>
+// 16-byte copies in the mma.sync layout, 4-byte pairs in the wgmma layout.
+template <class W>
 struct ActBf16 {
+    using Win = W;
     const __nv_bfloat16* x;  // [rows, K]
     RowMap row;
     struct Pending {};
     __device__ __forceinline__ void init(unsigned*) {}
     __device__ __forceinline__ void start(Pending&, __nv_bfloat16* act_s, unsigned M, unsigned k0, unsigned K) const {
-        using Win = Window<T>;
+        constexpr int kStep = Win::kWarpgroup ? 2 : 8;   // bf16 per copy
+        constexpr int kPerRow = Win::kK / kStep;          // copies per token row
+        constexpr int kRows = kThreads / kPerRow;         // token rows per pass
+        static_assert(kThreads % kPerRow == 0, "a thread keeps its column of the window");
+        // this thread: column kk of tokens hi, hi + kRows, ...; the addresses advance by constants
+        const unsigned kk = threadIdx.x % kPerRow * kStep, hi = threadIdx.x / kPerRow;
+        const bool k_ok = k0 + kk < K;
+        __nv_bfloat16* dst = act_s + Win::pair(hi, kk);
+        auto copy = [&](int p, const __nv_bfloat16* src, bool valid) {
+            if (Win::kWarpgroup) cp_async4(dst + p * kRows * Win::kTokenStride, valid ? src : x, valid);
+            else cp_async16(dst + p * kRows * Win::kTokenStride, valid ? src : x, valid);
+        };
+        if (!row.rows) {  // consecutive rows
+            const __nv_bfloat16* src = x + (size_t)(row.base + hi) * K + k0 + kk;
 #pragma unroll
-        for (int p = 0; p < T * 8 * (Win::kK / 8) / kThreads; ++p) {
-            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 8), kk = (i % (Win::kK / 8)) * 8;
-            const bool valid = m < M && k0 + kk < K;
-            cp_async16(act_s + m * Win::kStride + kk, valid ? x + row(m) * K + k0 + kk : x, valid);
+            for (int p = 0; p < 8 * Win::kTiles / kRows; ++p, src += (size_t)kRows * K)
+                copy(p, src, k_ok && p * kRows + hi < M);
+        } else {
+#pragma unroll
+            for (int p = 0; p < 8 * Win::kTiles / kRows; ++p) {
+                const unsigned m = p * kRows + hi;
+                const bool valid = k_ok && m < M;
+                copy(p, valid ? x + row(m) * K + k0 + kk : x, valid);
+            }
         }
         asm volatile("cp.async.commit_group;");
     }
@@ -152,13 +209,14 @@ struct ActBf16 {
 // tile are loaded into registers, then dequantized into the buffer, once per block rather than once
 // per warp: a 256-entry table in shared memory gives the bf16 pair (e2m1 * 2^-100) of a code byte,
 // and one exact bf16 multiply by s * 2^100 (the weight's scale conversion) makes e2m1 * s.
-template <int T>
+template <class W>
 struct ActNvfp4 {
+    using Win = W;
     const unsigned char* packed;  // [rows, K/2]
     const unsigned char* scales;  // [rows, K/16]
     RowMap row;
     unsigned* table;              // [256] in shared memory, filled by init()
-    static constexpr int kBlocks = T * 8 * (Window<T>::kK / 16) / kThreads;  // per thread and window
+    static constexpr int kBlocks = Win::kTiles * 8 * (Win::kK / 16) / kThreads;  // per thread and window
     struct Pending {
         uint2 codes[kBlocks];
         unsigned scale[kBlocks];
@@ -171,10 +229,10 @@ struct ActNvfp4 {
         table[b] = *reinterpret_cast<const unsigned*>(&v);  // 7.88e-31 = 2^-100
     }
     __device__ __forceinline__ void start(Pending& pd, __nv_bfloat16*, unsigned M, unsigned k0, unsigned K) const {
-        using Win = Window<T>;
 #pragma unroll
-        for (int p = 0; p < T * 8 * (Win::kK / 16) / kThreads; ++p) {  // blocks of 16 per thread
-            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 16), kk = (i % (Win::kK / 16)) * 16;
+        for (int p = 0; p < kBlocks; ++p) {  // blocks of 16 per thread
+            unsigned m, kk;
+            Win::block16(p, m, kk);
             pd.codes[p] = make_uint2(0u, 0u);
             pd.scale[p] = 0u;
             if (m < M && k0 + kk < K) {
@@ -185,22 +243,103 @@ struct ActNvfp4 {
         }
     }
     __device__ __forceinline__ void finish(Pending& pd, __nv_bfloat16* act_s, unsigned, unsigned, unsigned) const {
-        using Win = Window<T>;
 #pragma unroll
-        for (int p = 0; p < T * 8 * (Win::kK / 16) / kThreads; ++p) {
-            const unsigned i = p * kThreads + threadIdx.x, m = i / (Win::kK / 16), kk = (i % (Win::kK / 16)) * 16;
+        for (int p = 0; p < kBlocks; ++p) {
+            unsigned m, kk;
+            Win::block16(p, m, kk);
             const unsigned b = pd.scale[p] & 0x7Fu;
             const unsigned sc = bf16x2_mul(bf16x2_mul((b << 4) | (b << 20), 0x7B807B80u), 0x71807180u);  // s * 2^100
             unsigned h[8];
 #pragma unroll
             for (int q = 0; q < 8; ++q)
                 h[q] = bf16x2_mul(table[((q < 4 ? pd.codes[p].x : pd.codes[p].y) >> (8 * (q % 4))) & 0xFFu], sc);
-            uint4* dst = reinterpret_cast<uint4*>(act_s + m * Win::kStride + kk);
-            dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-            dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+            if (Win::kWarpgroup) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) *reinterpret_cast<unsigned*>(act_s + Win::pair(m, kk + 2 * q)) = h[q];
+            } else {
+                uint4* dst = reinterpret_cast<uint4*>(act_s + Win::pair(m, kk));
+                dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+                dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+            }
         }
     }
 };
+
+// Warpgroup MMA (wgmma, sm_90a): D[64 x N] += A[64 x 16] * B[16 x N] with fp32 accumulation, A
+// (the dequantized weight, bf16) in registers in the mma.sync fragment layout of each warp's 16
+// rows, B (the activation) read from shared memory through a descriptor. The accumulator layout
+// per warp is that of N / 8 mma.sync m16n8 tiles, so the epilogue is shared.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* smem, unsigned leading_bytes,
+                                                               unsigned stride_bytes) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (unsigned long long)(leading_bytes >> 4) << 16 |
+           (unsigned long long)(stride_bytes >> 4) << 32;  // no swizzle, base offset 0
+}
+
+// wgmma exists on sm_90a only; elsewhere (Blackwell) the host launches the mma.sync kernels, and
+// the wgmma kernels compile to a trap.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP4_WGMMA(...) asm volatile(__VA_ARGS__)
+#else
+#define FP4_WGMMA(...) __trap()
+#endif
+__device__ __forceinline__ void wgmma_fence() { FP4_WGMMA("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FP4_WGMMA("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>  // until at most N committed groups are pending
+__device__ __forceinline__ void wgmma_wait() { FP4_WGMMA("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+template <int N>
+__device__ void wgmma_rs(float* d, const unsigned a[4], unsigned long long desc);
+
+#define FP4_ACC8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// operand lists written out: PTX takes them literally
+template <>
+__device__ __forceinline__ void wgmma_rs<16>(float* d, const unsigned a[4], unsigned long long desc) {
+    FP4_WGMMA(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
+        : FP4_ACC8(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<32>(float* d, const unsigned a[4], unsigned long long desc) {
+    FP4_WGMMA(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
+        : FP4_ACC8(0), FP4_ACC8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<64>(float* d, const unsigned a[4], unsigned long long desc) {
+    FP4_WGMMA(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+        : FP4_ACC8(0), FP4_ACC8(8), FP4_ACC8(16), FP4_ACC8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], unsigned long long desc) {
+    FP4_WGMMA(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
+        : FP4_ACC8(0), FP4_ACC8(8), FP4_ACC8(16), FP4_ACC8(24), FP4_ACC8(32), FP4_ACC8(40), FP4_ACC8(48), FP4_ACC8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+#undef FP4_ACC8
 
 struct Epilogue {
     const float* w_global;      // encode scale S_w (unused with w_decode or row_decode)
@@ -244,7 +383,7 @@ struct SplitK {
     float* partials;
     unsigned* counters;
     unsigned splits;
-    unsigned chunks_per_split;  // a multiple of the window (Window<T>::kChunks)
+    unsigned chunks_per_split;  // a multiple of the window (Win::kChunks)
 };
 
 // The weight tiles a warp fetches at once: F tiles (a multiple of the 4 of a scale word) of each of
@@ -300,12 +439,16 @@ __device__ __forceinline__ void reduce_splits(const SplitK& sk, const Epilogue& 
 }
 
 // One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T),
-// fetching F weight tiles per row tile at once
-// over the K range of split `split`. w_codes / w_scales point at one [N, K] weight. Dynamic shared
-// memory: two activation buffers (2 * Window<T>::kBytes).
-template <int T, int R, int F, class Act>
+// fetching F weight tiles per row tile at once, over the K range of split `split`. w_codes /
+// w_scales point at one [N, K] weight. Dynamic shared memory: two activation buffers
+// (2 * Act::Win::kBytes). With a wgmma window (Act::Win::kWarpgroup) each warpgroup (4 warps) issues
+// R warpgroup MMAs per step, one per row tile of each warp; otherwise each warp issues R * T mma.sync.
+template <int R, int F, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
+    using Win = typename Act::Win;
+    constexpr int T = Win::kTiles;
+    constexpr bool kWg = Win::kWarpgroup;
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ unsigned last_block;
@@ -315,10 +458,11 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
     const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks;
     const unsigned tile0 = (group * kWarps + warp) * R;
-    const bool active = tile0 < row_tiles;  // warp-uniform; idle warps still take part in the barriers
+    // warp-uniform (warpgroup-uniform with wgmma: a warp past N computes its clamped tile and stores
+    // nothing); idle warps still take part in the barriers
+    const bool active = (kWg ? (group * kWarps + (warp & ~3u)) * R : tile0) < row_tiles;
     const unsigned c_begin = split * sk.chunks_per_split, c_end = min(chunks, c_begin + sk.chunks_per_split);
     const unsigned long long policy = evict_first_policy();
-    using Win = Window<T>;
 
     // per row tile: the next tile and scale group to fetch; tiles past N repeat the last one
     const uint4* code_next[R];
@@ -350,8 +494,8 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
 #pragma unroll
         for (int i = 0; i < T; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
 
-    // tiles j < valid of a group whose activation starts at act_tile (window column of tile 0)
-    auto compute = [&](const WeightGroup<R, F>& wg, const __nv_bfloat16* act_tile, unsigned valid) {
+    // tiles j < valid of a group whose activation starts at window tile `first` of buffer `buf`
+    auto compute = [&](const WeightGroup<R, F>& wg, const __nv_bfloat16* buf, unsigned first, unsigned valid) {
 #pragma unroll
         for (int j = 0; j < F; ++j) {
             if (j >= valid) break;
@@ -364,26 +508,58 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                 if (j % 4 == 2) scale_pairs<2>(sw, sc_g[r], sc_g8[r]);
                 if (j % 4 == 3) scale_pairs<3>(sw, sc_g[r], sc_g8[r]);
             }
+            if constexpr (kWg) {
+                // step s of the tile: K-columns (tile, s, 0) and (tile, s, 1), 8 T tokens. One MMA per
+                // row tile of the warp (R rows of 64 across the warpgroup), one commit group per step.
+                const __nv_bfloat16* tile_b = buf + (first + j) * 4 * 2 * Win::kColumn;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // steps 2h, 2h + 1 share one 16-byte activation load per token tile
-                uint4 b[T];
-#pragma unroll
-                for (int i = 0; i < T; ++i)
-                    b[i] = *reinterpret_cast<const uint4*>(act_tile + j * kTileK + (8 * i + g) * Win::kStride + 8 * h);
-#pragma unroll
-                for (int ss = 0; ss < 2; ++ss) {
+                for (int step = 0; step < 4; ++step) {
+                    unsigned a[R][4];
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         const uint4 q4 = wg.codes[r][j];
-                        const unsigned step = 2 * h + ss;
                         const unsigned q = step == 0 ? q4.x : step == 1 ? q4.y : step == 2 ? q4.z : q4.w;
-                        unsigned a[4];
-                        dequant_step(q, sc_g[r], sc_g8[r], a);
+                        dequant_step(q, sc_g[r], sc_g8[r], a[r]);
+                    }
+                    wgmma_fence();  // a was written by ordinary instructions
+                    const unsigned long long desc = wgmma_descriptor(tile_b + step * 2 * Win::kColumn, 2 * Win::kColumn, 128);
 #pragma unroll
-                        for (int i = 0; i < T; ++i) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
+                    for (int r = 0; r < R; ++r) wgmma_rs<8 * T>(&acc[r][0][0], a[r], desc);
+                    wgmma_commit();
+                    // one step in flight while the next is dequantized: the registers of older ones
+                    // can be reused (more in flight made ptxas serialize them all)
+                    wgmma_wait<1>();
+                }
+            } else {
+                const __nv_bfloat16* act_tile = buf + 16 * t + (first + j) * kTileK;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // steps 2h, 2h + 1 share one 16-byte activation load per token tile
+                    uint4 b[T];
+#pragma unroll
+                    for (int i = 0; i < T; ++i)
+                        b[i] = *reinterpret_cast<const uint4*>(act_tile + (8 * i + g) * Win::kStride + 8 * h);
+#pragma unroll
+                    for (int ss = 0; ss < 2; ++ss) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            const uint4 q4 = wg.codes[r][j];
+                            const unsigned step = 2 * h + ss;
+                            const unsigned q = step == 0 ? q4.x : step == 1 ? q4.y : step == 2 ? q4.z : q4.w;
+                            unsigned a[4];
+                            dequant_step(q, sc_g[r], sc_g8[r], a);
+#pragma unroll
+                            for (int i = 0; i < T; ++i) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
+                        }
                     }
                 }
             }
+        }
+    };
+    // a staged window complete: visible to the async proxy (wgmma), and wgmma done with the other buffer
+    auto window_done = [&]() {
+        if constexpr (kWg) {
+            fence_async_shared();
+            wgmma_wait<0>();
         }
     };
 
@@ -392,19 +568,20 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     WeightGroup<R, F> first, second;
     if (active && c_begin < c_end) fetch(c_begin, first);
     // activation buffer `slot` (0 or 1); arithmetic rather than an array, which would live in local memory
-    auto act_buf = [&](unsigned slot) { return act_s + slot * (8 * T * Win::kStride); };
+    auto act_buf = [&](unsigned slot) { return act_s + slot * (Win::kBytes / 2); };
     typename Act::Pending pending;
     act.init(code_table);
     __syncthreads();
     if (c_begin < c_end) {
         act.start(pending, act_buf(0), M, c_begin * kTileK, K);
         act.finish(pending, act_buf(0), M, c_begin * kTileK, K);
+        window_done();
     }
     // multiply group `cur` (tiles c .. c + F - 1, `valid` of them) while `nxt` fetches tiles c + F ..
-    auto group_step = [&](WeightGroup<R, F>& cur, WeightGroup<R, F>& nxt, unsigned c, const __nv_bfloat16* act_tile,
-                          unsigned valid) {
+    auto group_step = [&](WeightGroup<R, F>& cur, WeightGroup<R, F>& nxt, unsigned c, const __nv_bfloat16* buf,
+                          unsigned first_tile, unsigned valid) {
         if (c + F < c_end) fetch(c + F, nxt);
-        compute(cur, act_tile, valid);
+        compute(cur, buf, first_tile, valid);
     };
     constexpr int kGroups = Win::kChunks / F;  // per window: 1 or 2
     unsigned cw = c_begin, slot = 0, odd = 0;  // odd: the current group is in `second`
@@ -414,29 +591,29 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         const unsigned k_next = (cw + Win::kChunks) * kTileK;
         if (more) act.start(pending, act_buf(slot ^ 1), M, k_next, K);
         if (active) {
-            const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
 #pragma unroll
             for (int gi = 0; gi < kGroups; ++gi) {
-                if ((odd ^ gi) & 1) group_step(second, first, cw + gi * F, act_tile + gi * F * kTileK, F);
-                else group_step(first, second, cw + gi * F, act_tile + gi * F * kTileK, F);
+                if ((odd ^ gi) & 1) group_step(second, first, cw + gi * F, act_buf(slot), gi * F, F);
+                else group_step(first, second, cw + gi * F, act_buf(slot), gi * F, F);
             }
         }
         if (more) act.finish(pending, act_buf(slot ^ 1), M, k_next, K);
+        window_done();
     }
     if (cw < c_end) {  // the last, partial window
         __syncthreads();
         if (active) {
-            const __nv_bfloat16* act_tile = act_buf(slot) + 16 * t;
 #pragma unroll
             for (int gi = 0; gi < kGroups; ++gi) {
                 const unsigned c = cw + gi * F;
                 if (c < c_end) {
                     const unsigned valid = min(c_end - c, (unsigned)F);
-                    if ((odd ^ gi) & 1) group_step(second, first, c, act_tile + gi * F * kTileK, valid);
-                    else group_step(first, second, c, act_tile + gi * F * kTileK, valid);
+                    if ((odd ^ gi) & 1) group_step(second, first, c, act_buf(slot), gi * F, valid);
+                    else group_step(first, second, c, act_buf(slot), gi * F, valid);
                 }
             }
         }
+        window_done();
     }
 
     Epilogue ep = ep_in;
