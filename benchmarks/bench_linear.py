@@ -64,7 +64,7 @@ def targets(m, shape, floor_pct, vs_fp8, vs_bf16, a4_ratio) -> str:
         goals += [("% floor", 70, floor_pct), ("x FP8", 1.5, vs_fp8)]
     elif m == 64:
         goals += [("x FP8", 1.3, vs_fp8), ("x bf16", 2.0, vs_bf16)]
-    else:
+    elif m >= 256:
         goals += [("x bf16", 0.9, vs_bf16)]
     text = [f">= {g}{u}: " + ("met" if v >= g else "MISSED") for u, g, v in goals]
     if m <= 64 and a4_ratio is not None:
@@ -88,11 +88,12 @@ def fp8_rowwise(torch, x_t, w_t):
 
 def sweep(table, w_list, x, out, m, n, k):
     """Every launch shape of the engine for this (M, N, K): µs of W4A16 per variant (mma.sync: row
-    tiles per warp, weight tiles per fetch, blocks per SM; wgmma on Hopper: blocks per SM); returns
-    the best (µs, label)."""
+    tiles per warp, weight tiles per fetch, blocks per SM; wgmma on Hopper: row tiles per warp, blocks
+    per SM; each with the split-K reduction in a cluster and in global memory); returns the best
+    (µs, label)."""
     knobs = (gemm_ops.ROW_TILES_PER_WARP, gemm_ops.FETCH_TILES, gemm_ops.BLOCKS_PER_SM, gemm_ops.WGMMA_BLOCKS_PER_SM,
              gemm_ops.WGMMA_ROW_TILES_PER_WARP)
-    saved = [dict(d) for d in knobs] + [gemm_ops.WGMMA_MIN_M]
+    saved = [dict(d) for d in knobs] + [gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS]
     tiles = gemm_ops.token_tiles(m)
     shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
     variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (1, 2, 4, 8))]
@@ -102,8 +103,9 @@ def sweep(table, w_list, x, out, m, n, k):
         variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
     results = []
     try:
-        for engine, r, f, per_sm in variants:
+        for (engine, r, f, per_sm), clusters in itertools.product(variants, (True, False)):
             wgmma = engine == "wgmma"
+            gemm_ops.USE_CLUSTERS = clusters
             gemm_ops.WGMMA_MIN_M = 1 if wgmma else 1 << 30
             if wgmma:
                 gemm_ops.WGMMA_BLOCKS_PER_SM[wg_tiles], gemm_ops.WGMMA_ROW_TILES_PER_WARP[wg_tiles] = per_sm, r
@@ -111,15 +113,15 @@ def sweep(table, w_list, x, out, m, n, k):
                 gemm_ops.ROW_TILES_PER_WARP[tiles], gemm_ops.FETCH_TILES[tiles], gemm_ops.BLOCKS_PER_SM[tiles] = r, f, per_sm
             t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
             shape = gemm_ops.launch_config(m, n, k, wgmma=wgmma)
-            label = shape.kernel.format(kind="bf16") + f", {per_sm} blocks/SM, {shape.splits} splits"
+            label = f"{shape.kernel}, {per_sm} blocks/SM, {shape.splits} splits"
             results.append((t, label))
-            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel.format(kind="bf16"),
+            table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel,
                          "blocks/SM": per_sm, "splits": shape.splits, "µs": t})
     finally:
         for d, old in zip(knobs, saved):
             d.clear()
             d.update(old)
-        gemm_ops.WGMMA_MIN_M = saved[-1]
+        gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS = saved[-2:]
     return min(results)
 
 

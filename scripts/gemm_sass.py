@@ -107,12 +107,12 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        m = re.fullmatch(r"gemm_(?:tiled|wgmma)_(bf16|nvfp4)_(\d+)x(\d+)(f8)?", name)
+        m = re.fullmatch(r"gemm_(?:tiled|wgmma)_(\d+)x(\d+)(f8)?(?:_c\d+)?_(bf16|nvfp4)", name)
         if not m:
             continue
-        tiles, r = int(m.group(2)), int(m.group(3))
+        tiles, r = int(m.group(1)), int(m.group(2))
         ops = mainloop_mix(ins)
-        per = body_weights(tiles, bool(m.group(4))) * r
+        per = body_weights(tiles, bool(m.group(3))) * r
         alu = sum(v for k, v in ops.items() if k in ALU)
         rows.append({"kernel": name, "token_tiles": tiles, "row_tiles_per_warp": r,
                      "instructions_per_weight": sum(ops.values()) / per,

@@ -90,6 +90,20 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def capture_stream():
+    """A function giving a non-blocking stream to capture a CUDA graph on, once the device is idle: a
+    non-blocking stream does not wait for the default stream, so a test's setup there (first calls,
+    state resets, uploads) would otherwise race the graph's replays."""
+    import cupy
+
+    def make():
+        cupy.cuda.Device().synchronize()
+        return cupy.cuda.Stream(non_blocking=True)
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _clean_status():
     from fp4kit.runtime import status

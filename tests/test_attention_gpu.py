@@ -200,7 +200,7 @@ def test_deterministic(rng):
             assert cp.asnumpy(first).tobytes() == cp.asnumpy(second).tobytes()
 
 
-def test_graph_replay_reads_positions_lengths_and_indices_on_the_device(rng):
+def test_graph_replay_reads_positions_lengths_and_indices_on_the_device(rng, capture_stream):
     b = 3
     host = inputs(rng, b, scenario="short")
     dev = to_device(host)
@@ -213,7 +213,7 @@ def test_graph_replay_reads_positions_lengths_and_indices_on_the_device(rng):
         sparse_decode_attention(**dev, out=out_many, num_splits=splits_many, workspace=ws)
 
     step()  # eager first use: compiles and sets the shared-memory limit
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         step()
@@ -257,7 +257,7 @@ def test_graph_replay_reads_positions_lengths_and_indices_on_the_device(rng):
     replay()
 
 
-def test_layer_buffers_and_graph_capture(rng):
+def test_layer_buffers_and_graph_capture(rng, capture_stream):
     b = 2
     host = inputs(rng, b, scenario="wrapped")
     sink = host.pop("sink")
@@ -270,7 +270,7 @@ def test_layer_buffers_and_graph_capture(rng):
     other = to_device(inputs(rng, 5))
     other.pop("sink")
     assert layer(**other) is not first
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         out = layer(**dev)

@@ -191,6 +191,7 @@ def test_capacity_overflow_recorded_on_the_device(rng):
 
 # -- CUDA graphs --------------------------------------------------------------------------------------
 def _capture(fn):
+    cp.cuda.Device().synchronize()  # a non-blocking stream does not wait for the default stream's setup
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

@@ -70,8 +70,11 @@ def test_gemm_paths_match_float64(rng, m, k, engine):
 
 
 @pytest.mark.parametrize("n,k", [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129, 4096)])
-def test_split_k_is_deterministic_and_exact(rng, n, k, engine):
-    """Small weights split K over many blocks; the reduction adds the splits in a fixed order."""
+@pytest.mark.parametrize("clusters", [True, False], ids=["cluster-reduction", "global-reduction"])
+def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeypatch):
+    """Small weights split K over many blocks; the reduction adds the splits in a fixed order, in a
+    thread-block cluster or through the global scratch."""
+    monkeypatch.setattr(gemm_ops, "USE_CLUSTERS", clusters)
     w = weight(rng, n, k)
     wd = tiled(w)
     for m in (1, 16, 64):
@@ -88,12 +91,12 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine):
     assert gemm_ops.launch_config(1, 2048, 7168, wgmma=engine != "mma.sync").splits > 1  # the split path is exercised
 
 
-def test_graph_replay_equals_eager(rng):
+def test_graph_replay_equals_eager(rng, capture_stream):
     w = tiled(weight(rng, 2048, 7168))
     xs = [cp.asarray(rng.standard_normal((m, 7168)).astype(BF16)) for m in (1, 8, 64)]
     eager = [gemm(x, w, out_dtype=np.float32) for x in xs]
     outs = [cp.full(e.shape, np.nan, np.float32) for e in eager]
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         for x, o in zip(xs, outs):
             gemm(x, w, out=o)  # first use on this stream allocates its split-K scratch outside the graph
@@ -151,7 +154,7 @@ def test_row_decode_for_fused_shards(rng):
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
-def test_layers_in_a_cuda_graph(rng, mode):
+def test_layers_in_a_cuda_graph(rng, mode, capture_stream):
     h, i = 1024, 512
     wg, wu = rng.standard_normal((i, h)).astype(np.float32), rng.standard_normal((i, h)).astype(np.float32)
     wd = rng.standard_normal((h, i)).astype(np.float32)
@@ -159,7 +162,7 @@ def test_layers_in_a_cuda_graph(rng, mode):
     se_ref = SharedExpert(Linear(_host(se.gate_up.weight), mode=mode), Linear(_host(se.down.weight), mode=mode), limit=10.0)
     x = cp.zeros((8, h), BF16)
     y = se(x)  # eager first call: compiles, allocates the layer's buffers
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         se(x)

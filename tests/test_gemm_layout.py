@@ -136,9 +136,11 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
             assert shape.wgmma == wgmma and shape.row_groups * 8 * shape.row_tiles_per_warp >= row_tiles
             assert (shape.token_chunks - 1) * 8 * shape.token_tiles < m <= shape.token_chunks * 8 * shape.token_tiles
             assert shape.chunks_per_split % gemm_ops._window_chunks(shape.token_tiles, wgmma) == 0
-            assert shape.splits >= 1 and (shape.splits - 1) * shape.chunks_per_split < chunks
-            assert chunks <= shape.splits * shape.chunks_per_split
-            if shape.splits > 1:
+            assert shape.splits >= 1 and chunks <= shape.splits * shape.chunks_per_split
+            assert (shape.splits - 1) * shape.chunks_per_split < chunks
+            if shape.cluster:  # one cluster of the split blocks of a row group
+                assert shape.splits == shape.cluster and shape.token_chunks == 1 and shape.kernel.endswith(f"_c{shape.cluster}")
+            if shape.splits > 1 and not shape.cluster:
                 rows = shape.token_chunks * 8 * shape.token_tiles if wgmma else m
                 assert shape.splits * rows * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
             assert shape.shared_bytes <= 227 * 1024

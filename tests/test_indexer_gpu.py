@@ -246,7 +246,7 @@ def test_odd_shapes(rng, heads, dim, capacity, k):
     assert np.array_equal(idx, own_i) and val.tobytes() == own_v.tobytes()
 
 
-def test_graph_replay_follows_lengths_and_keys_on_the_device(rng):
+def test_graph_replay_follows_lengths_and_keys_on_the_device(rng, capture_stream):
     bsz, k = 4, 2048
     layer = Indexer(k, capacity=C, heads=H, head_dim=D)
     q, w, keys = exact_inputs(rng, bsz, C)
@@ -256,7 +256,7 @@ def test_graph_replay_follows_lengths_and_keys_on_the_device(rng):
     assert first is layer.buffers(bsz).indices
     assert np.array_equal(first.get(), ref.score_topk(q, w, keys, lengths, k)[0])
     cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         out = layer.score_topk(qd, wd, keys_d, lengths_d)

@@ -78,14 +78,14 @@ def test_counts_and_overflow_on_device(rng):
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_decode_append_in_a_cuda_graph(rng, ratio):
+def test_decode_append_in_a_cuda_graph(rng, ratio, capture_stream):
     host, dev = pair(2, ratio, rng, max_comp=64)
     kv, kw = inputs(rng, 2, 1, host)
     kv_d = cp.asarray(kv)
     kw_d = {k: cp.asarray(v) for k, v in kw.items()}
     dev.append(kv_d, **kw_d)  # eager first use: compiles
     host.append(kv, **kw)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         dev.append(kv_d, **kw_d)

@@ -82,12 +82,12 @@ def test_same_seed_offset_same_tokens_rows_independent(rng):
     assert_matches_reference(x.get(), a, 9, 4, min_robust=0.9, top_p=0.95)
 
 
-def test_graph_replays_draw_fresh_tokens_and_advance_offset(rng):
+def test_graph_replays_draw_fresh_tokens_and_advance_offset(rng, capture_stream):
     x = cp.asarray(rng.standard_normal((8, 4096)).astype(BF16))
     sampler = Sampler(Generator(3), top_k=100)
     sampler(x)  # compile, allocate
     sampler.generator.set_state(offset=0)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     seen = []
     with stream:
         stream.begin_capture()
@@ -304,14 +304,14 @@ def test_mixed_per_row_modes_and_determinism(rng):
     assert_matches_reference(x.astype(np.float32), a, 77, 3, min_robust=0.6, **host)
 
 
-def test_graph_replays_match_the_reference_at_each_offset(rng):
+def test_graph_replays_match_the_reference_at_each_offset(rng, capture_stream):
     x = (rng.standard_normal((8, 129280)) * 3).astype(BF16)
     xd = cp.asarray(x)
     for params in (dict(top_p=0.9), dict(temperature=1.0)):
         sampler = Sampler(Generator(4), **params)
         sampler(xd)  # compile, allocate
         sampler.generator.set_state(offset=0)
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         seen = []
         with stream:
             stream.begin_capture()

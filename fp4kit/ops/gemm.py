@@ -3,18 +3,20 @@
 
 On the GPU the weight must be in the tiled layout (`fp4kit.formats.to_tiled`, done once when a
 layer is built); numpy arrays run the reference with either layout. Two paths, picked by the number
-of activation rows M (``decode_max_m``, default 64):
+of activation rows M (``decode_max_m``, default `DECODE_MAX_M`):
 
-* **decode** (M <= 64): one kernel that streams the weight once, dequantizing it in registers
-  and multiplying on the bf16 tensor cores for up to 64 rows at once; small weights are split along
-  K over more blocks with a deterministic reduction. No library call, so it can be captured in a
-  CUDA graph. Above 64 rows (with a larger ``decode_max_m``) it runs once per 64 rows.
+* **engine** (M <= ``decode_max_m``): one launch that streams the weight, dequantizing it in
+  registers and multiplying on the bf16 tensor cores: ``mma.sync`` for up to 16 rows, and on Hopper
+  the warpgroup MMA (``wgmma``) from `WGMMA_MIN_M` rows, up to 128 rows per block and more rows as
+  token chunks of the same launch (elsewhere ``mma.sync`` once per 64 rows). Small weights are split
+  along K over more blocks with a deterministic reduction (in a thread-block cluster where a kernel
+  for that split count exists). No library call, so it can be captured in a CUDA graph.
 * **prefill** (M > ``decode_max_m``): the weight (and an NVFP4 activation) dequantized exactly into
   a reusable bf16 workspace, a cuBLAS bf16 GEMM with fp32 output, then one epilogue kernel for
   alpha, bias and the output cast. cuBLAS cannot be captured in a CuPy graph.
 
-The threshold and the launch shape were chosen from ``benchmarks/bench_linear.py`` on an H200
-(README); override the threshold per call with ``decode_max_m``.
+The threshold and the launch shapes were chosen from ``benchmarks/bench_linear.py`` on an H200
+(README, docs/gemm-engine.md); override the threshold per call with ``decode_max_m``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
-DECODE_MAX_M = 64
+#: the largest M on the engine; above it the cuBLAS path (H200: the engine is 2-3x faster at 256
+#: rows, the cuBLAS path 1.15-1.45x faster at 4096)
+DECODE_MAX_M = 1024
 _TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
@@ -41,8 +45,18 @@ BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
 #: takes them on Hopper (below it the mma.sync kernels)
 WGMMA_TOKEN_TILES = (2, 4, 8, 16)
 WGMMA_ROW_TILES_PER_WARP = {2: 1, 4: 1, 8: 1, 16: 1}  # 4x2 and 8x2 exist too
-WGMMA_BLOCKS_PER_SM = {2: 4, 4: 2, 8: 2, 16: 1}
+#: about one block per SM while the row groups are fewer than the SMs (more K splits cost more in
+#: the reduction than they gain); a weight with a row group per SM or more splits K `WGMMA_WIDE_SPLITS`
+#: ways, for more resident blocks (H200: 18432x7168 at 64 rows 75 -> 60 us)
+WGMMA_BLOCKS_PER_SM = {2: 1, 4: 1, 8: 1, 16: 1}
+WGMMA_WIDE_SPLITS = 4
+WGMMA_WIDE_MIN_WINDOWS = 4  # ... each keeping at least this many activation windows (32768x1024: none)
 WGMMA_MIN_M = 17
+#: kernels whose K splits can meet in a thread-block cluster (sm_90+), and the cluster sizes built:
+#: the splits of a row group reduce through distributed shared memory instead of a global scratch
+#: (the mma.sync kernels at M <= 16 measured no faster with them)
+CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8)}
+USE_CLUSTERS = True
 _WARPS = 8
 
 
@@ -140,8 +154,8 @@ def gemm(
     out : bf16 or fp32 array ``[..., N]``, optional
     out_dtype : bf16 (default) or fp32, when ``out`` is not given
     decode_max_m : int
-        Largest row count that takes the decode kernel. Above 64 rows the decode kernel re-reads
-        the weight per 64 rows (slower than the cuBLAS prefill path, but capturable in a graph).
+        Largest row count that takes the engine (capturable in a CUDA graph); above it the
+        dequantize + cuBLAS path (default `DECODE_MAX_M`).
 
     ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -210,8 +224,9 @@ def row_groups(n: int, row_tiles_per_warp: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """One engine launch: kernel ``gemm_{kernel}`` (``tiled_<kind>_<T>x<R>[f8]`` or
-    ``wgmma_<kind>_<T>`` with ``<kind>`` to fill in), grid ``(row_groups, splits, token_chunks)``."""
+    """One engine launch: kernel ``gemm_{kernel}_{bf16,nvfp4}`` (``tiled_<T>x<R>[f8][_c<C>]`` or
+    ``wgmma_<T>x<R>[_c<C>]``), grid ``(row_groups, splits, token_chunks)``; ``cluster`` > 1: the
+    splits are one thread-block cluster and reduce in distributed shared memory."""
 
     kernel: str
     token_tiles: int
@@ -221,6 +236,7 @@ class LaunchShape:
     chunks_per_split: int
     token_chunks: int
     shared_bytes: int
+    cluster: int = 0
 
     @property
     def wgmma(self) -> bool:
@@ -248,11 +264,11 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     if wgmma:
         tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
         r, per_sm = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles]
-        kernel = f"wgmma_{{kind}}_{tiles}x{r}"
+        kernel = f"wgmma_{tiles}x{r}"
     else:
         tiles = token_tiles(m)
         r, per_sm = ROW_TILES_PER_WARP[tiles], BLOCKS_PER_SM[tiles]
-        kernel = f"tiled_{{kind}}_{tiles}x{r}" + ("f8" if FETCH_TILES[tiles] == 8 else "")
+        kernel = f"tiled_{tiles}x{r}" + ("f8" if FETCH_TILES[tiles] == 8 else "")
     token_chunks = -(-m // (8 * tiles))
     row_tiles, chunks, _ = tiled_dims(n, k)
     groups = row_groups(n, r)
@@ -260,11 +276,23 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     windows = -(-chunks // window)
     # split-K scratch rows: each token chunk of a wgmma launch has 8T rows of partials per split
     scratch_rows = token_chunks * 8 * tiles if wgmma else m
-    splits = max(1, min(windows, -(-per_sm * sms // (groups * token_chunks))))
-    splits = max(1, min(splits, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS)))
+    if wgmma and groups * token_chunks >= sms:
+        target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS)
+    else:
+        target = -(-per_sm * sms // (groups * token_chunks))
+    splits = max(1, min(windows, target))
     per_split = -(-windows // splits) * window
-    return LaunchShape(kernel, tiles, r, groups, -(-chunks // per_split), per_split, token_chunks,
-                       shared_bytes(tiles, wgmma))
+    splits = -(-chunks // per_split)
+    if USE_CLUSTERS and token_chunks == 1 and splits in CLUSTER_SIZES.get(kernel, ()):
+        # the splits of a row group are one cluster and reduce in distributed shared memory (at
+        # equal splits faster than the global scratch: 4096x4096, 64 rows, 8 splits 20.0 -> 18.0 us)
+        return LaunchShape(f"{kernel}_c{splits}", tiles, r, groups, splits, per_split, 1, shared_bytes(tiles, wgmma),
+                           splits)
+    scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
+    if splits > scratch_splits:  # the global scratch holds fewer
+        per_split = -(-windows // scratch_splits) * window
+        splits = -(-chunks // per_split)
+    return LaunchShape(kernel, tiles, r, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
@@ -272,7 +300,7 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     if shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel.format(kind=kind)}")
+    kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}_{kind}")
     # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
     partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
     counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)

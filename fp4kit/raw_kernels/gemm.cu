@@ -10,10 +10,13 @@
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
 //   alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
-// gemm_tiled_{bf16,nvfp4}_<T>x<R>[f8]: M <= 8 * T tokens, R row tiles per warp, f8: 8 weight tiles per fetch. Grid (ceil(N / (128 R)),
-//   splits), 256 threads, 2 * 8T * (512 + 8) * 2 bytes of dynamic shared memory. With splits > 1, block
-//   (i, s) covers tiles [s * chunks_per_split, ...) of K and the blocks of row group i meet through
-//   counters[i] (zero on entry, zero again on exit) and partials [splits][M][N rounded to 16].
+// gemm_tiled_<T>x<R>[f8]_{bf16,nvfp4} (mma.sync) and gemm_wgmma_<T>x<R>[_c<C>]_{bf16,nvfp4}
+//   (warpgroup MMA, sm_90a): T token tiles of 8 rows, R row tiles of 16 weight rows per warp, f8: 8
+//   weight tiles per fetch. Grid (ceil(N / (128 R)), splits[, token chunks]), 256 threads, dynamic
+//   shared memory gemm.py `shared_bytes`. With splits > 1, block (i, s) covers tiles
+//   [s * chunks_per_split, ...) of K; the blocks of row group i meet through counters[i] (zero on
+//   entry, zero again on exit) and partials [splits][M][N rounded to 16], or, with _c<C>, as one
+//   cluster of C blocks (grid y = C) through distributed shared memory.
 //
 // dequantize_tiled_unscaled_bf16 / dequantize_unscaled_bf16 / gemm_epilogue: the large-M path
 // dequantizes the weight (and an NVFP4 activation) exactly into bf16 workspaces for a cuBLAS bf16
@@ -28,24 +31,34 @@ using namespace gemm;
 
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
 
-#define FP4_DEFINE_GEMM_TILED(T, R, F, NAME)                                                              \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_bf16_##NAME(                     \
+// A kernel pair (bf16 and NVFP4 activation) on gemm_block<R, F, C>: C > 1 is a cluster of the C split
+// blocks of a row group (grid y = C) that reduce through distributed shared memory.
+#define FP4_DEFINE_GEMM_KERNELS(NAME, WINDOW, R, F, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                      \
+    extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME##_bf16(          \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                  \
-        gemm_block<R, F>(w_codes, w_scales, ActBf16<Window<T>>{act, RowMap{nullptr, 0}}, ep, M, N, K, blockIdx.x, \
-                            blockIdx.y, SplitK{partials, counters, splits, chunks_per_split});           \
+        Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                        \
+        ep.out_row_base = M0;                                                                             \
+        gemm_block<R, F, C>(w_codes, w_scales, ActBf16<WINDOW>{act, RowMap{nullptr, M0}}, ep,              \
+                            min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_tiled_nvfp4_##NAME(                    \
+    extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME##_nvfp4(         \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};               \
-        gemm_block<R, F>(w_codes, w_scales, ActNvfp4<Window<T>>{act_packed, act_scales, RowMap{nullptr, 0}}, ep, M, \
-                            N, K, blockIdx.x, blockIdx.y, SplitK{partials, counters, splits, chunks_per_split}); \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
+        ep.out_row_base = M0;                                                                             \
+        gemm_block<R, F, C>(w_codes, w_scales, ActNvfp4<WINDOW>{act_packed, act_scales, RowMap{nullptr, M0}}, ep, \
+                            min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
     }
 
-// <T>x<R>[f8]: T token tiles, R row tiles per warp, weight tiles fetched 4 (or 8) at a time
+#define FP4_SPLIT SplitK{partials, counters, splits, chunks_per_split}
+#define FP4_CLUSTER(C) __cluster_dims__(1, C, 1)
+
+// mma.sync kernels gemm_tiled_<T>x<R>[f8]_{bf16,nvfp4}: T token tiles (M <= 8T), R row tiles per warp,
+// weight tiles fetched 4 (or 8) at a time.
+#define FP4_DEFINE_GEMM_TILED(T, R, F, NAME) FP4_DEFINE_GEMM_KERNELS(tiled_##NAME, Window<T>, R, F, 0, 2, , 0, FP4_SPLIT)
+
 FP4_DEFINE_GEMM_TILED(1, 1, 4, 1x1)
 FP4_DEFINE_GEMM_TILED(1, 2, 4, 1x2)
 FP4_DEFINE_GEMM_TILED(1, 1, 8, 1x1f8)
@@ -55,35 +68,6 @@ FP4_DEFINE_GEMM_TILED(2, 1, 8, 2x1f8)
 FP4_DEFINE_GEMM_TILED(4, 1, 4, 4x1)
 FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
 
-// The warpgroup-MMA (wgmma) kernels: gemm_wgmma_{bf16,nvfp4}_<T>x<R>, T in {2, 4, 8, 16} token tiles
-// (8T tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per
-// warpgroup and step). Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens
-// [8T z, 8T z + 8T) of the M rows; each token chunk has its own split-K scratch (partials
-// [chunks][splits][8T][N rounded to 16], counters [chunks][row groups]). 2 * 8T * 256 * 2 bytes of
-// dynamic shared memory.
-#define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                           \
-    extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gemm_wgmma_bf16_##T##x##R(          \
-        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
-        FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const unsigned m0 = blockIdx.z * 8 * T;                                                           \
-        Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                        \
-        ep.out_row_base = m0;                                                                             \
-        gemm_block<R, 4>(w_codes, w_scales, ActBf16<Window<T, true>>{act, RowMap{nullptr, m0}}, ep,         \
-                         min(M - m0, 8u * T), N, K, blockIdx.x, blockIdx.y,                               \
-                         chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N));            \
-    }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gemm_wgmma_nvfp4_##T##x##R(         \
-        const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
-        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
-        FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        const unsigned m0 = blockIdx.z * 8 * T;                                                           \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
-        ep.out_row_base = m0;                                                                             \
-        gemm_block<R, 4>(w_codes, w_scales, ActNvfp4<Window<T, true>>{act_packed, act_scales, RowMap{nullptr, m0}}, \
-                         ep, min(M - m0, 8u * T), N, K, blockIdx.x, blockIdx.y,                           \
-                         chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N));            \
-    }
-
 // The split-K scratch of this block's token chunk (blockIdx.z).
 __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counters, unsigned splits,
                                               unsigned chunks_per_split, unsigned chunk_tokens, unsigned N) {
@@ -92,12 +76,31 @@ __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counter
                   chunks_per_split};
 }
 
+// The warpgroup-MMA (wgmma) kernels gemm_wgmma_<T>x<R>[_c<C>]_{bf16,nvfp4}: T in {2, 4, 8, 16} token
+// tiles (8T tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per
+// warpgroup and step). Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens
+// [8T z, 8T z + 8T) of the M rows; each token chunk has its own split-K scratch (partials
+// [chunks][splits][8T][N rounded to 16], counters [chunks][row groups]); _c<C>: one token chunk, C
+// splits reduced in a cluster. Dynamic shared memory: gemm.py `shared_bytes`.
+#define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                            \
+    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R, Window<T FP4_COMMA true>, R, 4, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M), \
+                            chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N))
+#define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C) \
+    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R##_c##C, Window<T FP4_COMMA true>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
+#define FP4_COMMA ,
+
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(8, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(16, 1, 1)
 FP4_DEFINE_GEMM_WGMMA(4, 2, 1)
 FP4_DEFINE_GEMM_WGMMA(8, 2, 1)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 4)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 8)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 4)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 8)
 
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
 // cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.

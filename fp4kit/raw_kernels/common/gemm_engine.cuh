@@ -290,6 +290,22 @@ __device__ __forceinline__ void wgmma_wait() { FP4_WGMMA("wgmma.wait_group.sync.
 // generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Thread-block clusters (sm_90): a barrier of all threads of the cluster (release / acquire), and a
+// 16-byte load from the shared memory of block `rank` of the cluster at the offset of `p` here.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ float4 load_cluster(const float4* p, unsigned rank) {
+    unsigned remote;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(remote) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+    return v;
+}
+
 template <int N>
 __device__ void wgmma_rs(float* d, const unsigned a[4], unsigned long long desc);
 
@@ -443,7 +459,7 @@ __device__ __forceinline__ void reduce_splits(const SplitK& sk, const Epilogue& 
 // w_scales point at one [N, K] weight. Dynamic shared memory: two activation buffers
 // (2 * Act::Win::kBytes). With a wgmma window (Act::Win::kWarpgroup) each warpgroup (4 warps) issues
 // R warpgroup MMAs per step, one per row tile of each warp; otherwise each warp issues R * T mma.sync.
-template <int R, int F, class Act>
+template <int R, int F, int kCluster = 0, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     using Win = typename Act::Win;
@@ -630,6 +646,42 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                     const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
                     if (token < M && n < N) ep.store(token, n, N, acc[r][i][v]);
                 }
+        return;
+    }
+    if constexpr (kCluster > 1) {
+        // The splits of this row group are the kCluster blocks of one thread-block cluster (grid y):
+        // each leaves its fp32 partial in its own shared memory, and each adds up a kCluster-th of
+        // the outputs from all of them through distributed shared memory, in split order.
+        constexpr unsigned kRows = kWarps * R * 16;
+        static_assert(kRows * 8 * T * 4 <= 2 * Win::kBytes, "the partial fits in the activation buffers");
+        float* red = reinterpret_cast<float*>(smem_raw);  // [token][kRows]
+        __syncthreads();  // every warp is done with the activation buffers
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (warp * R + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M) red[token * kRows + n] = acc[r][i][v];
+                }
+        cluster_sync();
+        const unsigned quads = kRows / 4 * M, share = (quads + kCluster - 1) / kCluster;
+        const unsigned q_end = min(quads, (split + 1) * share);
+        for (unsigned q = split * share + threadIdx.x; q < q_end; q += kThreads) {
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < kCluster; ++s) {
+                const float4 p = load_cluster(reinterpret_cast<const float4*>(red) + q, s);
+                sum = make_float4(__fadd_rn(sum.x, p.x), __fadd_rn(sum.y, p.y), __fadd_rn(sum.z, p.z), __fadd_rn(sum.w, p.w));
+            }
+            const unsigned token = q / (kRows / 4), n = group * kRows + q % (kRows / 4) * 4;
+            const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (n + c < N) ep.store(token, n + c, N, v[c]);
+        }
+        cluster_sync();  // the peers' shared memory stays until every block has read it
         return;
     }
     const unsigned ld = row_tiles * 16;
