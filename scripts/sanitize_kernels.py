@@ -100,15 +100,21 @@ def _to_tensor(be: Backend, q):
 
 
 def run_gemm(be: Backend, rng) -> None:
-    w = rng.standard_normal((48, 64)).astype(np.float32)
-    bias = rng.standard_normal(48).astype(np.float32)
+    # 48 x 64: one row group, K unsplit; 256 x 2048: K split 8 ways (mma.sync: the global scratch;
+    # wgmma: one cluster). M: mma.sync (1, 3), wgmma (17, 70), two wgmma token chunks (200), and
+    # the dequantize + cuBLAS path (70 with decode_max_m = 64).
+    for n, k in ((48, 64), (256, 2048)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        bias = rng.standard_normal(n).astype(np.float32)
+        for mode in ("w4a4", "w4a16"):
+            lin_h = Linear.from_float(w, bias=bias, mode=mode)
+            lin_d = Linear.from_float(be.to(w), bias=be.to(bias), mode=mode)
+            for m, decode_max_m in ((1, 1024), (3, 1024), (17, 1024), (70, 1024), (200, 1024), (70, 64)):
+                lin_d.decode_max_m = decode_max_m
+                x = rng.standard_normal((m, k)).astype(BF16)
+                close(be.host(lin_d(be.to(x))).astype(np.float32), lin_h(x).astype(np.float32),
+                      f"Linear {n}x{k} {mode} M={m} decode_max_m={decode_max_m}", 1e-5)
     for mode in ("w4a4", "w4a16"):
-        lin_h = Linear.from_float(w, bias=bias, mode=mode)
-        lin_d = Linear.from_float(be.to(w), bias=be.to(bias), mode=mode)
-        for m in (1, 3, 70):  # decode kernel, and the prefill path above 64 rows
-            x = rng.standard_normal((m, 64)).astype(BF16)
-            close(be.host(lin_d(be.to(x))).astype(np.float32), lin_h(x).astype(np.float32), f"Linear {mode} M={m}",
-                  1e-5)
         g, u, dn = (rng.standard_normal(s).astype(np.float32) for s in ((32, 64), (32, 64), (64, 32)))
         se_h = SharedExpert.from_float(g, u, dn, limit=4.0, mode=mode)
         se_d = SharedExpert.from_float(be.to(g), be.to(u), be.to(dn), limit=4.0, mode=mode)
