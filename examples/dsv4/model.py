@@ -166,16 +166,32 @@ class Model:
     def new_state(self, batch: int, history_rows: int = 1024) -> DecodeState:
         return DecodeState(self, batch, history_rows)
 
-    def forward(self, st: DecodeState):
-        """Logits bf16 ``[B, vocab]`` for the current tokens; appends them to the caches."""
+    def forward(self, st: DecodeState, tap=None):
+        """Logits bf16 ``[B, vocab]`` for the current tokens; appends them to the caches.
+
+        ``tap(name, layer, value)``, if given, sees every value that crosses a sublayer boundary
+        (the residual stream and the normed input before each sublayer, each sublayer's output,
+        the logits) and returns the value to go on with: `runner.compare_layers` records one
+        model's values and feeds them to another, so each sublayer is compared on equal inputs."""
+        def sync(name, i, value):
+            if tap is None:
+                return value
+            new = tap(name, i, value)
+            if new is not value:
+                value[...] = new
+            return value
+
         ew.embed(self.embed, st.tokens, out=st.resid)
         delta = None
-        for blk, caches in zip(self.blocks, st.layers):
+        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
             h = ew.add_rmsnorm(st.resid, delta, blk.attn_norm, eps=self.cfg.eps)
-            h = ew.add_rmsnorm(st.resid, blk.attn(h, caches), blk.ffn_norm, eps=self.cfg.eps)
-            delta = blk.moe(h, token_ids=st.tokens)
+            sync("resid", 2 * i, st.resid)
+            h = blk.attn(sync("attn.in", i, h), caches)
+            h = ew.add_rmsnorm(st.resid, sync("attn.out", i, h), blk.ffn_norm, eps=self.cfg.eps)
+            sync("resid", 2 * i + 1, st.resid)
+            delta = sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=st.tokens))
         h = ew.add_rmsnorm(st.resid, delta, self.norm, eps=self.cfg.eps)
-        st.logits = self.lm_head(h)
+        st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
         return st.logits
 
     def step(self, st: DecodeState):

@@ -222,3 +222,66 @@ def compare_with_numpy(cfg: configs.ModelConfig, seed: int, tokens: np.ndarray) 
     ok = first_ok and float(np.median(rel)) <= tol["median"] and float(rel.max()) <= tol["max"]
     return {"first": float(rel[0]), "first_ok": first_ok, "rel": rel, "median": float(np.median(rel)),
             "max": float(rel.max()), "tolerance": tol, "ok": ok}
+
+
+#: Bounds of `compare_layers`, per activation mode: for every sublayer boundary of every layer, the
+#: median over positions of the relative RMS difference, and its largest value. With equal inputs
+#: at every boundary, two correct backends differ only by the rounding inside one sublayer (GEMM
+#: summation order, the attention kernel's bf16 probabilities, and in W4A4 the NVFP4 code of an
+#: activation element that such a difference moves across a rounding boundary); a rare discrete
+#: flip (a routing choice, an indexer selection) may move one position further, which the looser
+#: largest-value bound allows. Every fault of `tests/test_decode_check.py` exceeds them.
+LAYER_TOLERANCE = {"w4a16": {"median": 0.02, "max": 0.25},
+                   "w4a4": {"median": 0.05, "max": 0.5}}
+
+
+def _run_tapped(m: Model, tokens: np.ndarray, tap_of) -> DecodeState:
+    state = m.new_state(tokens.shape[0], history_rows=1)
+    for p in range(tokens.shape[1]):
+        state.tokens[...] = m.xp.asarray(tokens[:, p])
+        m.forward(state, tap=tap_of(p))
+    return state
+
+
+def record_layers(reference: Model, tokens: np.ndarray) -> dict:
+    """Every value `Model.forward` taps while ``reference`` runs ``tokens [B, P]`` teacher-forced,
+    on the host: ``{(name, layer, position): array}``."""
+    recorded: dict = {}
+
+    def tap_of(p):
+        def tap(name, i, value):
+            recorded[(name, i, p)] = np.asarray(to_host(value)).copy()
+            return value
+        return tap
+
+    _run_tapped(reference, tokens, tap_of)
+    return recorded
+
+
+def compare_layers(model: Model, recorded: dict, tokens: np.ndarray) -> dict:
+    """Teacher-forced comparison of ``model`` with a reference sublayer by sublayer: ``model``
+    runs ``tokens [B, P]`` and at each tap its own value is compared with the reference's
+    (`record_layers`) and then replaced by it, so each attention, MoE and head is compared on equal
+    inputs and an error does not carry into the following layers (each model's caches grow from
+    its own appends of those equal inputs). Returns ``{"rel": {(name, layer): relative RMS per
+    position}, "worst_median", "worst_max", "tolerance", "ok", "state"}`` against `LAYER_TOLERANCE`
+    of the model's activation mode (``state``: ``model``'s decode state after the last token)."""
+    rel: dict = {}
+
+    def tap_of(p):
+        def tap(name, i, value):
+            want = recorded[(name, i, p)]
+            got, ref64 = np.asarray(to_host(value), np.float64), want.astype(np.float64)
+            err = np.sqrt(((got - ref64) ** 2).mean() / max(float((ref64**2).mean()), 1e-30))
+            rel.setdefault((name, i), []).append(float(err))
+            return model.xp.asarray(want)
+        return tap
+
+    state = _run_tapped(model, tokens, tap_of)
+    rel = {k: np.array(v) for k, v in rel.items()}
+    tol = LAYER_TOLERANCE[model.cfg.mode]
+    worst_median = max(rel.items(), key=lambda kv: np.median(kv[1]))
+    worst_max = max(rel.items(), key=lambda kv: kv[1].max())
+    ok = float(np.median(worst_median[1])) <= tol["median"] and float(worst_max[1].max()) <= tol["max"]
+    return {"rel": rel, "worst_median": (worst_median[0], float(np.median(worst_median[1]))),
+            "worst_max": (worst_max[0], float(worst_max[1].max())), "tolerance": tol, "ok": ok, "state": state}
