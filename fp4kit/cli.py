@@ -1,4 +1,5 @@
-"""The ``fp4kit`` command: ``quantize`` a safetensors model to NVFP4, ``inspect`` a checkpoint.
+"""The ``fp4kit`` command: ``quantize`` a safetensors model to NVFP4, ``convert`` an official DeepSeek
+checkpoint to NVFP4, ``inspect`` a checkpoint.
 
 ``fp4kit quantize IN OUT`` reads a bf16 / fp16 / fp32 model (a ``.safetensors`` file or a folder
 of shards), quantizes the selected weights with `fp4kit.quantize` (the CUDA kernels with
@@ -27,6 +28,14 @@ Everything not selected is copied as it is and listed with the reason; every ``*
 out is recorded in ``exclude_modules``. Selecting nothing (e.g. an ``--include`` that matches no
 tensor) is an error, not a checkpoint without an NVFP4 tensor. The summary gives the error of each
 quantized tensor and the size of the whole checkpoint before and after.
+
+``fp4kit convert IN OUT`` converts an official DeepSeek checkpoint (V4: FP8 weights with UE8M0
+128 x 128 block scales and MXFP4 experts; V3 / R1: FP8 with fp32 ``weight_scale_inv``) to the same
+ModelOpt layout under the same tensor names, shard by shard (one output shard per input shard,
+written whole or not at all), copying every other tensor and file; MXFP4 tensors convert exactly
+when their block-exponent spread allows (`fp4kit.checkpoint.deepseek`), and the report names any
+that had to be re-quantized. A record in OUT (``.fp4kit-convert.json``) lets a stopped run resume
+at the first shard not yet written.
 
 ``fp4kit inspect PATH`` prints the layout, every tensor (dtype, shape, bytes) and, for each
 quantized prefix, N, K, the global scale and block-scale statistics.
@@ -427,6 +436,126 @@ def _print_quantize_summary(summary: _Summary, plan: Plan, src: checkpoint.Check
 
 
 # --------------------------------------------------------------------------------------------
+# convert
+# --------------------------------------------------------------------------------------------
+
+#: the record of a conversion in progress or done, inside OUT: the input shards and each output
+#: shard written, so a run that stopped resumes at the first shard not yet written
+CONVERT_STATE = ".fp4kit-convert.json"
+
+
+def _convert_state(out: Path, inputs: dict[str, int]) -> dict:
+    """The record of an earlier run into ``out`` of the same input, or a new one; refuses an OUT
+    holding shards of another run or of another input."""
+    path = out / CONVERT_STATE
+    if path.is_file():
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if state.get("inputs") != inputs:
+            raise ValueError(f"{out}: holds a conversion of another input ({CONVERT_STATE}); choose another OUT")
+        return state
+    _check_output(out)
+    return {"inputs": inputs, "done": {}}
+
+
+def _shard_is_complete(path: Path, record: dict) -> bool:
+    """``path`` is the output shard ``record`` describes: the same size and tensor names (its header
+    validated)."""
+    if not path.is_file() or path.stat().st_size != record["size"]:
+        return False
+    try:
+        return sorted(checkpoint.SafetensorsFile(path).tensors) == sorted(record["names"])
+    except (ValueError, OSError):
+        return False
+
+
+def cmd_convert(args) -> int:
+    import time
+
+    from .checkpoint import deepseek
+
+    src = checkpoint.CheckpointFiles(args.input)
+    if src.layout != "plain":
+        raise ValueError(f"{args.input}: already holds {src.layout} NVFP4 tensors; expected an official DeepSeek checkpoint")
+    infos = {name: f.tensors[name] for name, f in src.where.items()}
+    sources = deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()})
+    if not sources:
+        raise ValueError(f"{args.input}: no DeepSeek FP8 or FP4 weight found (a P.weight with a P.scale or a "
+                         "P.weight_scale_inv)")
+    out = Path(args.output)
+    device = _resolve_device(args.device)
+    names = _output_names(len(src.files))
+    state = _convert_state(out, {f.path.name: f.size for f in src.files})
+    out.mkdir(parents=True, exist_ok=True)
+    consumed = {s.scale_name for s in sources.values()}
+
+    def quantize_fn(name, w):
+        return _quantize_one(name, w, device)
+
+    start, converted_bytes = time.perf_counter(), 0
+    with progress(len(infos)) as bar:
+        for f, out_name in zip(src.files, names):
+            record = state["done"].get(out_name)
+            if record is not None and _shard_is_complete(out / out_name, record):
+                print(f"{out_name}: converted by an earlier run, kept", flush=True)
+                bar.update(len(f.tensors))
+                continue
+            t0 = time.perf_counter()
+            weights, extra, rows = {}, {}, []
+            for name in f.tensors:
+                bar.set_postfix_str(name[-60:], refresh=False)
+                bar.update(1)
+                if name in consumed:
+                    continue
+                if name not in sources:
+                    extra[name] = f.read(name)
+                    continue
+                s = sources[name]
+                c = deepseek.convert_weight(s, f.read(name), src.where[s.scale_name].read(s.scale_name), quantize_fn)
+                weights[c.prefix] = c.weight
+                rows.append([name, _shape(c.weight.shape), c.source, c.method,
+                             "" if c.spread is None else str(c.spread), f"{c.rel_error:.3e}"])
+            tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
+            partial = out / (out_name + ".partial")
+            checkpoint.write_safetensors(partial, tensors, metadata)
+            os.replace(partial, out / out_name)
+            seconds = time.perf_counter() - t0
+            converted_bytes += f.size
+            print(f"{out_name}: {len(weights)} weight(s) converted, {len(extra)} tensor(s) copied, "
+                  f"{f.size / 1e9:.3f} GB in {seconds:.1f} s ({f.size / 1e9 / max(seconds, 1e-9):.2f} GB/s)", flush=True)
+            state["done"][out_name] = {"size": (out / out_name).stat().st_size, "names": sorted(tensors),
+                                       "quantized": sorted(weights), "rows": rows}
+            (out / CONVERT_STATE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+            del tensors, weights, extra
+    if len(names) > 1:
+        weight_map = {t: n for n in names for t in state["done"][n]["names"]}
+        total = sum(state["done"][n]["size"] for n in names)
+        (out / checkpoint.INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n", encoding="utf-8")
+    copy, skip = side_files(Path(args.input))
+    for rel in copy:  # before the quant config, which sets config.json's quantization_config
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(args.input) / rel, out / rel)
+    quantized = sorted(p for n in names for p in state["done"][n]["quantized"])
+    checkpoint.write_quant_config(out, quantized)
+    rows = [r for n in names for r in state["done"][n]["rows"]]
+    print(format_table(["tensor", "shape", "source", "method", "exponent spread", "rel L2 err"], rows))
+    exact = sum(r[3] == "exact" for r in rows)
+    requant = [r[0] for r in rows if r[3] == "re-quantized"]
+    print(f"\n{len(rows)} weight(s) to NVFP4: {exact} MXFP4 exactly (every value kept), "
+          f"{len(requant)} MXFP4 re-quantized (exponent spread above 17), "
+          f"{sum(r[3] == 'quantized' for r in rows)} FP8 quantized; the other tensors copied")
+    if requant:
+        print("re-quantized: " + ", ".join(requant))
+    seconds = time.perf_counter() - start
+    if converted_bytes:
+        print(f"converted {converted_bytes / 1e9:.3f} GB of input in {seconds:.1f} s "
+              f"({converted_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s, {device})")
+    if skip:
+        print(f"not copied: {', '.join(p.as_posix() for p in skip)}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # inspect
 # --------------------------------------------------------------------------------------------
 
@@ -489,7 +618,7 @@ def _quantized_row(ckpt: checkpoint.CheckpointFiles, q: checkpoint.QuantizedPref
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 checkpoints: quantize and inspect.")
+    parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 checkpoints: quantize, convert and inspect.")
     parser.add_argument("--version", action="version", version=f"fp4kit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -515,6 +644,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: the CUDA kernels; cpu: the numpy reference (bit-identical); auto: cuda if available")
     q.set_defaults(run=cmd_quantize)
+
+    c = sub.add_parser(
+        "convert",
+        help="convert an official DeepSeek-V4 (FP8 + MXFP4) or V3/R1 (FP8) checkpoint to NVFP4",
+        description=(
+            "Convert the FP8 weights (128 x 128 block scales: UE8M0 in V4, fp32 weight_scale_inv in V3) "
+            "and the MXFP4 experts (V4: UE8M0 scale per 32) of an official DeepSeek checkpoint to NVFP4, "
+            "shard by shard, into a ModelOpt-layout checkpoint in the folder OUT; every other tensor is "
+            "copied. MXFP4 tensors whose block-exponent spread is at most 17 convert exactly; the others, "
+            "and the FP8 weights, are quantized with fp4kit.quantize. A run that stopped resumes: shards "
+            "already written and verified are kept."
+        ),
+    )
+    c.add_argument("input", metavar="IN", help="the official checkpoint: a .safetensors file or a folder of shards")
+    c.add_argument("output", metavar="OUT", help="output folder (created; resumed if it holds this conversion)")
+    c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: the CUDA quantizer; cpu: the numpy reference (bit-identical); auto: cuda if available")
+    c.set_defaults(run=cmd_convert)
 
     i = sub.add_parser("inspect", help="print what an NVFP4 or plain safetensors checkpoint holds")
     i.add_argument("path", metavar="PATH", help="a .safetensors file or a folder of shards")

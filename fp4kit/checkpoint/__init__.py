@@ -31,6 +31,8 @@ One module per concern:
 `reader`                  `CheckpointFiles` (headers validated, data on demand), `load_nvfp4`
 `validation`              checks of block-scale bytes and scalar scales
 `fusion`                  `fuse_rows`: concatenating quantized shards without re-quantizing
+`deepseek`                official DeepSeek-V4 (FP8 / MXFP4, UE8M0 scales) and V3 (FP8) weights
+                          to NVFP4, exactly where MXFP4 allows (``fp4kit convert``)
 ========================  ======================================================================
 
 Every name below is importable from ``fp4kit.checkpoint``.

@@ -49,6 +49,7 @@ DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # UE8M0 block scales (DeepSeek-V4's FP8 and FP4 weights)
 }
 _DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 

@@ -1,0 +1,90 @@
+"""Benchmark: `fp4kit convert` throughput, in GB of official checkpoint read per second.
+
+Writes a synthetic checkpoint in the official DeepSeek-V4 format at V4-Flash layer widths (per
+layer: the attention projections in FP8 with UE8M0 128 x 128 scales, ``--experts`` routed experts
+in MXFP4 with a UE8M0 scale per 32, the shared expert in FP8), one shard per layer, into a
+temporary folder, converts it with the CLI on the chosen device and reports input GB/s per shard
+and in total, next to the disk's own read rate of the same files. Target (not a test): >= 2 GB/s
+on the GPU, bounded by the disk.
+
+    .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from fp4kit import checkpoint
+from fp4kit.cli import main as fp4kit_main
+
+HIDDEN, INNER, Q_RANK, O_RANK, HEADS, HEAD_DIM, O_GROUPS = 4096, 2048, 1024, 1024, 64, 512, 8
+
+
+def _fp8(rng, n, k):
+    codes = rng.integers(0, 0x7E, (n, k), dtype=np.uint8)  # E4M3 bytes without NaN
+    codes |= rng.integers(0, 2, (n, k), dtype=np.uint8) << 7
+    scales = rng.integers(110, 125, (-(-n // 128), -(-k // 128)), dtype=np.uint8)
+    return codes.view(ml_dtypes.float8_e4m3fn), scales.view(ml_dtypes.float8_e8m0fnu)
+
+
+def _mxfp4(rng, n, k):
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8).view(np.int8)
+    scales = rng.integers(115, 128, (n, k // 32), dtype=np.uint8)
+    return codes, scales.view(ml_dtypes.float8_e8m0fnu)
+
+
+def write_checkpoint(folder: Path, layers: int, experts: int, seed: int = 0) -> int:
+    rng = np.random.default_rng(seed)
+    for layer in range(layers):
+        t = {}
+        p = f"layers.{layer}"
+        linears = {"attn.wq_a": (Q_RANK, HIDDEN), "attn.wq_b": (HEADS * HEAD_DIM, Q_RANK), "attn.wkv": (HEAD_DIM, HIDDEN),
+                   "attn.wo_a": (O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS), "attn.wo_b": (HIDDEN, O_GROUPS * O_RANK),
+                   "ffn.shared_experts.w1": (INNER, HIDDEN), "ffn.shared_experts.w3": (INNER, HIDDEN),
+                   "ffn.shared_experts.w2": (HIDDEN, INNER)}
+        for name, (n, k) in linears.items():
+            t[f"{p}.{name}.weight"], t[f"{p}.{name}.scale"] = _fp8(rng, n, k)
+        for e in range(experts):
+            for name, (n, k) in {"w1": (INNER, HIDDEN), "w3": (INNER, HIDDEN), "w2": (HIDDEN, INNER)}.items():
+                t[f"{p}.ffn.experts.{e}.{name}.weight"], t[f"{p}.ffn.experts.{e}.{name}.scale"] = _mxfp4(rng, n, k)
+        t[f"{p}.attn_norm.weight"] = np.ones(HIDDEN, ml_dtypes.bfloat16)
+        checkpoint.write_safetensors(folder / f"model-{layer + 1:05d}-of-{layers:05d}.safetensors", t)
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def disk_read_gbps(folder: Path) -> float:
+    start, total = time.perf_counter(), 0
+    for p in sorted(folder.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            while chunk := f.read(64 << 20):
+                total += len(chunk)
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "official", Path(tmp) / "nvfp4"
+        src.mkdir()
+        size = write_checkpoint(src, args.layers, args.experts)
+        disk = disk_read_gbps(src)
+        start = time.perf_counter()
+        assert fp4kit_main(["convert", str(src), str(out), "--device", args.device]) == 0
+        seconds = time.perf_counter() - start
+        print(f"\ninput {size / 1e9:.2f} GB ({args.layers} layers, {args.experts} experts each) converted in "
+              f"{seconds:.1f} s: {size / seconds / 1e9:.2f} GB/s ({args.device}); reading the same files: "
+              f"{disk:.2f} GB/s (page cache)")
+
+
+if __name__ == "__main__":
+    main()

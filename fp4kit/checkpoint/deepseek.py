@@ -1,0 +1,205 @@
+"""Official DeepSeek checkpoints to NVFP4 (the ModelOpt layout): the tensor conversions behind
+``fp4kit convert``.
+
+Formats read, by the tensors beside a ``P.weight``:
+
+* **DeepSeek-V4** (the official ``inference/`` layout): linear weights FP8 E4M3 ``P.weight [N, K]``
+  with UE8M0 block scales ``P.scale [ceil(N/128), ceil(K/128)]`` (``F8_E8M0``: ``2^(byte - 127)``,
+  one per 128 x 128 block); routed experts FP4 E2M1 ``P.weight [N, K/2]`` (``I8`` or ``U8``, two
+  codes a byte along K, the lower nibble first, as in NVFP4) with one UE8M0 scale per 32 along K,
+  ``P.scale [N, K/32]``.
+* **DeepSeek-V3 / R1** (the Hugging Face layout): FP8 E4M3 ``P.weight [N, K]`` with fp32
+  ``P.weight_scale_inv [ceil(N/128), ceil(K/128)]`` (the value is ``weight * weight_scale_inv``).
+
+Every other tensor (embeddings, norms, router weights and biases, hash tables, attention sinks,
+compressor and hyper-connection parameters) is copied as it is.
+
+Conversions (`convert_weight`):
+
+* **MXFP4 -> NVFP4, exact where it can be.** A block of 32 codes with scale ``2^e`` becomes two
+  NVFP4 blocks of 16 with the same codes. With the tensor's largest exponent ``e_max`` (over blocks
+  holding a non-zero code), the encode scale ``S = 2^(8 - e_max)`` makes each block scale
+  ``2^(e - e_max + 8)``, an exact E4M3 value while ``e_max - e <= 17`` (E4M3 holds every power of two
+  from ``2^-9``, a subnormal, to ``2^8``). Such a tensor keeps every value bit for bit; one with a
+  larger exponent spread is re-quantized from its exact values with `fp4kit.quantize` (the TE
+  recipe), and the report says so.
+* **FP8 -> NVFP4.** Dequantized block by block in fp32 (``E4M3 * 2^e`` is exact; V3's fp32 scale
+  multiplies in fp32 as its own loaders do), then `fp4kit.quantize`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ..formats import Nvfp4Tensor
+
+FP8_BLOCK = 128  # the FP8 weights' block scales cover 128 x 128
+MX_BLOCK = 32  # one MXFP4 scale per 32 codes along K
+_E4M3_MIN_EXP, _E4M3_MAX_EXP = -9, 8  # the powers of two E4M3 holds exactly (2^-9 is a subnormal)
+
+FORMATS = ("fp8-ue8m0", "mxfp4", "fp8-scale-inv")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One quantized weight of an official checkpoint: ``P.weight`` and its scale tensor."""
+
+    prefix: str
+    format: str  # one of FORMATS
+    scale_name: str
+
+
+def find_sources(names: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Source]:
+    """The quantized weights among ``names`` (``{name: (dtype, shape)}`` of the whole checkpoint),
+    by weight name. A ``P.weight`` with a ``P.scale`` is V4 (FP8 with an F8_E8M0 128 x 128 scale,
+    or MXFP4 codes with an F8_E8M0 per-32 scale); with a ``P.weight_scale_inv`` it is V3. A scale
+    of the wrong dtype or shape for its weight is refused, naming both."""
+    sources = {}
+    for name, (dtype, shape) in names.items():
+        if not name.endswith(".weight"):
+            continue
+        prefix = name.removesuffix(".weight")
+        for suffix in ("scale", "weight_scale_inv"):
+            scale_name = f"{prefix}.{suffix}"
+            if scale_name not in names:
+                continue
+            s_dtype, s_shape = names[scale_name]
+            fmt = _format_of(name, dtype, shape, scale_name, s_dtype, s_shape)
+            sources[name] = Source(prefix, fmt, scale_name)
+    return sources
+
+
+def _format_of(name, dtype, shape, scale_name, s_dtype, s_shape) -> str:
+    def refuse(expected: str):
+        raise ValueError(f"{name} ({dtype} {list(shape)}) with {scale_name} ({s_dtype} {list(s_shape)}): expected "
+                         f"{expected}")
+
+    if len(shape) != 2:
+        refuse("a 2-D weight")
+    n, k = shape
+    blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if scale_name.endswith(".weight_scale_inv"):
+        if dtype != "F8_E4M3" or s_dtype != "F32" or tuple(s_shape) != blocks:
+            refuse(f"an F8_E4M3 weight and an F32 scale {list(blocks)}")
+        return "fp8-scale-inv"
+    if s_dtype != "F8_E8M0":
+        refuse("an F8_E8M0 (UE8M0) scale")
+    if dtype == "F8_E4M3":
+        if tuple(s_shape) != blocks:
+            refuse(f"one scale per 128 x 128 block: {list(blocks)}")
+        return "fp8-ue8m0"
+    if dtype in ("I8", "U8"):
+        if tuple(s_shape) != (n, 2 * k // MX_BLOCK) or (2 * k) % MX_BLOCK:
+            refuse(f"FP4 codes [N, K/2] with one scale per {MX_BLOCK} along K: [{n}, {2 * k // MX_BLOCK}]")
+        return "mxfp4"
+    refuse("an F8_E4M3 weight (FP8) or I8/U8 codes (FP4)")
+
+
+def _scale_values(scale: np.ndarray, where: str) -> np.ndarray:
+    """fp32 values of an F8_E8M0 (refusing its NaN byte 0xFF) or F32 scale tensor."""
+    if scale.dtype == np.dtype(ml_dtypes.float8_e8m0fnu):
+        raw = scale.view(np.uint8)
+        if (raw == 0xFF).any():
+            raise ValueError(f"{where}: holds the UE8M0 NaN byte 0xFF")
+        return np.ldexp(np.float32(1.0), raw.astype(np.int32) - 127).astype(np.float32)
+    s = scale.astype(np.float32)
+    if not np.isfinite(s).all():
+        raise ValueError(f"{where}: holds non-finite scales")
+    return s
+
+
+def fp8_dequantize(weight: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
+    """fp32 ``[N, K]`` of an FP8 E4M3 weight with one scale per 128 x 128 block."""
+    n, k = weight.shape
+    s = _scale_values(scale, where)
+    w = weight.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    if not np.isfinite(w).all():
+        raise ValueError(f"{where}: the FP8 weight holds NaN")
+    return w * np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
+
+
+def _e2m1_values(codes: np.ndarray) -> np.ndarray:
+    """fp32 ``[N, 2 * bytes]`` of packed E2M1 codes, the lower nibble first."""
+    from ..formats import E2M1_VALUES
+
+    lo, hi = codes & 0x0F, codes >> 4
+    return E2M1_VALUES[np.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)].astype(np.float32)
+
+
+def mxfp4_dequantize(codes: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
+    """fp32 ``[N, K]`` of MXFP4 codes ``[N, K/2]`` with UE8M0 scales ``[N, K/32]`` (exact)."""
+    s = _scale_values(scale, where)
+    return _e2m1_values(codes.view(np.uint8)) * np.repeat(s, MX_BLOCK, axis=1)
+
+
+def _e4m3_power_of_two(p: np.ndarray) -> np.ndarray:
+    """E4M3 bytes of ``2^p`` for integer ``p`` in ``[-9, 8]`` (subnormal below ``2^-6``)."""
+    p = p.astype(np.int32)
+    return np.where(p >= -6, (p + 7) << 3, 1 << np.clip(p + 9, 0, 2)).astype(np.uint8)
+
+
+def mxfp4_to_nvfp4(codes: np.ndarray, scale: np.ndarray, where: str) -> tuple[Nvfp4Tensor | None, int]:
+    """The exact NVFP4 form of MXFP4 codes ``[N, K/2]`` with UE8M0 scales ``[N, K/32]``, and the
+    tensor's exponent spread (``e_max - e_min`` over blocks holding a non-zero code; 0 when none
+    does). ``None`` when no exact form exists (spread above 17, or an encode scale out of fp32's
+    normal range): the caller re-quantizes."""
+    codes = codes.view(np.uint8)
+    raw = scale.view(np.uint8)
+    if (raw == 0xFF).any():
+        raise ValueError(f"{where}: holds the UE8M0 NaN byte 0xFF")
+    n, half = codes.shape
+    # a block holds a non-zero code when either of its two 8-byte words is non-zero
+    words = np.ascontiguousarray(codes).view(np.uint64).reshape(n, half * 2 // MX_BLOCK, 2)
+    live = (words[..., 0] | words[..., 1]) != 0
+    e = raw.astype(np.int32) - 127
+    if not live.any():
+        zero = np.zeros((n, half * 2 // 16), np.uint8)
+        return Nvfp4Tensor(codes.copy(), zero, np.array(np.finfo(np.float32).max, np.float32), "linear",
+                           (n, half * 2)), 0
+    e_max, e_min = int(np.max(e, where=live, initial=-128)), int(np.min(e, where=live, initial=128))
+    spread = e_max - e_min
+    encode_exp = _E4M3_MAX_EXP - e_max
+    if spread > _E4M3_MAX_EXP - _E4M3_MIN_EXP or not -126 <= encode_exp <= 127:
+        return None, spread
+    block = np.where(live, _e4m3_power_of_two(np.clip(e - e_max + _E4M3_MAX_EXP, _E4M3_MIN_EXP, _E4M3_MAX_EXP)), 0)
+    block_scales = np.repeat(block.astype(np.uint8), MX_BLOCK // 16, axis=1)
+    s = np.array(np.ldexp(np.float32(1.0), encode_exp), np.float32)
+    return Nvfp4Tensor(np.ascontiguousarray(codes), np.ascontiguousarray(block_scales), s, "linear",
+                       (n, half * 2)), spread
+
+
+@dataclass
+class Converted:
+    """One converted weight: its NVFP4 form and how it was made."""
+
+    prefix: str
+    weight: Nvfp4Tensor
+    source: str  # the Source format
+    method: str  # "exact", "re-quantized" or "quantized"
+    spread: int | None  # MXFP4 exponent spread
+    rel_error: float  # relative L2 error of the NVFP4 values against the source values
+
+
+def convert_weight(src: Source, weight: np.ndarray, scale: np.ndarray, quantize) -> Converted:
+    """``src``'s weight as NVFP4; ``quantize(name, fp32 [N, K])`` gives ``(Nvfp4Tensor, its fp32
+    dequantization)`` with the TE recipe (the CLI passes the CPU or CUDA quantizer)."""
+    where = f"{src.prefix}.weight"
+    if src.format == "mxfp4":
+        exact, spread = mxfp4_to_nvfp4(weight, scale, f"{src.prefix} ({src.scale_name})")
+        if exact is not None:
+            return Converted(src.prefix, exact, src.format, "exact", spread, 0.0)
+        values = mxfp4_dequantize(weight, scale, src.scale_name)
+        q, d = quantize(where, values)
+        return Converted(src.prefix, q, src.format, "re-quantized", spread, _rel_error(values, d))
+    values = fp8_dequantize(weight, scale, src.scale_name)
+    q, d = quantize(where, values)
+    return Converted(src.prefix, q, src.format, "quantized", None, _rel_error(values, d))
+
+
+def _rel_error(w: np.ndarray, d: np.ndarray) -> float:
+    ref = float(np.vdot(w.astype(np.float64).ravel(), w.astype(np.float64).ravel()))
+    diff = (d.astype(np.float64) - w).ravel()
+    return float(np.sqrt(float(np.vdot(diff, diff)) / ref)) if ref else 0.0
