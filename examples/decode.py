@@ -221,12 +221,18 @@ def main(argv=None) -> int:
         print(f"note: {prompt.shape[1] + args.new_tokens} tokens exceed the caches' {cfg.max_context}; "
               "compressed entries past it are dropped (and recorded in the status word)")
     if args.check:
-        return 0 if check(cfg, args, prompt, device, model) else 1
-    res = decode(model, cfg, prompt, args, device)
-    report(model, cfg, res, args.batch, device)
-    for b in range(min(args.batch, 4)):
-        print(f"seq {b} generated token ids: {res['tokens'][b][:24].tolist()}{' ...' if args.new_tokens > 24 else ''}")
-    return 0
+        ok = check(cfg, args, prompt, device, model)
+    else:
+        res = decode(model, cfg, prompt, args, device)
+        report(model, cfg, res, args.batch, device)
+        for b in range(min(args.batch, 4)):
+            print(f"seq {b} generated token ids: {res['tokens'][b][:24].tolist()}{' ...' if args.new_tokens > 24 else ''}")
+        ok = True
+    if comm is not None:  # every rank: a barrier, then the communicator released, before exiting
+        from fp4kit import distributed as dist
+
+        dist.shutdown(comm)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -188,8 +188,15 @@ CHILD = textwrap.dedent("""
         json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}, f)
     if sys.argv[2] == "fail" and rank == 1:
         sys.exit(3)
-    if sys.argv[2] == "fail":
+    if sys.argv[2] == "raise" and rank == 1:
+        raise RuntimeError("injected fault")
+    if sys.argv[2] == "killed" and rank == 1:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[2] in ("fail", "raise", "killed"):
         time.sleep(60)  # the launcher must stop this rank
+    if sys.argv[2] == "hang_at_exit" and rank == 1:
+        time.sleep(60)  # finished its work but never exits: the launcher must report and stop it
 """)
 
 
@@ -235,6 +242,22 @@ def test_launcher_propagates_a_failure_and_stops_the_others(tmp_path):
     assert result.returncode == 3
     assert "rank 1 exited with code 3; stopping the other ranks" in result.stderr
     assert time.monotonic() - start < 30  # rank 0's 60 s sleep was cut short
+
+
+@pytest.mark.parametrize("mode, code, message", [
+    ("raise", 1, "rank 1 exited with code 1; stopping the other ranks"),
+    ("killed", 128 + 9, "rank 1 exited with code 137; stopping the other ranks"),
+    ("hang_at_exit", 124, "rank(s) [1] still running 2 s after rank 0 exited cleanly; stopping them")])
+def test_launcher_stops_every_rank_within_seconds_on_a_fault(tmp_path, mode, code, message):
+    """An injected fault (one rank raising, one rank killed, one rank that never exits after the
+    others finished): every rank is stopped within seconds and the launcher says why."""
+    import time
+
+    start = time.monotonic()
+    result = _launch(tmp_path, "--nproc", "3", "--grace", "2", "--exit-timeout", "2", mode=mode)
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr
+    assert time.monotonic() - start < 20  # the 60 s sleeps were cut short
 
 
 def test_launcher_argument_errors():
@@ -705,3 +728,17 @@ def test_owner_slots_reference():
     out = np.empty(4, np.uint32)
     dist.kernels.owner_slots(slot_all, ids, 2, out)
     assert out.tolist() == [0, 11, 12, 3]
+
+
+def test_shutdown_meets_every_rank_then_releases():
+    """`dist.shutdown`, the end of a run on every rank: a barrier of all ranks, then close()."""
+    closed = []
+
+    def end(comm):
+        comm.close = lambda: closed.append(comm.rank)
+        dist.shutdown(comm)
+        return comm.rank
+
+    assert dist.SimulatedGroup(4).run(end) == [0, 1, 2, 3]
+    assert sorted(closed) == [0, 1, 2, 3]
+    dist.shutdown(dist.LocalCommunicator())  # world size 1: nothing to meet, nothing to release

@@ -11,7 +11,7 @@ world size 1 never need it.
 """
 
 from .comm import Communicator, LocalCommunicator, NcclCommunicator, SimulatedCommunicator, SimulatedGroup
-from .env import init
+from .env import init, shutdown
 from .expert_parallel import ExpertParallelMoE, expert_range
 from ..runtime.status import EP_CAPACITY_OVERFLOW  # re-exported: the flag this package records
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -28,4 +28,5 @@ __all__ = [
     "SimulatedGroup",
     "expert_range",
     "init",
+    "shutdown",
 ]

@@ -63,6 +63,9 @@ class Communicator:
     def barrier(self) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release the communicator's resources (nothing to release here)."""
+
     # shared validation, before anything is enqueued
     def _check_gather(self, x, out) -> None:
         if tuple(out.shape) != (self.world_size, *x.shape) or out.dtype != x.dtype:

@@ -93,3 +93,13 @@ def init(*, timeout: float | None = None) -> Communicator:
     comm = NcclCommunicator(rank, world, unique_id)
     comm.barrier()
     return comm
+
+
+def shutdown(comm: Communicator) -> None:
+    """End a run on every rank: wait for this rank's device work, meet the other ranks at a
+    barrier, then release the communicator. Called by all ranks after their last collective, it
+    keeps NCCL's teardown from racing a rank that has already left (a process can otherwise hang
+    at exit in the communicator's destruction)."""
+    if comm.world_size > 1:
+        comm.barrier()
+    comm.close()

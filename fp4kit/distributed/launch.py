@@ -8,7 +8,10 @@ its GPU through ``CUDA_VISIBLE_DEVICES``.
 
 Failures propagate: when a child exits non-zero, the others are terminated (SIGTERM, then SIGKILL
 after ``--grace`` seconds) and the launcher exits with that child's code (128 + signal number for
-a child killed by a signal). Ctrl-C is forwarded to every child. The parent never touches the GPU.
+a child killed by a signal). A run also ends when one child has exited cleanly and another is
+still running ``--exit-timeout`` seconds later (e.g. hung in its communicator's teardown): that one
+is reported and stopped, and the launcher exits with 124. Ctrl-C is forwarded to every child. The
+parent never touches the GPU.
 """
 
 from __future__ import annotations
@@ -35,11 +38,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="set CUDA_VISIBLE_DEVICES to the rank's GPU only (the child then uses device 0)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping the other ranks")
+    parser.add_argument("--exit-timeout", type=float, default=60.0,
+                        help="seconds the other ranks get to exit once one rank has exited cleanly; a rank still "
+                             "running then is reported as hung and stopped (exit code 124)")
     parser.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER, help="script.py and its arguments")
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc: expected a positive integer, got {args.nproc}")
+    if not args.exit_timeout > 0:
+        parser.error(f"--exit-timeout: expected a positive number of seconds, got {args.exit_timeout}")
     if args.module is None and not args.script_and_args:
         parser.error("expected a script to run (or -m module)")
     if args.devices is not None:
@@ -101,18 +109,27 @@ def run(args: argparse.Namespace) -> int:
                                                          args.isolate))
                  for r in range(args.nproc)]
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a terminated launcher stops its children
+        first_done = None  # (rank, time) of the first clean exit
         try:
             while True:
                 codes = [p.poll() for p in procs]
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     rank, code = failed[0]
-                    print(f"fp4kit.distributed.launch: rank {rank} exited with code {code}; stopping the other ranks",
-                          file=sys.stderr, flush=True)
+                    print(f"fp4kit.distributed.launch: rank {rank} exited with code {_exit_code(code)}; stopping the "
+                          "other ranks", file=sys.stderr, flush=True)
                     _stop(procs, args.grace)
                     return _exit_code(code)
                 if all(c == 0 for c in codes):
                     return 0
+                if first_done is None and 0 in codes:
+                    first_done = (codes.index(0), time.monotonic())
+                if first_done is not None and time.monotonic() - first_done[1] > args.exit_timeout:
+                    hung = [r for r, c in enumerate(codes) if c is None]
+                    print(f"fp4kit.distributed.launch: rank(s) {hung} still running {args.exit_timeout:g} s after rank "
+                          f"{first_done[0]} exited cleanly; stopping them", file=sys.stderr, flush=True)
+                    _stop(procs, args.grace)
+                    return 124
                 time.sleep(0.05)
         except KeyboardInterrupt:
             for p in procs:
