@@ -7,7 +7,7 @@ temporary folder, converts it with the CLI on the chosen device and reports inpu
 and in total, next to the disk's own read rate of the same files. Target (not a test): >= 2 GB/s
 on the GPU, bounded by the disk.
 
-    .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda]
+    .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda] [--jobs 4]
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--jobs", type=int, default=1, help="shards converted at once (fp4kit convert --jobs)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "official", Path(tmp) / "nvfp4"
@@ -79,10 +80,10 @@ def main() -> None:
         size = write_checkpoint(src, args.layers, args.experts)
         disk = disk_read_gbps(src)
         start = time.perf_counter()
-        assert fp4kit_main(["convert", str(src), str(out), "--device", args.device]) == 0
+        assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
         seconds = time.perf_counter() - start
         print(f"\ninput {size / 1e9:.2f} GB ({args.layers} layers, {args.experts} experts each) converted in "
-              f"{seconds:.1f} s: {size / seconds / 1e9:.2f} GB/s ({args.device}); reading the same files: "
+              f"{seconds:.1f} s: {size / seconds / 1e9:.2f} GB/s ({args.device}, {args.jobs} job(s)); reading the same files: "
               f"{disk:.2f} GB/s (page cache)")
 
 

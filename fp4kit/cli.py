@@ -468,8 +468,48 @@ def _shard_is_complete(path: Path, record: dict) -> bool:
         return False
 
 
+def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: str) -> dict:
+    """Convert input shard ``index`` into ``out/out_name`` (written whole, then moved into place);
+    returns its record for `CONVERT_STATE` and a line for the log. Runs in a worker process with
+    ``--jobs`` above 1."""
+    import time
+
+    from .checkpoint import deepseek
+
+    src = checkpoint.CheckpointFiles(src_path)
+    f = src.files[index]
+    infos = {name: g.tensors[name] for name, g in src.where.items()}
+    sources = deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()})
+    consumed = {s.scale_name for s in sources.values()}
+    t0 = time.perf_counter()
+    weights, extra, rows = {}, {}, []
+    for name in f.tensors:
+        if name in consumed:
+            continue
+        if name not in sources:
+            extra[name] = f.read(name)
+            continue
+        s = sources[name]
+        c = deepseek.convert_weight(s, f.read(name), src.where[s.scale_name].read(s.scale_name),
+                                    lambda where, w: _quantize_one(where, w, device))
+        weights[c.prefix] = c.weight
+        rows.append([name, _shape(c.weight.shape), c.source, c.method, "" if c.spread is None else str(c.spread),
+                     f"{c.rel_error:.3e}"])
+    tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
+    target = Path(out) / out_name
+    partial = target.with_name(out_name + ".partial")
+    checkpoint.write_safetensors(partial, tensors, metadata)
+    os.replace(partial, target)
+    seconds = time.perf_counter() - t0
+    line = (f"{out_name}: {len(weights)} weight(s) converted, {len(extra)} tensor(s) copied, {f.size / 1e9:.3f} GB "
+            f"in {seconds:.1f} s ({f.size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+    record = {"size": target.stat().st_size, "names": sorted(tensors), "quantized": sorted(weights), "rows": rows}
+    return {"record": record, "log": line, "bytes": f.size}
+
+
 def cmd_convert(args) -> int:
     import time
+    from concurrent.futures import ProcessPoolExecutor
 
     from .checkpoint import deepseek
 
@@ -477,55 +517,47 @@ def cmd_convert(args) -> int:
     if src.layout != "plain":
         raise ValueError(f"{args.input}: already holds {src.layout} NVFP4 tensors; expected an official DeepSeek checkpoint")
     infos = {name: f.tensors[name] for name, f in src.where.items()}
-    sources = deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()})
-    if not sources:
+    if not deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()}):  # also checks every scale
         raise ValueError(f"{args.input}: no DeepSeek FP8 or FP4 weight found (a P.weight with a P.scale or a "
                          "P.weight_scale_inv)")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs: expected a positive number of worker processes, got {args.jobs}")
     out = Path(args.output)
     device = _resolve_device(args.device)
     names = _output_names(len(src.files))
     state = _convert_state(out, {f.path.name: f.size for f in src.files})
     out.mkdir(parents=True, exist_ok=True)
-    consumed = {s.scale_name for s in sources.values()}
+    todo = []
+    for index, out_name in enumerate(names):
+        record = state["done"].get(out_name)
+        if record is not None and _shard_is_complete(out / out_name, record):
+            print(f"{out_name}: converted by an earlier run, kept", flush=True)
+        else:
+            todo.append((index, out_name))
 
-    def quantize_fn(name, w):
-        return _quantize_one(name, w, device)
+    def finished(out_name: str, result: dict) -> None:
+        print(result["log"], flush=True)
+        state["done"][out_name] = result["record"]
+        (out / CONVERT_STATE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")  # after each shard
 
     start, converted_bytes = time.perf_counter(), 0
-    with progress(len(infos)) as bar:
-        for f, out_name in zip(src.files, names):
-            record = state["done"].get(out_name)
-            if record is not None and _shard_is_complete(out / out_name, record):
-                print(f"{out_name}: converted by an earlier run, kept", flush=True)
-                bar.update(len(f.tensors))
-                continue
-            t0 = time.perf_counter()
-            weights, extra, rows = {}, {}, []
-            for name in f.tensors:
-                bar.set_postfix_str(name[-60:], refresh=False)
+    task = (str(src.path), str(out), device)
+    with tqdm(total=len(todo), unit="shard", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
+        if args.jobs == 1 or len(todo) <= 1:
+            for index, out_name in todo:
+                result = _convert_shard(task[0], index, task[1], out_name, device)
+                finished(out_name, result)
+                converted_bytes += result["bytes"]
                 bar.update(1)
-                if name in consumed:
-                    continue
-                if name not in sources:
-                    extra[name] = f.read(name)
-                    continue
-                s = sources[name]
-                c = deepseek.convert_weight(s, f.read(name), src.where[s.scale_name].read(s.scale_name), quantize_fn)
-                weights[c.prefix] = c.weight
-                rows.append([name, _shape(c.weight.shape), c.source, c.method,
-                             "" if c.spread is None else str(c.spread), f"{c.rel_error:.3e}"])
-            tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
-            partial = out / (out_name + ".partial")
-            checkpoint.write_safetensors(partial, tensors, metadata)
-            os.replace(partial, out / out_name)
-            seconds = time.perf_counter() - t0
-            converted_bytes += f.size
-            print(f"{out_name}: {len(weights)} weight(s) converted, {len(extra)} tensor(s) copied, "
-                  f"{f.size / 1e9:.3f} GB in {seconds:.1f} s ({f.size / 1e9 / max(seconds, 1e-9):.2f} GB/s)", flush=True)
-            state["done"][out_name] = {"size": (out / out_name).stat().st_size, "names": sorted(tensors),
-                                       "quantized": sorted(weights), "rows": rows}
-            (out / CONVERT_STATE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
-            del tensors, weights, extra
+        else:
+            with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo))) as pool:
+                futures = {pool.submit(_convert_shard, task[0], index, task[1], out_name, device): out_name
+                           for index, out_name in todo}
+                for future in futures:  # in shard order; each result is recorded as soon as it is read
+                    result = future.result()
+                    finished(futures[future], result)
+                    converted_bytes += result["bytes"]
+                    bar.update(1)
     if len(names) > 1:
         weight_map = {t: n for n in names for t in state["done"][n]["names"]}
         total = sum(state["done"][n]["size"] for n in names)
@@ -549,7 +581,7 @@ def cmd_convert(args) -> int:
     seconds = time.perf_counter() - start
     if converted_bytes:
         print(f"converted {converted_bytes / 1e9:.3f} GB of input in {seconds:.1f} s "
-              f"({converted_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s, {device})")
+              f"({converted_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s, {device}, {args.jobs} job(s))")
     if skip:
         print(f"not copied: {', '.join(p.as_posix() for p in skip)}")
     return 0
@@ -661,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("output", metavar="OUT", help="output folder (created; resumed if it holds this conversion)")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: the CUDA quantizer; cpu: the numpy reference (bit-identical); auto: cuda if available")
+    c.add_argument("--jobs", type=int, default=1,
+                   help="shards converted at once, in worker processes (each holds one shard's output)")
     c.set_defaults(run=cmd_convert)
 
     i = sub.add_parser("inspect", help="print what an NVFP4 or plain safetensors checkpoint holds")

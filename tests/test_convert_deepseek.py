@@ -190,6 +190,17 @@ def test_a_stopped_conversion_resumes(tmp_path, rng, capsys):
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
 
 
+def test_parallel_jobs_write_the_same_bytes(tmp_path, rng):
+    src = tmp_path / "v4"
+    write_v4(src, rng)
+    one = convert(tmp_path, src)
+    many = tmp_path / "many"
+    assert main(["convert", str(src), str(many), "--device", "cpu", "--jobs", "2"]) == 0
+    for p in one.glob("*.safetensors"):
+        assert (many / p.name).read_bytes() == p.read_bytes()
+    assert (many / checkpoint.INDEX_NAME).read_text() == (one / checkpoint.INDEX_NAME).read_text()
+
+
 def test_v3_checkpoint_converts(tmp_path, rng):
     src = tmp_path / "v3"
     src.mkdir()
