@@ -53,6 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--numpy", action="store_true", help="run on the numpy reference even with a GPU")
     ap.add_argument("--no-graph", action="store_true", help="launch every step eagerly")
     ap.add_argument("--check", action="store_true", help="compare graph, eager (and numpy for tiny) decoding")
+    ap.add_argument("--check-layers", action="store_true",
+                    help="compare the GPU model with the numpy model sublayer by sublayer on equal inputs "
+                         "(runner.compare_layers; its GPU bounds are still being measured)")
     ap.add_argument("--save", type=str, default=None, help="write the weights as an NVFP4 checkpoint folder")
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")
@@ -168,6 +171,22 @@ def check(cfg, args, prompt, device: bool, model) -> bool:
     return ok
 
 
+def check_layers(cfg, args, prompt, device: bool) -> bool:
+    """The sublayer comparison (`runner.compare_layers`) of the GPU model (numpy without one)
+    against the numpy model, teacher-forced over the prompt: per sublayer, the median and largest
+    relative RMS difference, worst first, against `runner.LAYER_TOLERANCE`."""
+    model, _ = runner.build(cfg, device=device, seed=args.seed)
+    reference, _ = runner.build(cfg, device=False, seed=args.seed)
+    result = runner.compare_layers(model, runner.record_layers(reference, prompt), prompt)
+    rows = sorted(result["rel"].items(), key=lambda kv: -float(np.median(kv[1])))
+    for (name, layer), rel in rows[:12]:
+        print(f"  {name:9s} layer {layer}: median {np.median(rel):.2e}  max {rel.max():.2e}")
+    print(f"check layers ({'GPU' if device else 'numpy'} vs numpy, {prompt.shape[1]} positions): worst median "
+          f"{result['worst_median'][1]:.3g} at {result['worst_median'][0]}, worst max {result['worst_max'][1]:.3g} at "
+          f"{result['worst_max'][0]} (bounds {result['tolerance']}) -> {'OK' if result['ok'] else 'FAIL'}")
+    return result["ok"]
+
+
 def parallel_group(args):
     """The communicator for ``--tp``/``--ep`` (None without them); every rank holds every token."""
     if args.tp is None and args.ep is None:
@@ -220,7 +239,9 @@ def main(argv=None) -> int:
     if prompt.shape[1] + args.new_tokens > cfg.max_context:
         print(f"note: {prompt.shape[1] + args.new_tokens} tokens exceed the caches' {cfg.max_context}; "
               "compressed entries past it are dropped (and recorded in the status word)")
-    if args.check:
+    if args.check_layers:
+        ok = check_layers(cfg, args, prompt, device)
+    elif args.check:
         ok = check(cfg, args, prompt, device, model)
     else:
         res = decode(model, cfg, prompt, args, device)

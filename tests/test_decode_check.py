@@ -105,3 +105,9 @@ def test_each_fault_fails_the_check(short, fault, monkeypatch):
     fault(model, monkeypatch)
     result = runner.compare_layers(model, recorded, tokens)
     assert not result["ok"], (fault.__name__, result["worst_median"], result["worst_max"])
+
+
+def test_the_script_runs_the_check():
+    import decode
+
+    assert decode.main(["--check-layers", "--numpy", "--layers", "3", "--prompt-len", "8", "--batch", "1"]) == 0

@@ -1,5 +1,5 @@
 """The example decoder on the GPU: graph-replayed decoding equals eager decoding (identical tokens
-and logits), the tiny model agrees with its numpy run, a 2-layer v4-flash-slice captures and
+and logits), the tiny model agrees with its numpy run (logits, and sublayer by sublayer), a 2-layer v4-flash-slice captures and
 matches eager, and 1000 replayed steps allocate nothing."""
 
 import sys
@@ -24,6 +24,20 @@ def graph_and_eager(model, prompt, n):
         tokens, logits, dec = runner.run(model, prompt, n, use_graph=graph, keep_logits=True)
         out[name] = (tokens, np.stack(logits), dec)
     return out
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_sublayer_check_on_the_gpu(mode):
+    """The GPU model against the numpy model sublayer by sublayer (`runner.compare_layers`) over 140
+    positions (ratio-128 entries, the indexer truncating, the window wrapping): within
+    `runner.LAYER_TOLERANCE`."""
+    cfg = configs.tiny(layers=3, mode=mode)
+    tokens = runner.random_prompt(1, 140, cfg.vocab, seed=2)
+    model, _ = runner.build(cfg, device=True, seed=3)
+    reference, _ = runner.build(cfg, device=False, seed=3)
+    result = runner.compare_layers(model, runner.record_layers(reference, tokens), tokens)
+    print(mode, result["worst_median"], result["worst_max"])
+    assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
