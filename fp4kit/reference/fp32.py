@@ -20,9 +20,15 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 
 
 def ftz(x):
-    """Flush fp32 subnormals to a zero of the same sign (the kernels' ``-ftz=true``)."""
+    """Flush fp32 subnormals to a zero of the same sign (the kernels' ``-ftz=true``). Returns an
+    fp32 array: ``x`` itself when it holds no subnormal (the common case, checked on the bits)."""
     x = np.asarray(x, dtype=F32)
-    return np.where(np.abs(x) < FLT_MIN, np.copysign(F32(0), x), x).astype(F32)
+    bits = x.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    tiny = (magnitude < np.uint32(0x00800000)) & (magnitude != 0)  # exponent bits zero, mantissa not
+    if not tiny.any():
+        return x
+    return np.where(tiny, bits & np.uint32(0x80000000), bits).astype(np.uint32).view(F32)
 
 
 def mul(a, b):
