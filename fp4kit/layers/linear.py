@@ -56,7 +56,7 @@ class Linear:
         self._buffers = workspace.BufferCache()
         #: rows up to which the graph-capturable decode GEMM is used (above: cuBLAS prefill); raise
         #: it to capture large-M calls in a CUDA graph
-        self.decode_max_m = gemm_ops.DECODE_MAX_M
+        self.decode_max_m = None  # the GEMM's default for the device (see fp4kit.ops.gemm)
 
     @property
     def out_features(self) -> int:

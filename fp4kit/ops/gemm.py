@@ -3,7 +3,7 @@
 
 On the GPU the weight must be in the tiled layout (`fp4kit.formats.to_tiled`, done once when a
 layer is built); numpy arrays run the reference with either layout. Two paths, picked by the number
-of activation rows M (``decode_max_m``, default `DECODE_MAX_M`):
+of activation rows M (``decode_max_m``; by default `DECODE_MAX_M` on Hopper, 64 elsewhere):
 
 * **engine** (M <= ``decode_max_m``): one launch that streams the weight, dequantizing it in
   registers and multiplying on the bf16 tensor cores: ``mma.sync`` for up to 16 rows, and on Hopper
@@ -29,9 +29,11 @@ from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
-#: the largest M on the engine; above it the cuBLAS path (H200: the engine is 2-3x faster at 256
-#: rows, the cuBLAS path 1.15-1.45x faster at 4096)
+#: the largest M on the engine by default, with the wgmma kernels (Hopper; H200: the engine is
+#: 1.2-3x faster than the cuBLAS path up to 1024 rows, the cuBLAS path 1.15-1.5x faster at 4096);
+#: elsewhere the mma.sync kernels re-read the weight per 64 rows, and 64 rows is the default
 DECODE_MAX_M = 1024
+DECODE_MAX_M_MMA_SYNC = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
@@ -137,7 +139,7 @@ def gemm(
     row_decode=None,
     out=None,
     out_dtype=arrays.BF16,
-    decode_max_m: int = DECODE_MAX_M,
+    decode_max_m: int | None = None,
 ):
     """``y[..., N] = alpha * A @ W^T (+ bias)``.
 
@@ -153,9 +155,10 @@ def gemm(
         different global scales, see `fp4kit.checkpoint`).
     out : bf16 or fp32 array ``[..., N]``, optional
     out_dtype : bf16 (default) or fp32, when ``out`` is not given
-    decode_max_m : int
+    decode_max_m : int, optional
         Largest row count that takes the engine (capturable in a CUDA graph); above it the
-        dequantize + cuBLAS path (default `DECODE_MAX_M`).
+        dequantize + cuBLAS path. Default: `DECODE_MAX_M` on Hopper, `DECODE_MAX_M_MMA_SYNC`
+        elsewhere.
 
     ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -173,7 +176,7 @@ def gemm(
         raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
     if out is not None:
         arrays.check_out("out", out, (*lead, n), out_dtype, w.packed)
-    if not isinstance(decode_max_m, (int, np.integer)) or decode_max_m < 0:
+    if decode_max_m is not None and (not isinstance(decode_max_m, (int, np.integer)) or decode_max_m < 0):
         raise ValueError(f"decode_max_m: expected a non-negative int, got {decode_max_m!r}")
     if n * k // 2 >= 2**31 or m * k >= 2**31 or m * n >= 2**31:
         raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
@@ -188,6 +191,9 @@ def gemm(
         return out
     epilogue = (w.global_scale, _ptr(row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32))
+    if decode_max_m is None:
+        hopper = loader.compute_capability(out.device.id) == "90"
+        decode_max_m = DECODE_MAX_M if hopper else DECODE_MAX_M_MMA_SYNC
     if m > decode_max_m:
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
         return out
