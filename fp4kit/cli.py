@@ -649,6 +649,11 @@ def _quantized_row(ckpt: checkpoint.CheckpointFiles, q: checkpoint.QuantizedPref
 # --------------------------------------------------------------------------------------------
 
 
+def _device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: the CUDA quantizer; cpu: the numpy reference (bit-identical); auto: cuda if available")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 checkpoints: quantize, convert and inspect.")
     parser.add_argument("--version", action="version", version=f"fp4kit {__version__}")
@@ -673,8 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibrate", metavar="FILE",
                    help="a safetensors file of sample inputs [..., K] per quantized layer (by module name): "
                         "writes each one's static activation scale (input_scale) from their amax")
-    q.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="cuda: the CUDA kernels; cpu: the numpy reference (bit-identical); auto: cuda if available")
+    _device_argument(q)
     q.set_defaults(run=cmd_quantize)
 
     c = sub.add_parser(
@@ -691,8 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("input", metavar="IN", help="the official checkpoint: a .safetensors file or a folder of shards")
     c.add_argument("output", metavar="OUT", help="output folder (created; resumed if it holds this conversion)")
-    c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="cuda: the CUDA quantizer; cpu: the numpy reference (bit-identical); auto: cuda if available")
+    _device_argument(c)
     c.add_argument("--jobs", type=int, default=1,
                    help="shards converted at once, in worker processes (each holds one shard's output)")
     c.set_defaults(run=cmd_convert)
