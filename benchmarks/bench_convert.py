@@ -23,6 +23,11 @@ import numpy as np
 from fp4kit import checkpoint
 from fp4kit.cli import main as fp4kit_main
 
+try:
+    from benchmarks.common import Table
+except ImportError:
+    from common import Table
+
 HIDDEN, INNER, Q_RANK, O_RANK, HEADS, HEAD_DIM, O_GROUPS = 4096, 2048, 1024, 1024, 64, 512, 8
 
 
@@ -82,9 +87,16 @@ def main() -> None:
         start = time.perf_counter()
         assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
         seconds = time.perf_counter() - start
-        print(f"\ninput {size / 1e9:.2f} GB ({args.layers} layers, {args.experts} experts each) converted in "
-              f"{seconds:.1f} s: {size / seconds / 1e9:.2f} GB/s ({args.device}, {args.jobs} job(s)); reading the same files: "
-              f"{disk:.2f} GB/s (page cache)")
+    table = Table("fp4kit convert, official DeepSeek-V4 format at V4-Flash widths",
+                  ["layers", "experts per layer", "input GB", "device", "jobs", "seconds", "GB/s", "read GB/s",
+                   "target"])
+    gbps = size / seconds / 1e9
+    table.add(**{"layers": args.layers, "experts per layer": args.experts, "input GB": size / 1e9,
+                 "device": args.device, "jobs": args.jobs, "seconds": seconds, "GB/s": gbps, "read GB/s": disk,
+                 "target": ">= 2 GB/s (GPU): " + ("met" if gbps >= 2 else "MISSED")})
+    print()
+    print(table.markdown())
+    print("saved", table.save("bench_convert", {"layers": args.layers, "experts": args.experts}))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 * `torch_graph_us`: the same as `graph_us` for PyTorch baselines (PyTorch can capture cuBLAS).
 * `copy_bandwidth`: the measured device-to-device copy bandwidth (bytes read + written) that
   every row is compared with.
+* `graph_kernel_nodes`: the kernel launches a captured CUDA graph holds.
 * `Table`: prints the rows and writes them as JSON for the runner.
 """
 
@@ -131,6 +132,29 @@ def device_name() -> str:
 
 def l2_bytes() -> int:
     return cp.cuda.Device().attributes["L2CacheSize"]
+
+
+def graph_kernel_nodes(graph) -> int:
+    """Kernel nodes of a captured `cupy.cuda.graph.Graph` (the driver's ``cuGraphGetNodes`` and
+    ``cuGraphNodeGetType``; ``CU_GRAPH_NODE_TYPE_KERNEL`` is 0): the launches one replay makes."""
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle, count = ctypes.c_void_p(graph.graph), ctypes.c_size_t(0)
+
+    def check(status: int, what: str) -> None:
+        if status:
+            raise RuntimeError(f"{what} failed with CUresult {status}")
+
+    check(driver.cuGraphGetNodes(handle, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    check(driver.cuGraphGetNodes(handle, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    kernels = 0
+    for node in nodes[: count.value]:
+        kind = ctypes.c_int(-1)
+        check(driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
+        kernels += kind.value == 0
+    return kernels
 
 
 class Table:
