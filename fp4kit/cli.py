@@ -468,6 +468,13 @@ def _shard_is_complete(path: Path, record: dict) -> bool:
         return False
 
 
+def _deepseek_sources(src: checkpoint.CheckpointFiles) -> dict:
+    """The official quantized weights of ``src`` (`fp4kit.checkpoint.deepseek.find_sources`)."""
+    from .checkpoint import deepseek
+
+    return deepseek.find_sources({name: (f.tensors[name].dtype, f.tensors[name].shape) for name, f in src.where.items()})
+
+
 def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: str) -> dict:
     """Convert input shard ``index`` into ``out/out_name`` (written whole, then moved into place);
     returns its record for `CONVERT_STATE` and a line for the log. Runs in a worker process with
@@ -478,8 +485,7 @@ def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: s
 
     src = checkpoint.CheckpointFiles(src_path)
     f = src.files[index]
-    infos = {name: g.tensors[name] for name, g in src.where.items()}
-    sources = deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()})
+    sources = _deepseek_sources(src)
     consumed = {s.scale_name for s in sources.values()}
     t0 = time.perf_counter()
     weights, extra, rows = {}, {}, []
@@ -511,13 +517,10 @@ def cmd_convert(args) -> int:
     import time
     from concurrent.futures import ProcessPoolExecutor
 
-    from .checkpoint import deepseek
-
     src = checkpoint.CheckpointFiles(args.input)
     if src.layout != "plain":
         raise ValueError(f"{args.input}: already holds {src.layout} NVFP4 tensors; expected an official DeepSeek checkpoint")
-    infos = {name: f.tensors[name] for name, f in src.where.items()}
-    if not deepseek.find_sources({n: (i.dtype, i.shape) for n, i in infos.items()}):  # also checks every scale
+    if not _deepseek_sources(src):  # also checks every scale
         raise ValueError(f"{args.input}: no DeepSeek FP8 or FP4 weight found (a P.weight with a P.scale or a "
                          "P.weight_scale_inv)")
     if args.jobs < 1:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..formats import Nvfp4Tensor
+from ..formats import E2M1_VALUES, Nvfp4Tensor, unpack_nibbles
 
 FP8_BLOCK = 128  # the FP8 weights' block scales cover 128 x 128
 MX_BLOCK = 32  # one MXFP4 scale per 32 codes along K
@@ -98,13 +98,18 @@ def _format_of(name, dtype, shape, scale_name, s_dtype, s_shape) -> str:
     refuse("an F8_E4M3 weight (FP8) or I8/U8 codes (FP4)")
 
 
+def _ue8m0_bytes(scale: np.ndarray, where: str) -> np.ndarray:
+    """The bytes of an F8_E8M0 scale tensor, refusing its NaN byte 0xFF."""
+    raw = scale.view(np.uint8)
+    if (raw == 0xFF).any():
+        raise ValueError(f"{where}: holds the UE8M0 NaN byte 0xFF")
+    return raw
+
+
 def _scale_values(scale: np.ndarray, where: str) -> np.ndarray:
-    """fp32 values of an F8_E8M0 (refusing its NaN byte 0xFF) or F32 scale tensor."""
+    """fp32 values of an F8_E8M0 (``2^(byte - 127)``) or F32 scale tensor."""
     if scale.dtype == np.dtype(ml_dtypes.float8_e8m0fnu):
-        raw = scale.view(np.uint8)
-        if (raw == 0xFF).any():
-            raise ValueError(f"{where}: holds the UE8M0 NaN byte 0xFF")
-        return np.ldexp(np.float32(1.0), raw.astype(np.int32) - 127).astype(np.float32)
+        return np.ldexp(np.float32(1.0), _ue8m0_bytes(scale, where).astype(np.int32) - 127).astype(np.float32)
     s = scale.astype(np.float32)
     if not np.isfinite(s).all():
         raise ValueError(f"{where}: holds non-finite scales")
@@ -125,18 +130,10 @@ def fp8_dequantize(weight: np.ndarray, scale: np.ndarray, where: str) -> np.ndar
     return w * np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
 
 
-def _e2m1_values(codes: np.ndarray) -> np.ndarray:
-    """fp32 ``[N, 2 * bytes]`` of packed E2M1 codes, the lower nibble first."""
-    from ..formats import E2M1_VALUES
-
-    lo, hi = codes & 0x0F, codes >> 4
-    return E2M1_VALUES[np.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)].astype(np.float32)
-
-
 def mxfp4_dequantize(codes: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
     """fp32 ``[N, K]`` of MXFP4 codes ``[N, K/2]`` with UE8M0 scales ``[N, K/32]`` (exact)."""
     s = _scale_values(scale, where)
-    return _e2m1_values(codes.view(np.uint8)) * np.repeat(s, MX_BLOCK, axis=1)
+    return E2M1_VALUES[unpack_nibbles(codes.view(np.uint8))].astype(np.float32) * np.repeat(s, MX_BLOCK, axis=1)
 
 
 def _e4m3_power_of_two(p: np.ndarray) -> np.ndarray:
@@ -151,9 +148,7 @@ def mxfp4_to_nvfp4(codes: np.ndarray, scale: np.ndarray, where: str) -> tuple[Nv
     does). ``None`` when no exact form exists (spread above 17, or an encode scale out of fp32's
     normal range): the caller re-quantizes."""
     codes = codes.view(np.uint8)
-    raw = scale.view(np.uint8)
-    if (raw == 0xFF).any():
-        raise ValueError(f"{where}: holds the UE8M0 NaN byte 0xFF")
+    raw = _ue8m0_bytes(scale, where)
     n, half = codes.shape
     # a block holds a non-zero code when either of its two 8-byte words is non-zero
     words = np.ascontiguousarray(codes).view(np.uint64).reshape(n, half * 2 // MX_BLOCK, 2)
