@@ -82,12 +82,13 @@ __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counter
 // [8T z, 8T z + 8T) of the M rows; each token chunk has its own split-K scratch (partials
 // [chunks][splits][8T][N rounded to 16], counters [chunks][row groups]); _c<C>: one token chunk, C
 // splits reduced in a cluster. Dynamic shared memory: gemm.py `shared_bytes`.
+template <int T>
+using WgmmaWindow = Window<T, true>;  // one macro argument (a template-id with a comma would be two)
 #define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                            \
-    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R, Window<T FP4_COMMA true>, R, 4, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M), \
+    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R, WgmmaWindow<T>, R, 4, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M), \
                             chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N))
 #define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C) \
-    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R##_c##C, Window<T FP4_COMMA true>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
-#define FP4_COMMA ,
+    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
 
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
