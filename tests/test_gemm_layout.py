@@ -139,7 +139,8 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
             assert shape.splits >= 1 and chunks <= shape.splits * shape.chunks_per_split
             assert (shape.splits - 1) * shape.chunks_per_split < chunks
             if shape.cluster:  # one cluster of the split blocks of a row group
-                assert shape.splits == shape.cluster and shape.token_chunks == 1 and shape.kernel.endswith(f"_c{shape.cluster}")
+                assert shape.splits == shape.cluster and shape.token_chunks == 1
+                assert shape.kernel == f"{shape.family}_c{shape.cluster}"
             if shape.splits > 1 and not shape.cluster:
                 rows = shape.token_chunks * 8 * shape.token_tiles if wgmma else m
                 assert shape.splits * rows * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES

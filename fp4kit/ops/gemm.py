@@ -21,7 +21,7 @@ The threshold and the launch shapes were chosen from ``benchmarks/bench_linear.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -191,14 +191,14 @@ def gemm(
         return out
     epilogue = (w.global_scale, _ptr(row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32))
+    capability = loader.compute_capability(out.device.id)
     if decode_max_m is None:
-        hopper = loader.compute_capability(out.device.id) == "90"
-        decode_max_m = DECODE_MAX_M if hopper else DECODE_MAX_M_MMA_SYNC
+        decode_max_m = DECODE_MAX_M if capability == "90" else DECODE_MAX_M_MMA_SYNC
     if m > decode_max_m:
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
         return out
     rows = out.reshape(m, n)
-    wgmma = uses_wgmma(m, loader.compute_capability(out.device.id))
+    wgmma = uses_wgmma(m, capability)
     step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
     for m0 in range(0, m, step):
         ms = min(step, m - m0)
@@ -230,13 +230,14 @@ def row_groups(n: int, row_tiles_per_warp: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """One engine launch: kernel ``gemm_{kernel}_{bf16,nvfp4}`` (``tiled_<T>x<R>[f8][_c<C>]`` or
-    ``wgmma_<T>x<R>[_c<C>]``), grid ``(row_groups, splits, token_chunks)``; ``cluster`` > 1: the
-    splits are one thread-block cluster and reduce in distributed shared memory."""
+    """One engine launch: kernel ``gemm_{kernel}_{bf16,nvfp4}``, grid ``(row_groups, splits,
+    token_chunks)``; ``cluster`` > 1: the splits are one thread-block cluster and reduce in
+    distributed shared memory."""
 
-    kernel: str
+    wgmma: bool
     token_tiles: int
     row_tiles_per_warp: int
+    fetch8: bool  # 8 weight tiles per fetch (mma.sync kernels)
     row_groups: int
     splits: int
     chunks_per_split: int
@@ -245,8 +246,15 @@ class LaunchShape:
     cluster: int = 0
 
     @property
-    def wgmma(self) -> bool:
-        return self.kernel.startswith("wgmma")
+    def family(self) -> str:
+        """``tiled_<T>x<R>[f8]`` or ``wgmma_<T>x<R>``: the kernel without its cluster size."""
+        return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
+                + ("f8" if self.fetch8 else ""))
+
+    @property
+    def kernel(self) -> str:
+        """The kernel name without ``gemm_`` and the activation kind: the family, ``_c<C>`` with a cluster."""
+        return self.family + (f"_c{self.cluster}" if self.cluster else "")
 
 
 def uses_wgmma(m: int, compute_capability: str) -> bool:
@@ -269,12 +277,10 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
         sms = loader.sm_count(cupy.cuda.Device().id)
     if wgmma:
         tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
-        r, per_sm = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles]
-        kernel = f"wgmma_{tiles}x{r}"
+        r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
     else:
         tiles = token_tiles(m)
-        r, per_sm = ROW_TILES_PER_WARP[tiles], BLOCKS_PER_SM[tiles]
-        kernel = f"tiled_{tiles}x{r}" + ("f8" if FETCH_TILES[tiles] == 8 else "")
+        r, per_sm, fetch8 = ROW_TILES_PER_WARP[tiles], BLOCKS_PER_SM[tiles], FETCH_TILES[tiles] == 8
     token_chunks = -(-m // (8 * tiles))
     row_tiles, chunks, _ = tiled_dims(n, k)
     groups = row_groups(n, r)
@@ -289,16 +295,16 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     splits = max(1, min(windows, target))
     per_split = -(-windows // splits) * window
     splits = -(-chunks // per_split)
-    if USE_CLUSTERS and token_chunks == 1 and splits in CLUSTER_SIZES.get(kernel, ()):
+    shape = LaunchShape(wgmma, tiles, r, fetch8, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
+    if USE_CLUSTERS and token_chunks == 1 and splits in CLUSTER_SIZES.get(shape.family, ()):
         # the splits of a row group are one cluster and reduce in distributed shared memory (at
         # equal splits faster than the global scratch: 4096x4096, 64 rows, 8 splits 20.0 -> 18.0 us)
-        return LaunchShape(f"{kernel}_c{splits}", tiles, r, groups, splits, per_split, 1, shared_bytes(tiles, wgmma),
-                           splits)
+        return replace(shape, cluster=splits)
     scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
     if splits > scratch_splits:  # the global scratch holds fewer
         per_split = -(-windows // scratch_splits) * window
-        splits = -(-chunks // per_split)
-    return LaunchShape(kernel, tiles, r, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
+        shape = replace(shape, splits=-(-chunks // per_split), chunks_per_split=per_split)
+    return shape
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
