@@ -190,9 +190,8 @@ def test_capacity_overflow_recorded_on_the_device(rng):
 
 
 # -- CUDA graphs --------------------------------------------------------------------------------------
-def _capture(fn):
-    cp.cuda.Device().synchronize()  # a non-blocking stream does not wait for the default stream's setup
-    stream = cp.cuda.Stream(non_blocking=True)
+def _capture(fn, capture_stream):
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         fn()
@@ -200,7 +199,7 @@ def _capture(fn):
     return graph, stream
 
 
-def test_tensor_parallel_pair_in_a_cuda_graph(rng):
+def test_tensor_parallel_pair_in_a_cuda_graph(rng, capture_stream):
     comm = dist.LocalCommunicator()
     up = dist.ColumnParallelLinear.from_float(cp.asarray(rng.standard_normal((1024, 512)).astype(np.float32)), comm,
                                               gather_output=False)
@@ -213,7 +212,7 @@ def test_tensor_parallel_pair_in_a_cuda_graph(rng):
         return down(up(x)), gathered(x)
 
     y, g = step()  # eager first call: compiles, allocates the layers' buffers
-    graph, stream = _capture(step)
+    graph, stream = _capture(step, capture_stream)
     for _ in range(3):
         xn = rng.standard_normal((4, 512)).astype(BF16)
         x.set(xn, stream=stream)
@@ -228,12 +227,12 @@ def test_tensor_parallel_pair_in_a_cuda_graph(rng):
 
 
 @pytest.mark.parametrize("t", [1, 16])
-def test_expert_parallel_step_in_a_cuda_graph(rng, t):
+def test_expert_parallel_step_in_a_cuda_graph(rng, t, capture_stream):
     moe = _moe(rng, 64, 512, 256, V4)
     ep = dist.ExpertParallelMoE.shard(moe, dist.LocalCommunicator())
     x = cp.zeros((t, 512), BF16)
     y = ep(x)
-    graph, stream = _capture(lambda: ep(x))
+    graph, stream = _capture(lambda: ep(x), capture_stream)
     for _ in range(3):
         xn = rng.standard_normal((t, 512)).astype(BF16)
         x.set(xn, stream=stream)
