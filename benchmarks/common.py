@@ -45,8 +45,15 @@ def graph_us(fn, *, calls: int = 20, replays: int = 30) -> float:
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        for i in range(calls):
-            fn(i)
+        try:
+            for i in range(calls):
+                fn(i)
+        except Exception:
+            try:  # leave the stream out of capture mode before the error propagates
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()

@@ -107,10 +107,10 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        m = re.fullmatch(r"gemm_(?:tiled|wgmma)_(\d+)x(\d+)(f8)?(?:_c\d+)?_(bf16|nvfp4)", name)
+        m = re.fullmatch(r"gemm_(?:tiled_(\d+)x(\d+)(f8)?_(?:bf16|nvfp4)|wgmma_(\d+)x(\d+)(?:_c\d+)?)", name)
         if not m:
             continue
-        tiles, r = int(m.group(1)), int(m.group(2))
+        tiles, r = int(m.group(1) or m.group(4)), int(m.group(2) or m.group(5))
         ops = mainloop_mix(ins)
         per = body_weights(tiles, bool(m.group(3))) * r
         alu = sum(v for k, v in ops.items() if k in ALU)

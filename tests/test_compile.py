@@ -1,6 +1,7 @@
 """Every kernel compiles for sm_90a and sm_100a through the loader's own path, with no GPU;
 the cache key covers every header; first use from many threads builds once."""
 
+import functools
 import importlib.util
 import re
 import threading
@@ -17,12 +18,45 @@ needs_cupy = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
 PACKAGE = Path(loader.__file__).resolve().parent.parent
 
 
+@functools.cache
+def _cubin(name: str, arch: str) -> bytes:
+    return loader.compile_offline(name, arch)
+
+
 @needs_cupy
 @pytest.mark.parametrize("arch", loader.OFFLINE_TARGETS)
 @pytest.mark.parametrize("name", loader.kernel_names())
 def test_kernel_compiles_without_gpu(name, arch):
-    cubin = loader.compile_offline(name, arch)
+    cubin = _cubin(name, arch)
     assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@needs_cupy
+def test_every_gemm_kernel_the_launch_rule_picks_exists():
+    """The GEMM launcher builds its kernel names from the launch shape: every shape it can pick
+    (both engines, with and without clusters, every token-tile count) names a compiled kernel."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    cubin = _cubin("gemm", "sm_90a")
+    names = set()
+    saved = gemm_ops.USE_CLUSTERS
+    try:
+        for clusters in (True, False):
+            gemm_ops.USE_CLUSTERS = clusters
+            for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 1024):
+                for n, k in [(16, 64), (2048, 7168), (7168, 2048), (18432, 7168), (129280, 4096), (4096, 4096)]:
+                    for wgmma in (False, True) if m <= 64 else (True,):
+                        shape = gemm_ops.launch_config(m, n, k, sms=132, wgmma=wgmma)
+                        if wgmma:
+                            names |= {f"gemm_{shape.kernel}", f"gemm_stage_{shape.token_tiles}_bf16",
+                                      f"gemm_stage_{shape.token_tiles}_nvfp4"}
+                        else:
+                            names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
+    finally:
+        gemm_ops.USE_CLUSTERS = saved
+    missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
+    assert not missing, f"gemm.cu does not define {missing}"
+    assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)
 
 
 def _launchers() -> dict[str, list[str]]:

@@ -71,6 +71,7 @@ def test_buffer_cache_makes_each_buffer_once():
     a = cache.get(("out", None, 3), make)
     assert cache.get(("out", None, 3), make) is a and len(made) == 1
     assert cache.get(("out", None, 4), make) is not a and len(made) == 2 and len(cache) == 2
+    assert cache.peek(("out", None, 3)) is a and cache.peek(("out", None, 5)) is None and len(made) == 2
 
 
 def test_host_result_writes_into_out():

@@ -29,3 +29,16 @@ def test_zeros_outside_capture_survives_queued_writes():
         buf = workspace.zeros_outside_capture(n, cp.uint32)
         cp.cuda.get_current_stream().synchronize()
         assert int(cp.count_nonzero(buf)) == 0
+
+
+def test_capturable_buffer_grows_in_powers_of_two_and_keeps_what_it_outgrew():
+    """A captured graph keeps the pointer it was captured with: a capturable buffer that grows must
+    leave the smaller one allocated (device_buffer frees it)."""
+    small = workspace.capturable_buffer("test.grow", 1000)
+    assert small.size == 1024 and workspace.capturable_buffer("test.grow", 1024) is small
+    big = workspace.capturable_buffer("test.grow", 1025)
+    assert big.size == 2048 and big.data.ptr != small.data.ptr
+    assert any(b is small for b in workspace._retired)
+    retired = len(workspace._retired)
+    assert workspace.device_buffer("test.grow.dev", 100).size == 100
+    assert workspace.device_buffer("test.grow.dev", 300).size == 300 and len(workspace._retired) == retired

@@ -144,7 +144,7 @@ def experts_touched(model: Model, batch: int) -> list[int]:
     out = []
     for blk in model.blocks:
         plans = getattr(blk.moe, "_plans", None) if model.device else None
-        plan = plans.get(batch) if plans else None
+        plan = plans.peek(batch) if plans else None
         if plan is None:
             out.append(min(model.cfg.experts, batch * model.cfg.top_k))
         else:

@@ -8,7 +8,10 @@ of activation rows M (``decode_max_m``; by default `DECODE_MAX_M` on Hopper, 64 
 * **engine** (M <= ``decode_max_m``): one launch that streams the weight, dequantizing it in
   registers and multiplying on the bf16 tensor cores: ``mma.sync`` for up to 16 rows, and on Hopper
   the warpgroup MMA (``wgmma``) from `WGMMA_MIN_M` rows, up to 128 rows per block and more rows as
-  token chunks of the same launch (elsewhere ``mma.sync`` once per 64 rows). Small weights are split
+  token chunks of the same launch (elsewhere ``mma.sync`` once per 64 rows). The wgmma launch is
+  preceded by a small staging launch that writes the activation (W4A4: decoded) as the byte images
+  of the kernel's shared-memory windows, which its blocks then fetch with one bulk copy per window
+  instead of scattering 4-byte pairs themselves. Small weights are split
   along K over more blocks with a deterministic reduction (in a thread-block cluster where a kernel
   for that split count exists). No library call, so it can be captured in a CUDA graph.
 * **prefill** (M > ``decode_max_m``): the weight (and an NVFP4 activation) dequantized exactly into
@@ -29,10 +32,11 @@ from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
-#: the largest M on the engine by default, with the wgmma kernels (Hopper; H200: the engine is
-#: 1.2-3x faster than the cuBLAS path up to 1024 rows, the cuBLAS path 1.15-1.5x faster at 4096);
-#: elsewhere the mma.sync kernels re-read the weight per 64 rows, and 64 rows is the default
-DECODE_MAX_M = 1024
+#: the largest M on the engine by default, with the wgmma kernels (Hopper; H200, both paths timed in
+#: one run: the engine is faster up to 512 rows on every shape measured, the dequantize + cuBLAS
+#: path from 1024 rows on large weights and from 2048 on all); elsewhere the mma.sync kernels
+#: re-read the weight per 64 rows, and 64 rows is the default
+DECODE_MAX_M = 512
 DECODE_MAX_M_MMA_SYNC = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
@@ -193,7 +197,7 @@ def gemm(
                 _I32(out_dtype == np.float32))
     capability = loader.compute_capability(out.device.id)
     if decode_max_m is None:
-        decode_max_m = DECODE_MAX_M if capability == "90" else DECODE_MAX_M_MMA_SYNC
+        decode_max_m = default_decode_max_m(capability)
     if m > decode_max_m:
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
         return out
@@ -208,6 +212,11 @@ def gemm(
             act = (a.reshape(m, k)[m0:],)
         _launch(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k, wgmma)
     return out
+
+
+def default_decode_max_m(compute_capability: str) -> int:
+    """The most activation rows the engine takes by default on a device of this compute capability."""
+    return DECODE_MAX_M if compute_capability == "90" else DECODE_MAX_M_MMA_SYNC
 
 
 def token_tiles(m: int) -> int:
@@ -312,13 +321,30 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     if shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}_{kind}")
+    if shape.wgmma:  # the activation as window images (one staging launch), W4A4's 1/S_a in the epilogue
+        act = (_stage_image(act, kind, m, k, shape), act[2] if kind == "nvfp4" else 0)
+        kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}")
+    else:
+        kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}_{kind}")
     # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
     partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
     counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)
     kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * _WARPS,
                   (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
                    _U32(shape.splits), _U32(shape.chunks_per_split)), shared_mem=shape.shared_bytes)
+
+
+def _stage_image(act: tuple, kind: str, m: int, k: int, shape: LaunchShape):
+    """The wgmma kernels' activation: every window of every token chunk as the exact bytes of its
+    shared-memory buffer (`gemm_stage_<T>_{bf16,nvfp4}`), in a workspace that a bulk copy per
+    window reads."""
+    window_bytes = shape.shared_bytes // 2
+    windows = -(-k // (_window_chunks(shape.token_tiles, True) * TILE_K))
+    image = workspace.capturable_buffer("gemm.image", shape.token_chunks * windows * window_bytes)
+    kernel = loader.get_kernel(_MODULE, f"gemm_stage_{shape.token_tiles}_{kind}")
+    kernel.launch((windows, shape.token_chunks), 32 * _WARPS,
+                  (*act[:2 if kind == "nvfp4" else 1], image, _U32(m), _U32(k)), shared_mem=window_bytes)
+    return image
 
 
 def _ptr(v):
@@ -346,8 +372,8 @@ def _dequantize_tiled_unscaled(w: Nvfp4Tensor, n: int, k: int):
     buf = workspace.device_buffer("gemm.w", n * k * 2).view(arrays.BF16)[: n * k].reshape(n, k)
     kernel = loader.get_kernel(_MODULE, "dequantize_tiled_unscaled_bf16")
     row_tiles, chunks, _ = tiled_dims(n, k)
-    kernel(max(1, min(-(-(row_tiles * chunks * 32) // 256), kernel.max_blocks * 4)), 256,
-           (w.packed, w.block_scales, buf, _U32(n), _U32(k)))
+    units = row_tiles * chunks  # one warp per (row tile, chunk)
+    kernel(max(1, min(-(-units // 8), kernel.max_blocks * 4)), 256, (w.packed, w.block_scales, buf, _U32(n), _U32(k)))
     return buf
 
 

@@ -10,9 +10,9 @@
 //   bias       fp32 or bf16 [N], optional;  out  bf16 or fp32 [M, N]
 //   alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4), computed on the device.
 //
-// gemm_tiled_<T>x<R>[f8]_{bf16,nvfp4} (mma.sync) and gemm_wgmma_<T>x<R>[_c<C>]_{bf16,nvfp4}
-//   (warpgroup MMA, sm_90a): T token tiles of 8 rows, R row tiles of 16 weight rows per warp, f8: 8
-//   weight tiles per fetch. Grid (ceil(N / (128 R)), splits[, token chunks]), 256 threads, dynamic
+// gemm_tiled_<T>x<R>[f8]_{bf16,nvfp4} (mma.sync) and gemm_wgmma_<T>x<R>[_c<C>] (warpgroup MMA,
+//   sm_90a, on the window images of gemm_stage_<T>_{bf16,nvfp4}, below): T token tiles of 8 rows,
+//   R row tiles of 16 weight rows per warp, f8: 8 weight tiles per fetch. Grid (ceil(N / (128 R)), splits[, token chunks]), 256 threads, dynamic
 //   shared memory gemm.py `shared_bytes`. With splits > 1, block (i, s) covers tiles
 //   [s * chunks_per_split, ...) of K; the blocks of row group i meet through counters[i] (zero on
 //   entry, zero again on exit) and partials [splits][M][N rounded to 16], or, with _c<C>, as one
@@ -76,19 +76,35 @@ __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counter
                   chunks_per_split};
 }
 
-// The warpgroup-MMA (wgmma) kernels gemm_wgmma_<T>x<R>[_c<C>]_{bf16,nvfp4}: T in {2, 4, 8, 16} token
-// tiles (8T tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per
-// warpgroup and step). Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens
-// [8T z, 8T z + 8T) of the M rows; each token chunk has its own split-K scratch (partials
-// [chunks][splits][8T][N rounded to 16], counters [chunks][row groups]); _c<C>: one token chunk, C
-// splits reduced in a cluster. Dynamic shared memory: gemm.py `shared_bytes`.
+// The warpgroup-MMA (wgmma) kernels gemm_wgmma_<T>x<R>[_c<C>]: T in {2, 4, 8, 16} token tiles (8T
+// tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per warpgroup
+// and step). Their activation is the window images of gemm_stage_<T>_{bf16,nvfp4} (`image`, per
+// token chunk [windows][WgmmaWindow<T>::kBytes]), with act_global for W4A4 (nullptr for W4A16).
+// Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens [8T z, 8T z + 8T) of
+// the M rows; each token chunk has its own split-K scratch (partials [chunks][splits][8T][N rounded
+// to 16], counters [chunks][row groups]); _c<C>: one token chunk, C splits reduced in a cluster.
+// Dynamic shared memory: gemm.py `shared_bytes`.
 template <int T>
 using WgmmaWindow = Window<T, true>;  // one macro argument (a template-id with a comma would be two)
+
+__device__ __forceinline__ unsigned windows_of(unsigned K, unsigned window_k) { return (K + window_k - 1) / window_k; }
+
+#define FP4_DEFINE_GEMM_WGMMA_KERNEL(NAME, T, R, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                           \
+    extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME(                  \
+        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* image, const float* act_global,  \
+        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                     \
+        using Win = WgmmaWindow<T>;                                                                         \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                      \
+        ep.out_row_base = M0;                                                                               \
+        const __nv_bfloat16* chunk_image = image + (size_t)blockIdx.z * windows_of(K, Win::kK) * (Win::kBytes / 2); \
+        gemm_block<R, 4, C>(w_codes, w_scales, ActImage<Win>{chunk_image, nullptr}, ep,                     \
+                            min(M - (M0), 8u * T), N, K, blockIdx.x, blockIdx.y, SPLIT);                   \
+    }
 #define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                            \
-    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R, WgmmaWindow<T>, R, 4, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M), \
-                            chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N))
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R, T, R, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M),     \
+                                 chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N))
 #define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C) \
-    FP4_DEFINE_GEMM_KERNELS(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
 
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
@@ -103,37 +119,93 @@ FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 2)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 4)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 8)
 
+// gemm_stage_<T>_{bf16,nvfp4}: the window images of the wgmma kernels with T token tiles. Block
+// (w, z) stages window w of token chunk z in shared memory exactly as those kernels' mainloop did
+// (4-byte pairs scattered into the permuted layout; NVFP4 decoded to exact bf16 e2m1 * s), then
+// writes the buffer out with 16-byte stores. Grid (windows, token chunks), 256 threads, dynamic
+// shared memory one window (gemm.py `shared_bytes` / 2).
+template <class Act>
+__device__ __forceinline__ void stage_image(Act act, __nv_bfloat16* image, unsigned M, unsigned K) {
+    using Win = typename Act::Win;
+    extern __shared__ uint4 smem_raw[];
+    __shared__ unsigned code_table[256];
+    __nv_bfloat16* buf = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    typename Act::Pending pending;
+    act.init(code_table);
+    __syncthreads();
+    const unsigned k0 = blockIdx.x * Win::kK;
+    act.start(pending, buf, M, k0, K);
+    act.finish(pending, buf, M, k0, K);
+    __syncthreads();
+    uint4* dst = reinterpret_cast<uint4*>(image) + ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * (Win::kBytes / 16);
+    for (unsigned i = threadIdx.x; i < Win::kBytes / 16; i += kThreads) dst[i] = smem_raw[i];
+}
+
+#define FP4_DEFINE_GEMM_STAGE(T)                                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_bf16(                            \
+        const __nv_bfloat16* act, __nv_bfloat16* image, unsigned M, unsigned K) {                             \
+        const unsigned m0 = blockIdx.y * 8u * T;                                                              \
+        stage_image(ActBf16<WgmmaWindow<T>>{act, RowMap{nullptr, m0}}, image, min(M - m0, 8u * T), K);       \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_nvfp4(                           \
+        const unsigned char* act_packed, const unsigned char* act_scales, __nv_bfloat16* image, unsigned M,   \
+        unsigned K) {                                                                                         \
+        const unsigned m0 = blockIdx.y * 8u * T;                                                              \
+        stage_image(ActNvfp4<WgmmaWindow<T>>{act_packed, act_scales, RowMap{nullptr, m0}}, image,             \
+                    min(M - m0, 8u * T), K);                                                                  \
+    }
+
+FP4_DEFINE_GEMM_STAGE(2)
+FP4_DEFINE_GEMM_STAGE(4)
+FP4_DEFINE_GEMM_STAGE(8)
+FP4_DEFINE_GEMM_STAGE(16)
+
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
-// cuBLAS path. One lane's 16 bytes (rows g and g + 8 of a tile, 16 k) per thread and step.
+// cuBLAS path. One warp per (row tile, 64-k chunk): lane (g, t)'s 16 bytes are rows g and g + 8 at
+// the 16 consecutive k from 64 chunk + 16 t, so each lane writes two 32-byte row segments with
+// 16-byte stores and a warp writes its tile's 16 rows x 128 bytes. Unit indices fit 32 bits (a
+// unit is 512 bytes of codes).
 extern "C" __global__ void __launch_bounds__(256) dequantize_tiled_unscaled_bf16(const uint4* codes,
                                                                                  const uint2* scales,
                                                                                  __nv_bfloat16* out, unsigned N,
                                                                                  unsigned K) {
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
-    const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks;
-    const size_t total = (size_t)row_tiles * chunks * 32;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        const unsigned lane = i % 32, chunk = (i / 32) % chunks, tile = i / 32 / chunks;
-        const unsigned g = lane >> 2, t = lane & 3, j = chunk % kGroupChunks;
-        const uint4 q4 = codes[i];
+    const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks, units = row_tiles * chunks;
+    const unsigned lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const unsigned warps = gridDim.x * (blockDim.x / 32);
+    for (unsigned u = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; u < units; u += warps) {
+        const unsigned tile = u / chunks, chunk = u - tile * chunks, k0 = chunk * kTileK + 16 * t;
+        if (k0 >= K) continue;  // K is a multiple of 16: a lane's 16 k are all inside or all past it
+        const uint4 q4 = codes[(size_t)u * 32 + lane];
         const uint2 sw = scales[((size_t)tile * groups + chunk / kGroupChunks) * 32 + lane];
         unsigned sc_g, sc_g8;
-        if (j == 0) scale_pairs<0>(sw, sc_g, sc_g8);
-        if (j == 1) scale_pairs<1>(sw, sc_g, sc_g8);
-        if (j == 2) scale_pairs<2>(sw, sc_g, sc_g8);
-        if (j == 3) scale_pairs<3>(sw, sc_g, sc_g8);
-        const unsigned k0 = chunk * kTileK + 16 * t, n0 = tile * 16 + g;
-        if (k0 >= K) continue;
+        switch (chunk % kGroupChunks) {
+            case 0: scale_pairs<0>(sw, sc_g, sc_g8); break;
+            case 1: scale_pairs<1>(sw, sc_g, sc_g8); break;
+            case 2: scale_pairs<2>(sw, sc_g, sc_g8); break;
+            default: scale_pairs<3>(sw, sc_g, sc_g8); break;
+        }
         const unsigned q[4] = {q4.x, q4.y, q4.z, q4.w};
+        unsigned row_g[8], row_g8[8];  // bf16 pairs at k0 + 2i
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
+        for (int s = 0; s < 4; ++s) {  // a0: row g, k0 + 4s + 0/1; a1: row g + 8; a2: row g, k0 + 4s + 2/3; a3: row g + 8
             unsigned a[4];
             dequant_step(q[s], sc_g, sc_g8, a);
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {  // a0: row g, k + 0/1; a1: row g + 8; a2: row g, k + 2/3; a3: row g + 8
-                const unsigned n = n0 + 8 * (p & 1), k = k0 + 4 * s + 2 * (p >> 1);
-                if (n < N) *reinterpret_cast<unsigned*>(out + (size_t)n * K + k) = bf16x2_mul(a[p], 0x4C804C80u);  // * 2^26
-            }
+            row_g[2 * s] = bf16x2_mul(a[0], 0x4C804C80u);  // * 2^26
+            row_g8[2 * s] = bf16x2_mul(a[1], 0x4C804C80u);
+            row_g[2 * s + 1] = bf16x2_mul(a[2], 0x4C804C80u);
+            row_g8[2 * s + 1] = bf16x2_mul(a[3], 0x4C804C80u);
+        }
+        const unsigned n = tile * 16 + g;
+        if (n < N) {
+            uint4* dst = reinterpret_cast<uint4*>(out + (size_t)n * K + k0);
+            dst[0] = make_uint4(row_g[0], row_g[1], row_g[2], row_g[3]);
+            dst[1] = make_uint4(row_g[4], row_g[5], row_g[6], row_g[7]);
+        }
+        if (n + 8 < N) {
+            uint4* dst = reinterpret_cast<uint4*>(out + (size_t)(n + 8) * K + k0);
+            dst[0] = make_uint4(row_g8[0], row_g8[1], row_g8[2], row_g8[3]);
+            dst[1] = make_uint4(row_g8[4], row_g8[5], row_g8[6], row_g8[7]);
         }
     }
 }

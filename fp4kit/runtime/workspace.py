@@ -82,6 +82,10 @@ class BufferCache:
             buf = self._buffers[key] = make()
         return buf
 
+    def peek(self, key):
+        """The buffer for ``key`` if one was made, else None (makes nothing)."""
+        return self._buffers.get(key)
+
     def __len__(self) -> int:
         return len(self._buffers)
 
@@ -92,15 +96,32 @@ def device_buffer(name: str, nbytes: int):
     For work that is not captured in a graph (e.g. the prefill GEMM's dequantized weight): it
     grows when a call needs more, so a caller must not keep a view across calls.
     """
+    return _growing("buffer:" + name, nbytes, keep_outgrown=False)
+
+
+_retired: list = []  # superseded capturable buffers: a captured graph may still point at them
+
+
+def capturable_buffer(name: str, nbytes: int):
+    """A uint8 device buffer of at least ``nbytes`` for the current device and stream that a
+    captured CUDA graph may keep using: it grows in powers of two when a call needs more, and a
+    buffer it outgrows is kept alive (not reused) for the life of the process."""
+    return _growing("capturable:" + name, 1 << max(0, nbytes - 1).bit_length(), keep_outgrown=True)
+
+
+def _growing(kind: str, nbytes: int, keep_outgrown: bool):
     import cupy
 
-    key = ("buffer:" + name, cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    key = (kind, cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
     buf = _buffers.get(key)
     if buf is None or buf.size < nbytes:
         with _lock:
             buf = _buffers.get(key)
             if buf is None or buf.size < nbytes:
-                _buffers.pop(key, None)
+                old = _buffers.pop(key, None)
+                if old is not None and keep_outgrown:
+                    _retired.append(old)
+                old = buf = None  # device_buffer: the outgrown buffer is freed before the larger one is made
                 buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
                 _buffers[key] = buf
     return buf

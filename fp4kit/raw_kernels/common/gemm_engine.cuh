@@ -265,6 +265,58 @@ struct ActNvfp4 {
     }
 };
 
+// The wgmma kernels' activation: window images prepared by a staging launch (gemm.cu
+// `gemm_stage_*`), the exact bytes of each shared-memory window (layout `Win`, wgmma's canonical
+// K-major layout in the weight's k order) one after another in global memory, [window][Win::kBytes]
+// per token chunk. A window is then one bulk copy (cp.async.bulk, issued by one thread) that
+// completes on an mbarrier, instead of 4-byte copies or a dequantization by every block: the
+// scatter into the permuted layout, and for W4A4 the E2M1 decode, are done once per call. The two
+// buffers alternate, so the i-th window staged lands in buffer i % 2 and completes phase i / 2 % 2
+// of that buffer's mbarrier.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP4_SM90A(...) asm volatile(__VA_ARGS__)
+#else
+#define FP4_SM90A(...) __trap()
+#endif
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+template <class W>
+struct ActImage {
+    using Win = W;
+    const __nv_bfloat16* image;  // this token chunk's windows
+    unsigned long long* bars;    // two mbarriers in shared memory (init)
+    unsigned issued = 0, done = 0;
+    struct Pending {};
+    __device__ __forceinline__ void init(unsigned* shared_words) {
+        bars = reinterpret_cast<unsigned long long*>(shared_words);
+        if (threadIdx.x == 0) {
+            FP4_SM90A("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bars)));
+            FP4_SM90A("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bars + 1)));
+            FP4_SM90A("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+    }
+    __device__ __forceinline__ void start(Pending&, __nv_bfloat16* act_s, unsigned, unsigned k0, unsigned) {
+        const unsigned bar = shared_address(bars + (issued++ & 1));
+        if (threadIdx.x == 0) {
+            const __nv_bfloat16* src = image + (size_t)(k0 / Win::kK) * (Win::kBytes / 2);
+            FP4_SM90A("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(Win::kBytes) : "memory");
+            FP4_SM90A("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                      ::"r"(shared_address(act_s)), "l"(src), "r"(Win::kBytes), "r"(bar) : "memory");
+        }
+    }
+    __device__ __forceinline__ void finish(Pending&, __nv_bfloat16*, unsigned, unsigned, unsigned) {
+        const unsigned bar = shared_address(bars + (done & 1)), parity = (done >> 1) & 1;
+        ++done;
+        unsigned ready = 1;
+        do {
+            FP4_SM90A("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                      : "=r"(ready) : "r"(bar), "r"(parity) : "memory");
+        } while (!ready);
+    }
+};
+
 // Warpgroup MMA (wgmma, sm_90a): D[64 x N] += A[64 x 16] * B[16 x N] with fp32 accumulation, A
 // (the dequantized weight, bf16) in registers in the mma.sync fragment layout of each warp's 16
 // rows, B (the activation) read from shared memory through a descriptor. The accumulator layout
@@ -287,7 +339,8 @@ __device__ __forceinline__ void wgmma_fence() { FP4_WGMMA("wgmma.fence.sync.alig
 __device__ __forceinline__ void wgmma_commit() { FP4_WGMMA("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>  // until at most N committed groups are pending
 __device__ __forceinline__ void wgmma_wait() { FP4_WGMMA("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-// generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
+// generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads (the
+// bulk copies of ActImage are async-proxy writes already; the fence costs one instruction per window)
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Thread-block clusters (sm_90): a barrier of all threads of the cluster (release / acquire), and a
@@ -468,7 +521,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ unsigned last_block;
-    __shared__ unsigned code_table[256];
+    __shared__ __align__(16) unsigned code_table[256];  // the NVFP4 decode table, or ActImage's mbarriers
 
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
