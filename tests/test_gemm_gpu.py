@@ -35,13 +35,17 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-@pytest.fixture(params=["mma.sync", "wgmma", "wgmma-2-row-tiles"])
+@pytest.fixture(params=["mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images", "wgmma-2-row-tiles"])
 def engine(request, monkeypatch):
-    """Every M on one tensor-core path: the mma.sync kernels, or (on Hopper) the warpgroup-MMA ones,
-    with one or two row tiles per warp."""
+    """Every M on one tensor-core path: the mma.sync kernels (an NVFP4 activation decoded in the
+    blocks, or from 9 rows dequantized by its own launch first), or (on Hopper) the warpgroup-MMA
+    ones, with one or two row tiles per warp; their bf16 activation up to 64 rows staged in the
+    blocks (these test weights are small) or, with "images", as window images at every M."""
     if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels need sm_90")
-    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param == "mma.sync" else 1)
+    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith("mma.sync") else 1)
+    monkeypatch.setattr(gemm_ops, "PREDEQUANTIZE_MIN_WEIGHT", 0 if request.param.endswith("predequantized") else 1 << 62)
+    monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0 if request.param == "wgmma-images" else 1 << 62)
     if request.param == "wgmma-2-row-tiles":
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 4, 2)
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 8, 2)

@@ -58,10 +58,28 @@ def test_routing_matches_reference(rng, routing, t):
         logits = cp.empty((t, e), cp.float32)
         moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
                       tickets, logits)
-        ref_ids, ref_w = ref.route(x, gate, bias=bias, **vars(routing))
-        assert np.array_equal(cp.asnumpy(ids), ref_ids)
-        assert np.allclose(cp.asnumpy(weights), ref_w, rtol=1e-5, atol=1e-7)
+        assert_routing_matches(cp.asnumpy(ids), cp.asnumpy(weights), x, gate, bias, routing)
         assert int(counts.sum()) == t * routing.top_k
+
+
+def assert_routing_matches(ids, weights, x, gate, bias, routing, tie=1e-6):
+    """The kernel's ids equal the float64 reference's slot for slot, except where the reference's
+    own selection scores of the two experts are tied within fp32 resolution (``tie``, relative to
+    the row's largest): the kernel computes logits and scores in fp32, so such a pair may come out
+    in either order, or either one at the k-th place (seen: 0.19718749 vs 0.1971875 swapped at
+    T = 512). Such rows must be rare; their weights agree as a set, the others' slot for slot."""
+    ref_ids, ref_w = ref.route(x, gate, bias=bias, **vars(routing))
+    differ = (ids != ref_ids).any(-1)
+    if differ.any():
+        logits = x.astype(np.float64) @ gate.astype(np.float64).T
+        sel = ref.scores_from_logits(logits, routing.score_func) + bias.astype(np.float64)
+        for r in np.nonzero(differ)[0]:
+            slots = ids[r] != ref_ids[r]
+            gap = np.abs(sel[r, ids[r][slots]] - sel[r, ref_ids[r][slots]])
+            assert (gap <= tie * np.abs(sel[r]).max()).all(), (r, ids[r], ref_ids[r], gap)
+            assert np.allclose(np.sort(weights[r]), np.sort(ref_w[r]), rtol=1e-5, atol=1e-7), r
+        assert differ.sum() <= max(1, len(ids) // 100), f"{differ.sum()} of {len(ids)} rows differ"
+    assert np.allclose(weights[~differ], ref_w[~differ], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("t", [1, 3, 64, 512])

@@ -58,6 +58,15 @@ WGMMA_BLOCKS_PER_SM = {2: 1, 4: 1, 8: 1, 16: 1}
 WGMMA_WIDE_SPLITS = 4
 WGMMA_WIDE_MIN_WINDOWS = 4  # ... each keeping at least this many activation windows (32768x1024: none)
 WGMMA_MIN_M = 17
+#: W4A16 on the wgmma kernels up to 64 rows: weights with fewer elements stage the activation in
+#: each block (4-byte copies) instead of reading window images, whose staging launch costs more
+#: than it saves there (H200, 64 rows: 2048x7168 17.0 us in-block vs 19.1 with images; 18432x7168
+#: 60.4 vs 49.4)
+WGMMA_IMAGE_MIN_WEIGHT = 1 << 26
+#: W4A4 on the mma.sync kernels from 9 rows: weights with at least this many elements take the
+#: activation dequantized once by its own launch instead of by every block (H200, 16 rows, W4A4 /
+#: W4A16: 1.16 on 18432x7168 and 1.15 on the lm_head with the in-block decode)
+PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: kernels whose K splits can meet in a thread-block cluster (sm_90+), and the cluster sizes built:
 #: the splits of a row group reduce through distributed shared memory instead of a global scratch
 #: (the mma.sync kernels at M <= 16 measured no faster with them)
@@ -204,14 +213,32 @@ def gemm(
     rows = out.reshape(m, n)
     wgmma = uses_wgmma(m, capability)
     step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
+    predequantized = isinstance(a, Nvfp4Tensor) and predequantizes(m, n, k, wgmma)
+    if predequantized:
+        x16 = _dequantize_unscaled(a, m, k, "gemm.a16", capturable=True)
     for m0 in range(0, m, step):
         ms = min(step, m - m0)
-        if isinstance(a, Nvfp4Tensor):
+        if predequantized:
+            act = (x16[m0:], a.global_scale)
+        elif isinstance(a, Nvfp4Tensor):
             act = (a.packed.reshape(m, k // 2)[m0:], a.block_scales.reshape(m, k // BLOCK_SIZE)[m0:], a.global_scale)
         else:
-            act = (a.reshape(m, k)[m0:],)
+            act = (a.reshape(m, k)[m0:], 0)
         _launch(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k, wgmma)
     return out
+
+
+def predequantizes(m: int, n: int, k: int, wgmma: bool) -> bool:
+    """Whether an NVFP4 activation of ``m`` rows is dequantized exactly into bf16 by one launch before
+    an ``mma.sync`` engine launch (from 9 rows on weights of `PREDEQUANTIZE_MIN_WEIGHT` elements or
+    more), rather than by every block of the GEMM."""
+    return not wgmma and m > 8 and n * k >= PREDEQUANTIZE_MIN_WEIGHT
+
+
+def uses_image(m: int, n: int, k: int, nvfp4: bool) -> bool:
+    """Whether a wgmma launch reads window images (`_stage_image`): always for an NVFP4 activation,
+    and for bf16 above 64 rows or on weights of `WGMMA_IMAGE_MIN_WEIGHT` elements or more."""
+    return nvfp4 or m > 64 or n * k >= WGMMA_IMAGE_MIN_WEIGHT
 
 
 def default_decode_max_m(compute_capability: str) -> int:
@@ -321,8 +348,9 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     if shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    if shape.wgmma:  # the activation as window images (one staging launch), W4A4's 1/S_a in the epilogue
-        act = (_stage_image(act, kind, m, k, shape), act[2] if kind == "nvfp4" else 0)
+    if shape.wgmma and uses_image(m, n, k, kind == "nvfp4"):
+        # the activation as window images (one staging launch); W4A4's 1/S_a in the epilogue
+        act = (_stage_image(act, kind, m, k, shape), act[-1])
         kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}")
     else:
         kernel = loader.get_kernel(_MODULE, f"gemm_{shape.kernel}_{kind}")
@@ -357,9 +385,11 @@ def _bias_kind(bias) -> int:
     return 1 if bias.dtype == np.float32 else 2
 
 
-def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str):
-    """``e2m1 * fp32(scale)`` of ``q`` as bf16 ``[rows, K]`` in a reusable workspace."""
-    buf = workspace.device_buffer(name, rows * k * 2).view(arrays.BF16)[: rows * k].reshape(rows, k)
+def _dequantize_unscaled(q: Nvfp4Tensor, rows: int, k: int, name: str, capturable: bool = False):
+    """``e2m1 * fp32(scale)`` of ``q`` as bf16 ``[rows, K]`` in a reusable workspace (one a captured
+    graph may keep using if ``capturable``)."""
+    buffer = workspace.capturable_buffer if capturable else workspace.device_buffer
+    buf = buffer(name, rows * k * 2).view(arrays.BF16)[: rows * k].reshape(rows, k)
     kernel = loader.get_kernel(_MODULE, "dequantize_unscaled_bf16")
     blocks = rows * (k // BLOCK_SIZE)
     kernel(max(1, min(-(-blocks // 256), kernel.max_blocks * 4)), 256,

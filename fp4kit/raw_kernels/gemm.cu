@@ -31,17 +31,21 @@ using namespace gemm;
 
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
 
-// A kernel pair (bf16 and NVFP4 activation) on gemm_block<R, F, C>: C > 1 is a cluster of the C split
-// blocks of a row group (grid y = C) that reduce through distributed shared memory.
-#define FP4_DEFINE_GEMM_KERNELS(NAME, WINDOW, R, F, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                      \
+// The kernels on gemm_block<R, F, C> that stage their activation themselves: bf16 (act_global: nullptr,
+// or the NVFP4 global scale of an activation the host dequantized exactly first) and NVFP4. C > 1 is
+// a cluster of the C split blocks of a row group (grid y = C) that reduce through distributed
+// shared memory.
+#define FP4_DEFINE_GEMM_BF16(NAME, WINDOW, R, F, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                         \
     extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME##_bf16(          \
-        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, FP4_GEMM_EPILOGUE_ARGS,    \
-        FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        Epilogue ep{w_global, row_decode, nullptr, bias, bias_kind, out, out_f32};                        \
+        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,   \
+        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                    \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
         ep.out_row_base = M0;                                                                             \
         gemm_block<R, F, C>(w_codes, w_scales, ActBf16<WINDOW>{act, RowMap{nullptr, M0}}, ep,              \
                             min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
-    }                                                                                                     \
+    }
+#define FP4_DEFINE_GEMM_KERNELS(NAME, WINDOW, R, F, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                      \
+    FP4_DEFINE_GEMM_BF16(NAME, WINDOW, R, F, C, MIN_BLOCKS, ATTRS, M0, SPLIT)                             \
     extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME##_nvfp4(         \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
@@ -52,7 +56,7 @@ using namespace gemm;
                             min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
     }
 
-#define FP4_SPLIT SplitK{partials, counters, splits, chunks_per_split}
+#define FP4_SPLIT (SplitK{partials, counters, splits, chunks_per_split})  // parenthesized: forwarded as one macro argument
 #define FP4_CLUSTER(C) __cluster_dims__(1, C, 1)
 
 // mma.sync kernels gemm_tiled_<T>x<R>[f8]_{bf16,nvfp4}: T token tiles (M <= 8T), R row tiles per warp,
@@ -80,6 +84,8 @@ __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counter
 // tokens per block), R row tiles per warp (128 R rows per block, R MMAs m64n<8T>k16 per warpgroup
 // and step). Their activation is the window images of gemm_stage_<T>_{bf16,nvfp4} (`image`, per
 // token chunk [windows][WgmmaWindow<T>::kBytes]), with act_global for W4A4 (nullptr for W4A16).
+// gemm_wgmma_<T>x<R>[_c<C>]_bf16 stage a bf16 activation themselves, with 4-byte copies (small
+// weights at decode sizes, where the staging launch costs more than it saves).
 // Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens [8T z, 8T z + 8T) of
 // the M rows; each token chunk has its own split-K scratch (partials [chunks][splits][8T][N rounded
 // to 16], counters [chunks][row groups]); _c<C>: one token chunk, C splits reduced in a cluster.
@@ -100,11 +106,16 @@ __device__ __forceinline__ unsigned windows_of(unsigned K, unsigned window_k) { 
         gemm_block<R, 4, C>(w_codes, w_scales, ActImage<Win>{chunk_image, nullptr}, ep,                     \
                             min(M - (M0), 8u * T), N, K, blockIdx.x, blockIdx.y, SPLIT);                   \
     }
-#define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                            \
-    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R, T, R, 0, MIN_BLOCKS, , min(blockIdx.z * 8u * T, M),     \
-                                 chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N))
-#define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C) \
-    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
+#define FP4_WGMMA_CHUNK_M0(T) min(blockIdx.z * 8u * T, M)
+#define FP4_WGMMA_CHUNK_SPLIT(T) chunk_split(partials, counters, splits, chunks_per_split, 8 * T, N)
+#define FP4_DEFINE_GEMM_WGMMA(T, R, MIN_BLOCKS)                                                               \
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R, T, R, 0, MIN_BLOCKS, , FP4_WGMMA_CHUNK_M0(T),              \
+                                 FP4_WGMMA_CHUNK_SPLIT(T))                                                    \
+    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R, WgmmaWindow<T>, R, 4, 0, MIN_BLOCKS, , FP4_WGMMA_CHUNK_M0(T),      \
+                         FP4_WGMMA_CHUNK_SPLIT(T))
+#define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C)                                                        \
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)   \
+    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
 
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
