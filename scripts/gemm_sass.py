@@ -107,7 +107,7 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        m = re.fullmatch(r"gemm_(?:tiled_(\d+)x(\d+)(f8)?_(?:bf16|nvfp4)|wgmma_(\d+)x(\d+)(?:_c\d+)?)", name)
+        m = re.fullmatch(r"gemm_(?:tiled_(\d+)x(\d+)(f8)?_(?:bf16|nvfp4)|wgmma_(\d+)x(\d+)(?:_c\d+)?(?:_bf16)?)", name)
         if not m:
             continue
         tiles, r = int(m.group(1) or m.group(4)), int(m.group(2) or m.group(5))

@@ -33,9 +33,9 @@ from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
 #: the largest M on the engine by default, with the wgmma kernels (Hopper; H200, both paths timed in
-#: one run: the engine is faster up to 512 rows on every shape measured, the dequantize + cuBLAS
-#: path from 1024 rows on large weights and from 2048 on all); elsewhere the mma.sync kernels
-#: re-read the weight per 64 rows, and 64 rows is the default
+#: one run: the engine is faster up to 512 rows on 8 of 9 shapes, the dequantize + cuBLAS path from
+#: 1024 rows on all but the smallest weights, where an eager call is host-bound); elsewhere the
+#: mma.sync kernels re-read the weight per 64 rows, and 64 rows is the default
 DECODE_MAX_M = 512
 DECODE_MAX_M_MMA_SYNC = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
@@ -424,31 +424,33 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: 
             "pip install nvidia-cublas (CUDA 13) or nvidia-cublas-cu12 (CUDA 12)"
         ) from e
     w_global, out = epilogue[0], epilogue[4]
-    w_vals = _dequantize_tiled_unscaled(w, n, k)
-    if isinstance(a, Nvfp4Tensor):
-        a_vals, a_global = _dequantize_unscaled(a, m, k, "gemm.a"), a.global_scale
-    else:
-        a_vals, a_global = a.reshape(m, k), 0
+    a_global = a.global_scale if isinstance(a, Nvfp4Tensor) else 0
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-
-    def run(alpha_ptr: int, beta_ptr: int, c, c_type: int) -> None:
+    # the host-side preparation first: the cuBLAS call follows the dequantization launches at once,
+    # so the GPU does not wait on Python between them
+    if plain:
+        alpha_beta = workspace.device_buffer("gemm.alpha", 8).view(np.float32)[:2]
+        loader.get_kernel(_MODULE, "gemm_alpha")(1, 32, (w_global, a_global, alpha_beta))
+        c, c_type = out, _CUDA_R_32F if out.dtype == np.float32 else _CUDA_R_16BF
+        alpha_ptr, beta_ptr = alpha_beta.data.ptr, alpha_beta.data.ptr + 4
+    else:
+        c, c_type = workspace.device_buffer("gemm.acc", m * n * 4).view(np.float32)[: m * n], _CUDA_R_32F
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        alpha_ptr, beta_ptr = one.ctypes.data, zero.ctypes.data
+    w_vals = _dequantize_tiled_unscaled(w, n, k)
+    a_vals = _dequantize_unscaled(a, m, k, "gemm.a") if isinstance(a, Nvfp4Tensor) else a.reshape(m, k)
+    if plain:
+        cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
+    try:
         # row-major Y[M, N] = A[M, K] @ W[N, K]^T is column-major Y^T = W^T(op T) @ A(op N)
         cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, alpha_ptr, w_vals.data.ptr, _CUDA_R_16BF, k,
                       a_vals.data.ptr, _CUDA_R_16BF, k, beta_ptr, c.data.ptr, c_type, n,
                       _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-
-    if plain:
-        alpha_beta = workspace.device_buffer("gemm.alpha", 8).view(np.float32)[:2]
-        loader.get_kernel(_MODULE, "gemm_alpha")(1, 32, (w_global, a_global, alpha_beta))
-        cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
-        try:
-            run(alpha_beta.data.ptr, alpha_beta.data.ptr + 4, out, _CUDA_R_32F if out.dtype == np.float32 else _CUDA_R_16BF)
-        finally:
+    finally:
+        if plain:
             cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
+    if plain:
         return
-    acc = workspace.device_buffer("gemm.acc", m * n * 4).view(np.float32)[: m * n]
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    run(one.ctypes.data, zero.ctypes.data, acc, _CUDA_R_32F)
     kernel = loader.get_kernel(_MODULE, "gemm_epilogue")
-    kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (acc, a_global, *epilogue))
+    kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (c, a_global, *epilogue))
