@@ -124,6 +124,9 @@ def test_decode_script_runs_on_numpy(capsys):
     assert "numpy reference" in out and "weights: random (seed 0), so the generated token ids mean nothing" in out
     assert re.search(r"^decode: +[\d.]+ ms/step = [\d.]+ ms/token over 2 sequence\(s\), \d+ tokens/s$", out, re.M)
     assert "bandwidth" not in out  # a numpy run says nothing about the kernels' bandwidth
+    # prompt of 3: positions 0 and 1 are fed, the first as the warm-up, timed apart from the rate
+    assert re.search(r"^warm-up: the first prompt position \(2 tokens\) in [\d.]+ ms \(buffers; not in the rates\)$", out, re.M)
+    assert re.search(r"^prefill: 2 tokens in [\d.]+ ms \(\d+ tokens/s, token by token", out, re.M)
     assert re.search(r"^seq 0 generated token ids: \[\d+(, \d+){4}\]$", out, re.M)
     # captured stdout is not a terminal: progress as whole lines, no carriage returns
     assert "\r" not in out and len(re.findall(r"^  decoded \d/5 tokens per sequence.*seq 0 last token ids: \[", out, re.M)) == 3

@@ -81,9 +81,11 @@ class Decoder:
         ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
         self.model.forward(self.state)
 
-    def prefill(self) -> int:
+    def prefill(self, warmed_up=None) -> int:
         """Feeds prompt tokens 0..P-2 (the last one is the first decode step's input). Returns the
-        number fed per sequence."""
+        number fed per sequence. ``warmed_up()`` is called once the first token is fed (eagerly:
+        it compiles the kernels and makes every buffer) and, with graphs, the prefill graph is
+        captured, after a synchronisation, so a caller can time the rest apart from the warm-up."""
         n = self.prompt.shape[1] - 1
         for i in range(n):
             if self.use_graph and self.model.device and i > 0:
@@ -92,6 +94,11 @@ class Decoder:
                 self.prefill_graph.replay()
             else:
                 self._feed()  # eager (the first call also creates every buffer the graph uses)
+            if i == 0 and warmed_up is not None:
+                if self.use_graph and self.model.device and n > 1:
+                    self.prefill_graph = CapturedStep(self._feed)
+                self.synchronize()
+                warmed_up()
         ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
         return n
 
