@@ -13,6 +13,7 @@ from fp4kit.layers.attention import SparseAttention
 from fp4kit.ops import attention as ops
 from fp4kit.ops.attention import sparse_decode_attention
 from fp4kit.reference import attention as ref
+from fp4kit.reference import kv_cache as kvref
 from fp4kit.reference.gemm import calc_diff
 
 BF16 = ml_dtypes.bfloat16
@@ -388,3 +389,28 @@ def test_kernel_arithmetic_model_is_within_the_gpu_bounds(rng, q_scale):
             assert calc_diff(got, want) < 1e-5  # measured: about 2e-6 (bf16 out), 1e-6 (fp32 out)
             # bf16 output: half an ulp (2^-8 relative); bf16 probabilities: 2^-9 relative per weight
             assert np.all(np.abs(got - want) <= 2.0**-8 * (np.abs(want) + row_max[:, None, None]))
+
+
+@pytest.mark.parametrize("window", [1, 4, 16])
+def test_prefill_attention_is_token_by_token_decoding(rng, window):
+    """The batched-prompt specification gives each query what the decode reference gives it after
+    the tokens up to it were appended to the ring one by one (the window wraps, entries complete
+    as the prompt advances, selections differ per query)."""
+    t, heads, d, cap, start = 23, 3, 16, 8, 5
+    kv = rng.standard_normal((start + t, d)).astype(BF16)
+    q = rng.standard_normal((t, heads, d)).astype(BF16)
+    comp = rng.standard_normal((cap, d)).astype(BF16)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    comp_len = np.minimum((start + np.arange(t) + 1) // 4, cap)  # ratio 4: an entry per 4 tokens
+    indices = rng.integers(-1, cap + 2, (t, 5))
+    got = ref.prefill_attention(q, kv, start, window, comp, comp_len, indices, sink)
+    swa = np.zeros((1, window, d), BF16)
+    for i in range(start + t):
+        kvref.append_swa(swa, np.array([i]), kv[None, i:i + 1])
+        if i >= start:
+            j = i - start
+            want = ref.sparse_decode_attention(q[None, j], swa, np.array([i + 1]), comp[None], comp_len[None, j],
+                                               indices[None, j], sink)
+            np.testing.assert_allclose(got[j], want[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="kv: expected at least start \\+ T = 28 rows, got 27"):
+        ref.prefill_attention(q, kv[:-1], start, window, comp, comp_len, indices, sink)

@@ -11,6 +11,10 @@ One query token per sequence. For sequence ``b`` and query head ``h``, the candi
   capacity) an index at or beyond the capacity ``C`` are ignored. **An index that appears twice
   counts twice**: the selection is used as given, not deduplicated (as a gather by index does).
 
+`prefill_attention` states the same for ``T`` consecutive prompt tokens of one sequence at once
+(each over its causal window and the entries complete at its position), the specification of a
+batched prefill: it equals decoding the prompt token by token.
+
 Each valid row ``k_j`` is both key and value. With logits ``l_j = scale * <q[b, h], k_j>`` and
 the per-head attention-sink logit ``s_h``, one softmax runs over the union of the valid rows plus
 the sink, and the sink contributes to the normaliser only (it has no value vector):
@@ -90,4 +94,40 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale: f
     for b in range(batch):
         rows = valid_rows(swa[b], pos[b], comp[b], comp_len[b], indices[b])
         out[b] = attend(q[b], rows, sink, scale)
+    return out
+
+
+def prefill_attention(q, kv, start: int, window: int, comp, comp_len, indices, sink,
+                      scale: float | None = None) -> np.ndarray:
+    """Attention of ``T`` consecutive query tokens of one sequence as float64 ``[T, Hq, D]``: what
+    `sparse_decode_attention` gives each of them when the prompt is decoded token by token.
+
+    Query ``t`` sits at position ``p = start + t``. Its window is the rows of the ``window`` tokens
+    ending at ``p`` itself (``kv[max(0, p + 1 - window) : p + 1]``: the decode step appends a token
+    before it attends); its compressed rows are ``comp[i]`` for each ``i`` in ``indices[t]`` with
+    ``0 <= i < min(comp_len[t], C)`` (the entries complete at ``p``; duplicates count twice, -1
+    pads), in one softmax with the sink.
+
+    Parameters
+    ----------
+    q : ``[T, Hq, D]`` query heads of the T tokens
+    kv : ``[start + T, D]`` (or longer) the K = V row of every token of the sequence so far
+    start : position of the first query token
+    window : sliding-window length ``W``
+    comp : ``[C, D]`` compressed entries of the sequence
+    comp_len : int ``[T]`` entries complete at each query's position
+    indices : int ``[T, N]`` the selection of each query (-1 = padding)
+    sink, scale : as in `sparse_decode_attention`
+    """
+    q, kv = np.asarray(q), np.asarray(kv)
+    t_count, _, head_dim = q.shape
+    if kv.shape[0] < start + t_count:
+        raise ValueError(f"kv: expected at least start + T = {start + t_count} rows, got {kv.shape[0]}")
+    scale = default_scale(head_dim) if scale is None else float(scale)
+    out = np.empty(q.shape, np.float64)
+    for t in range(t_count):
+        p = start + t
+        rows = np.concatenate([kv[max(0, p + 1 - window): p + 1],
+                               np.asarray(comp)[selected_entries(indices[t], comp_len[t], np.shape(comp)[0])]])
+        out[t] = attend(q[t], rows.astype(np.float64), sink, scale)
     return out
