@@ -55,7 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--check", action="store_true", help="compare graph, eager (and numpy for tiny) decoding")
     ap.add_argument("--check-layers", action="store_true",
                     help="compare the GPU model with the numpy model sublayer by sublayer on equal inputs "
-                         "(runner.compare_layers; its GPU bounds are still being measured)")
+                         "(runner.compare_layers, runner.LAYER_TOLERANCE)")
     ap.add_argument("--save", type=str, default=None, help="write the weights as an NVFP4 checkpoint folder")
     ap.add_argument("--load", type=str, default=None, help="read the weights (and config) from a saved folder")
     ap.add_argument("--print-every", type=int, default=16, help="decode steps between token read-backs")

@@ -86,3 +86,16 @@ def test_no_memory_growth_over_1000_replays():
     assert dec.decode_graph.pool.used_bytes() == graph_pool
     assert cp.cuda.runtime.memGetInfo()[0] == free
     assert int(state.step[0]) == 1003 and int(state.positions[0]) == prompt.shape[1] - 1 + 1003
+
+
+def test_decode_script_on_the_gpu_times_the_warm_up_apart(capsys):
+    """The README's main command on a GPU: the first prompt position (compilation, buffers, graph
+    captures) is reported as the warm-up, the rest of the prompt as the prefill rate, and the
+    graph-replayed tokens equal the eager ones (--check)."""
+    import decode
+
+    assert decode.main(["--batch", "1", "--prompt-len", "5", "--new-tokens", "4", "--layers", "2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "numpy reference" not in out
+    assert "warm-up: the first prompt position (1 tokens) in" in out and "graph capture; not in the rates" in out
+    assert "prefill: 3 tokens in" in out
