@@ -87,16 +87,15 @@ class Decoder:
         it compiles the kernels and makes every buffer) and, with graphs, the prefill graph is
         captured, after a synchronisation, so a caller can time the rest apart from the warm-up."""
         n = self.prompt.shape[1] - 1
+        graphed = self.use_graph and self.model.device
         for i in range(n):
-            if self.use_graph and self.model.device and i > 0:
-                if self.prefill_graph is None:
-                    self.prefill_graph = CapturedStep(self._feed)
+            if graphed and i > 0:
                 self.prefill_graph.replay()
-            else:
-                self._feed()  # eager (the first call also creates every buffer the graph uses)
-            if i == 0 and warmed_up is not None:
-                if self.use_graph and self.model.device and n > 1:
-                    self.prefill_graph = CapturedStep(self._feed)
+                continue
+            self._feed()  # eager (the first call also creates every buffer the graph uses)
+            if graphed and n > 1 and self.prefill_graph is None:
+                self.prefill_graph = CapturedStep(self._feed)
+            if warmed_up is not None:
                 self.synchronize()
                 warmed_up()
         ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)

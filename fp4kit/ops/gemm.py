@@ -450,7 +450,6 @@ def _prefill(a, w: Nvfp4Tensor, m: int, n: int, k: int, epilogue: tuple, plain: 
     finally:
         if plain:
             cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
-    if plain:
-        return
-    kernel = loader.get_kernel(_MODULE, "gemm_epilogue")
-    kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (c, a_global, *epilogue))
+    if not plain:
+        kernel = loader.get_kernel(_MODULE, "gemm_epilogue")
+        kernel(max(1, min(-(-(m * n) // 256), kernel.max_blocks * 4)), 256, (c, a_global, *epilogue))

@@ -121,7 +121,7 @@ def _growing(kind: str, nbytes: int, keep_outgrown: bool):
                 old = _buffers.pop(key, None)
                 if old is not None and keep_outgrown:
                     _retired.append(old)
-                old = buf = None  # device_buffer: the outgrown buffer is freed before the larger one is made
+                old = buf = None  # no reference left here: an outgrown device_buffer is freed before the larger one is made
                 buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
                 _buffers[key] = buf
     return buf
