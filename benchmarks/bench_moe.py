@@ -1,27 +1,35 @@
 """Benchmark: one MoE layer at DeepSeek-V4-Flash (hidden 4096, 256 experts, top-6, inner 2048, one
-shared expert) and V3 (7168, 256, top-8, 2048, one shared) shapes, W4A4, graph-replayed.
+shared expert) and V3 (7168, 256, top-8, 2048, one shared) shapes, W4A4 and W4A16, graph-replayed.
 
 The byte floor is the NVFP4 bytes of the experts a call actually touches (routed experts in use
 plus the shared expert, packed codes + scales) at the measured copy bandwidth. Each graph holds
-several calls on different inputs so that the touched experts change from call to call. Targets:
-T = 1 within 1.5x of the floor, T = 64 within 2x. The baseline (V4-Flash shape) is what a user
-would write in PyTorch: a per-expert loop of bf16 GEMMs driven by host-side counts (eager).
+several calls on different inputs so that the touched experts change from call to call. Where a
+token count can take both device paths (T * top_k up to 128), both are timed: the small-T GEMVs
+over the (token, slot) assignments and the expert-sorted grouped GEMMs; the layer's default is
+marked. "launches" counts the kernels of one call in a captured graph. Targets: T = 1 within 1.5x
+of the floor, T = 8 within 2x, T = 64 within 1.5x. The baseline (V4-Flash shape, W4A4 rows) is
+what a user would write in PyTorch: a per-expert loop of bf16 GEMMs driven by host-side counts
+(eager).
 
-    .venv/bin/python benchmarks/bench_moe.py
+    .venv/bin/python benchmarks/bench_moe.py [--tokens=1,8,...] [--modes=w4a4,w4a16] [--configs=V4-Flash,V3]
 """
 
 from __future__ import annotations
+
+import sys
 
 import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from fp4kit.layers import MoE, RoutingConfig, SharedExpert
+from fp4kit.formats import interleave_rows
+from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
+from fp4kit.ops.quant import quantize
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_us
+    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_us
+    from common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us
 
 BF16 = ml_dtypes.bfloat16
 CONFIGS = {
@@ -30,29 +38,39 @@ CONFIGS = {
     "V3": dict(hidden=7168, experts=256, inner=2048, routing=RoutingConfig(top_k=8, score_func="sigmoid", n_group=8,
                                                                             topk_group=4, routed_scale=2.5), before=False),
 }
-TOKENS = (1, 8, 64, 512)
+TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
+GOALS = {1: 1.5, 8: 2.0, 64: 1.5}  # x byte floor
 ROTATE = 4  # inputs per graph
 
 
-def build(cfg, seed=0):
+def build(cfg, mode: str, seed=0):
+    """The layer with random weights, quantized one expert at a time (256 experts in fp32 at once
+    would need tens of GB)."""
     h, e, i = cfg["hidden"], cfg["experts"], cfg["inner"]
     rs = cp.random.RandomState(seed)
     gate = rs.standard_normal((e, h), dtype=cp.float32) / np.float32(np.sqrt(h))
     shared = SharedExpert.from_float(*(rs.standard_normal(s, dtype=cp.float32) / np.float32(np.sqrt(s[1]))
-                                       for s in ((i, h), (i, h), (h, i))), limit=10.0)
-    shared.gate_up.decode_max_m = shared.down.decode_max_m = 1 << 30  # keep T = 512 capturable
+                                       for s in ((i, h), (i, h), (h, i))), limit=10.0, mode=mode)
+    shared.gate_up.decode_max_m = shared.down.decode_max_m = 1 << 30  # keep T = 4096 capturable
 
-    class Lazy:  # per-expert matrices generated on demand, one at a time
-        def __init__(self, rows, cols, seed):
-            self.shape, self.seed = (e, rows, cols), seed
+    def matrix(seed_base, j, rows, cols):
+        return cp.random.RandomState(seed_base + j).standard_normal((rows, cols), dtype=cp.float32) / np.float32(np.sqrt(cols))
 
-        def __getitem__(self, j):
-            return cp.random.RandomState(self.seed + j).standard_normal(self.shape[1:], dtype=cp.float32) / np.float32(
-                np.sqrt(self.shape[2]))
-
-    layer = MoE.from_float(gate, Lazy(i, h, 1000), Lazy(i, h, 2000), Lazy(h, i, 3000), cfg["routing"], limit=10.0,
-                           weight_before_down=cfg["before"], shared=shared)
+    w13 = ExpertStack.from_tensors([quantize(interleave_rows(matrix(1000, j, i, h), matrix(2000, j, i, h)))
+                                    for j in range(e)])
+    w2 = ExpertStack.from_tensors([quantize(matrix(3000, j, h, i)) for j in range(e)])
+    layer = MoE(gate, w2, cfg["routing"], w13=w13, limit=10.0, weight_before_down=cfg["before"], shared=shared,
+                mode=mode)
     return layer, gate
+
+
+def launches(fn) -> int:
+    """Kernels of one ``fn()`` captured in a graph."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        fn()
+        return graph_kernel_nodes(stream.end_capture())
 
 
 def expert_bytes(layer: MoE) -> tuple[int, int]:
@@ -97,29 +115,54 @@ def main() -> None:
         import torch
     except ImportError:
         torch = None
+    tokens, modes, configs = TOKENS, ("w4a4", "w4a16"), tuple(CONFIGS)
+    for arg in sys.argv[1:]:
+        key, _, value = arg.partition("=")
+        if key == "--tokens":
+            tokens = tuple(int(v) for v in value.split(","))
+        elif key == "--modes":
+            modes = tuple(value.split(","))
+        elif key == "--configs":
+            configs = tuple(value.split(","))
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     rng = np.random.default_rng(0)
-    table = Table(f"MoE layer, W4A4, graph-replayed ({device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s)",
-                  ["shape", "T", "µs", "experts touched", "byte floor µs", "x floor", "target",
-                   "PyTorch loop µs", "speedup"])
-    for name, cfg in CONFIGS.items():
-        layer, _ = build(cfg)
-        per_expert, shared_bytes = expert_bytes(layer)
-        for t in TOKENS:
-            xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(BF16)) for _ in range(ROTATE)]
-            touched = np.mean([len(np.unique(cp.asnumpy(layer.route(x)[0]))) for x in xs])
-            floor_us = (touched * per_expert + shared_bytes) / bw * 1e6
-            us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
-            ratio = us / floor_us
-            goal = {1: 1.5, 64: 2.0}.get(t)
-            target = "" if goal is None else f"<= {goal}x floor: " + ("met" if ratio <= goal else "MISSED")
-            base = torch_baseline(torch, layer, cfg, t, rng) if (torch is not None and name == "V4-Flash") else None
-            table.add(**{"shape": name, "T": t, "µs": us, "experts touched": touched, "byte floor µs": floor_us,
-                         "x floor": ratio, "target": target, "PyTorch loop µs": base,
-                         "speedup": base / us if base else None})
-        del layer
-        cp.get_default_memory_pool().free_all_blocks()
+    table = Table(f"MoE layer, graph-replayed ({device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s)",
+                  ["shape", "mode", "T", "path", "µs", "launches", "experts touched", "byte floor µs", "x floor",
+                   "TFLOP/s", "target", "PyTorch loop µs", "speedup"])
+    for name in configs:
+        cfg = CONFIGS[name]
+        for mode in modes:
+            layer, _ = build(cfg, mode)
+            per_expert, shared_bytes = expert_bytes(layer)
+            k = cfg["routing"].top_k
+            for t in tokens:
+                xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(BF16)) for _ in range(ROTATE)]
+                touched = np.mean([len(np.unique(cp.asnumpy(layer.route(x)[0]))) for x in xs])
+                floor_us = (touched * per_expert + shared_bytes) / bw * 1e6
+                flops = 2 * t * (k + 1) * 3 * cfg["hidden"] * cfg["inner"]
+                default_small = t * k <= layer.small_max_assignments
+                paths = {"small": 1 << 30, "sorted": 0} if t * k <= 128 else {"sorted": 0}
+                base = None
+                if torch is not None and name == "V4-Flash" and mode == "w4a4" and t <= 512:
+                    base = torch_baseline(torch, layer, cfg, t, rng)
+                saved = layer.small_max_assignments
+                for path, limit in paths.items():
+                    layer.small_max_assignments = limit
+                    us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
+                    n_launch = launches(lambda: layer(xs[0]))
+                    ratio = us / floor_us
+                    goal = GOALS.get(t)
+                    is_default = (path == "small") == default_small
+                    target = "" if goal is None or not is_default else (
+                        f"<= {goal}x floor: " + ("met" if ratio <= goal else "MISSED"))
+                    table.add(**{"shape": name, "mode": mode, "T": t, "path": path + (" (default)" if is_default else ""),
+                                 "µs": us, "launches": n_launch, "experts touched": touched, "byte floor µs": floor_us,
+                                 "x floor": ratio, "TFLOP/s": flops / us / 1e6, "target": target,
+                                 "PyTorch loop µs": base, "speedup": base / us if base else None})
+                layer.small_max_assignments = saved
+            del layer
+            cp.get_default_memory_pool().free_all_blocks()
     print()
     print(table.markdown())
     meta = {"device": device_name(), "copy_bandwidth_Bps": bw, "cupy": cp.__version__,

@@ -14,7 +14,8 @@ from fp4kit.ops import quant as quant_ops
 
 
 cfg = CONFIGS["V4-Flash"]
-layer, _ = build(cfg)
+layer, _ = build(cfg, "w4a4")
+layer.small_max_assignments = 0  # the stages below are those of the expert-sorted path
 rng = np.random.default_rng(0)
 for t in (1, 64):
     x = cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16))
@@ -34,3 +35,23 @@ for t in (1, 64):
     }
     for name, fn in stages.items():
         print(f"T={t:4d} {name:18s} {events_us(fn, warmup=1, iters=10):9.1f} us")
+
+# the small-T path (T * top_k <= layer.small_max_assignments): router, L1 GEMV + SwiGLU, the
+# amax + quantize of its output, the shared expert, L2 GEMV + combine
+layer.small_max_assignments = 1 << 30
+for t in (1, 8):
+    x = cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16))
+    layer(x)
+    plan = layer._plan(x)
+    gate_up = ((layer.w13, 2, 0), (layer.w13, 2, 1))
+    stages = {
+        "router": lambda: layer._route_device(x, None, plan),
+        "quantize x": lambda: quant_ops.quantize(x, out=plan.x_act),
+        "L1 GEMV+SwiGLU": lambda: moe_ops.small_gate_up(plan.x_act, *gate_up, plan.ids, plan.weights, 10.0, plan.h_f32),
+        "quantize h": lambda: quant_ops.quantize(plan.h_f32, out=plan.h_act),
+        "shared expert": lambda: layer.shared(x),
+        "L2 GEMV+combine": lambda: moe_ops.small_down(plan.h_act, layer.w2, plan.ids, plan.weights, False, None, plan.out),
+        "whole layer": lambda: layer(x),
+    }
+    for name, fn in stages.items():
+        print(f"small T={t:4d} {name:18s} {events_us(fn, warmup=1, iters=10):9.1f} us")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
+from fp4kit.layers import moe as moe_layer
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import moe as ref
 from fp4kit.runtime import status
@@ -34,6 +35,14 @@ def build(rng, e, h, i, routing, **kwargs):
     host_kwargs = {k: (cp.asnumpy(v) if isinstance(v, cp.ndarray) else v) for k, v in kwargs.items()}
     host = MoE(gate, host_stack(dev.w2), routing, w13=host_stack(dev.w13), **host_kwargs)
     return dev, host
+
+
+@pytest.fixture(params=["small", "sorted"])
+def path(request, monkeypatch):
+    """Both device paths of the layer at every T: the small-T GEMVs over the (token, slot)
+    assignments, and the expert-sorted grouped GEMMs."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param == "small" else 0)
+    return request.param
 
 
 V4 = RoutingConfig(top_k=6, score_func="sqrtsoftplus", routed_scale=1.5)
@@ -83,7 +92,7 @@ def assert_routing_matches(ids, weights, x, gate, bias, routing, tie=1e-6):
 
 
 @pytest.mark.parametrize("t", [1, 3, 64, 512])
-def test_layer_matches_reference_256_experts(rng, t):
+def test_layer_matches_reference_256_experts(rng, path, t):
     dev, host = build(rng, 256, 256, 128, V4, limit=10.0)
     x = rng.standard_normal((t, 256)).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
@@ -92,7 +101,7 @@ def test_layer_matches_reference_256_experts(rng, t):
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("t", [1, 64])
-def test_layer_matches_reference_wide(rng, t, mode):
+def test_layer_matches_reference_wide(rng, path, t, mode):
     dev, host = build(rng, 8, 4096, 512, RoutingConfig(top_k=6, score_func="sigmoid"), limit=10.0,
                       weight_before_down=False, mode=mode)
     x = rng.standard_normal((t, 4096)).astype(BF16)
@@ -100,7 +109,7 @@ def test_layer_matches_reference_wide(rng, t, mode):
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
 
 
-def test_adversarial_routing(rng):
+def test_adversarial_routing(rng, path):
     e, h, i = 32, 256, 128
     bias = np.zeros(e, np.float32)
     bias[5] = 1e3  # every token picks expert 5 first; most experts get nothing
@@ -132,7 +141,7 @@ def test_adversarial_routing(rng):
 @pytest.mark.parametrize("e, k, routing_kw", [(24, 1, dict(score_func="sigmoid")),           # E not a power of two, top-1
                                               (40, 6, dict(score_func="sqrtsoftplus")),
                                               (48, 4, dict(score_func="sigmoid", n_group=4, topk_group=2))])
-def test_odd_shapes_match_reference(rng, t, e, k, routing_kw):
+def test_odd_shapes_match_reference(rng, path, t, e, k, routing_kw):
     """Expert counts that are not powers of two, top-1, and token counts around the kernels' tile
     edges (63/64/65) up to 4096: the same layer on both backends."""
     dev, host = build(rng, e, 128, 64, RoutingConfig(top_k=k, **routing_kw))
@@ -143,7 +152,7 @@ def test_odd_shapes_match_reference(rng, t, e, k, routing_kw):
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
 
 
-def test_all_tokens_to_one_expert_and_repeat_runs_bitwise(rng):
+def test_all_tokens_to_one_expert_and_repeat_runs_bitwise(rng, path):
     """Every token routed to the same expert (top-1, a dominant bias): one expert gets all rows, the
     others none; repeated calls give the same bits."""
     e = 16
@@ -161,7 +170,7 @@ def test_all_tokens_to_one_expert_and_repeat_runs_bitwise(rng):
             assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
-def test_fused_and_unfused_agree_on_device(rng):
+def test_fused_and_unfused_agree_on_device(rng, path):
     e, h, i = 16, 512, 256
     from fp4kit.ops.quant import quantize
 
@@ -175,7 +184,7 @@ def test_fused_and_unfused_agree_on_device(rng):
     assert cp.array_equal(fused(x).view(cp.uint16), unfused(x).view(cp.uint16))
 
 
-def test_layer_in_a_cuda_graph(rng, capture_stream):
+def test_layer_in_a_cuda_graph(rng, path, capture_stream):
     e, h, i, t = 64, 512, 256, 16
     shared = SharedExpert.from_float(*(cp.asarray((rng.standard_normal(s) / 16).astype(np.float32))
                                        for s in ((i, h), (i, h), (h, i))), limit=10.0)
@@ -237,6 +246,7 @@ def test_dispatch_after_the_device_router_is_a_consistent_plan(rng):
     expert's range, each row once, with the pair's token and weight."""
     e, h, i, t = 64, 512, 256, 40
     dev, _ = build(rng, e, h, i, V4, limit=10.0)
+    dev.small_max_assignments = 0  # the sorted path: the one with a dispatch
     x = cp.asarray(rng.standard_normal((t, h)).astype(BF16))
     ids, weights = (cp.asnumpy(a) for a in dev.route(x))
     plan = dev._plan(x)  # the plan the call above filled (one per token count)

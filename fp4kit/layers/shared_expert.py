@@ -94,10 +94,15 @@ class SharedExpert:
         down = Linear.from_checkpoint(checkpoint, down_name, mode=mode)
         return cls(gate_up, down, limit=limit)
 
-    def __call__(self, x, *, out=None):
+    def __call__(self, x, *, out=None, x_act=None):
         """``[..., H]`` to ``[..., H]`` (bf16). On the device the intermediates live in buffers owned
-        by the layers (one set per input shape), so the call can be captured in a CUDA graph."""
-        h = self.gate_up(x)
+        by the layers (one set per input shape), so the call can be captured in a CUDA graph.
+
+        ``x_act``: ``x`` already quantized as ``gate_up`` would quantize it (W4A4 with a dynamic
+        input scale; the MoE passes its own quantized input), so it is not quantized twice."""
+        if x_act is not None and (self.mode != "w4a4" or self.gate_up.input_scale is not None):
+            raise ValueError("x_act: only a W4A4 shared expert with a dynamic input scale takes a quantized input")
+        h = self.gate_up(x) if x_act is None else self.gate_up.gemm(x_act)
         act = self._activation_buffer(h) if arrays.is_device_array(h) else None
         if self.mode == "w4a4":
             a = quant_ops.swiglu_quantize(h, layout="interleaved", limit=self.limit,

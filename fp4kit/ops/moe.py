@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor
+from ..formats import TILE_K, Nvfp4Tensor
 from ..runtime import arrays, loader, status
 from . import gemm as gemm_ops
 
@@ -26,7 +26,8 @@ def _suffix(dtype) -> str:
 def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
     """Logits (one warp per token and expert), then one block per token: scores, (grouped) top-k or
     hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
-    zero); ``logits`` is fp32 ``[T, E]`` scratch. A hash-routing token id outside
+    zero); ``counts`` and ``tickets`` None: no tickets (the small-T path needs none); ``logits``
+    is fp32 ``[T, E]`` scratch. A hash-routing token id outside
     ``[0, vocab)`` reads ``tid2eid`` row 0 and records `fp4kit.runtime.status.TOKEN_RANGE`."""
     t, h = x.shape
     e = gate_weight.shape[0]
@@ -39,7 +40,7 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
         t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
                  status.device_word(), _U32(e), _U32(cfg.top_k),
                  _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group),
-                 _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, counts, tickets))
+                 _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, _opt(counts), _opt(tickets)))
 
 
 def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
@@ -72,6 +73,77 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
         kernel = loader.get_kernel(_MODULE, f"moe_gemm_bf16_{tiles}")
         args = (act, *common)
     kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
+
+
+def _tile_chunks(k: int) -> int:
+    return -(-k // TILE_K)
+
+
+#: gate|up pairs (16 inner rows each) per block of the small-T first launch: its 8 warps split K
+#: 8 / pairs ways; None picks by size (`small_pairs_per_block`)
+SMALL_PAIRS_PER_BLOCK = None
+#: kernel variants of the two small-T launches (moe.cu FP4_DEFINE_SMALL)
+SMALL_GATE_UP_VARIANT = "d2c1"
+SMALL_DOWN_VARIANT = "d1c2b4"
+
+
+def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
+    """The most pairs per block (1, 2, 4 or 8: longer weight streams per warp) that still leave two
+    blocks per multiprocessor."""
+    if SMALL_PAIRS_PER_BLOCK is not None:
+        return SMALL_PAIRS_PER_BLOCK
+    pp = 1
+    while pp < 8 and -(-inner // (16 * 2 * pp)) * assignments >= 2 * sms:
+        pp *= 2
+    return pp
+
+
+def small_gate_up(act, gate, up, ids, row_scale, limit, out) -> None:
+    """The small-T path's first launch: for every (token, slot) assignment ``a`` of ``ids [T, top_k]``,
+    ``out[a] = swiglu(gate_e(x_t), up_e(x_t))`` (bf16-rounded GEMM outputs, optional clamp ``limit``
+    and row factor ``row_scale [T * top_k]``) with ``e = ids[a]``; fp32 ``out`` for the W4A4 quantize
+    that follows, bf16 for W4A16. ``gate`` and ``up`` are ``(stack, tile step, first tile)``: the
+    interleaved fused stack twice with step 2 (first 0 and 1), or the two unfused stacks with step 1."""
+    (gs, g_step, g_first), (us, u_step, u_first) = gate, up
+    for st in (gs, us):
+        if st.layout != "tiled":
+            raise ValueError("stack: the small-T MoE path reads tiled expert stacks; convert with stack.to_tiled()")
+    h = gs.shape[2]
+    inner = out.shape[1]
+    pairs = ids.size
+
+    def rows(st, step, first):
+        return (st.packed, st.block_scales, st.decode, _opt(st.row_decode), _U32(st.shape[1]), _U32(step), _U32(first))
+
+    import cupy
+
+    pp = small_pairs_per_block(inner, pairs, loader.sm_count(cupy.cuda.Device().id))
+    common = (*rows(gs, g_step, g_first), *rows(us, u_step, u_first), ids, _opt(row_scale), _U32(ids.shape[1]),
+              np.float32(0.0 if limit is None else limit), _I32(limit is not None), _U32(h), _U32(inner), _U32(pp),
+              out, _I32(out.dtype == np.float32))
+    if isinstance(act, Nvfp4Tensor):
+        kernel, args = loader.get_kernel(_MODULE, f"moe_small_gate_up_nvfp4_{SMALL_GATE_UP_VARIANT}"), (act.packed, act.block_scales,
+                                                                              act.global_scale, *common)
+    else:
+        kernel, args = loader.get_kernel(_MODULE, f"moe_small_gate_up_bf16_{SMALL_GATE_UP_VARIANT}"), (act, *common)
+    kernel.launch((-(-inner // (16 * pp)), pairs), 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
+
+
+def small_down(act, stack, ids, weights, weighted: bool, shared, out) -> None:
+    """The small-T path's second launch: ``out[t] = sum over slots j (in order) of alpha * act[t, j] @
+    W2[ids[t, j]]^T (times ``weights[t, j]`` when ``weighted``) + shared[t]``, bf16 ``[T, H]``."""
+    if stack.layout != "tiled":
+        raise ValueError("stack: the small-T MoE path reads tiled expert stacks; convert with stack.to_tiled()")
+    t, h = out.shape
+    top_k, inner = ids.shape[1], stack.shape[2]
+    common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode), ids, weights, _I32(weighted),
+              _U32(top_k), _opt(shared), out, _U32(h), _U32(inner))
+    if isinstance(act, Nvfp4Tensor):
+        kernel, args = loader.get_kernel(_MODULE, f"moe_small_down_nvfp4_{SMALL_DOWN_VARIANT}"), (act.packed, act.block_scales,
+                                                                           act.global_scale, *common)
+    else:
+        kernel, args = loader.get_kernel(_MODULE, f"moe_small_down_bf16_{SMALL_DOWN_VARIANT}"), (act, *common)
+    kernel.launch((h // 16, t), 256, args, shared_mem=top_k * _tile_chunks(inner) * TILE_K * 2)
 
 
 def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:

@@ -33,6 +33,7 @@ constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 16;
 #define FP4_INF __int_as_float(0x7F800000)
 #include "common/status.cuh"
+#include "common/nvfp4.cuh"
 
 enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
@@ -185,7 +186,8 @@ __device__ void router(const float* logits, const float* bias, const int* token_
             weights[(size_t)t * top_k + j] = w * routed_scale;
         }
     }
-    if (threadIdx.x < top_k) tickets[(size_t)t * top_k + threadIdx.x] = atomicAdd(counts + chosen[threadIdx.x], 1u);
+    // dispatch tickets (the sorted path); the small-T path reads ids directly and passes no counts
+    if (counts && threadIdx.x < top_k) tickets[(size_t)t * top_k + threadIdx.x] = atomicAdd(counts + chosen[threadIdx.x], 1u);
 }
 
 #define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
@@ -305,3 +307,356 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
         out[(size_t)t * H + c] = __float2bfloat16_rn(acc);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The small-T path (decode): no dispatch. Every (token, slot) assignment is a GEMV work item read
+// straight from the router's ids; the weights of an expert are streamed once per assignment.
+//
+//   moe_small_gate_up_{bf16,nvfp4}  grid (I / 16, T * top_k), 256 threads: block (p, a) computes
+//                  gate rows 16p .. 16p + 15 and the matching up rows of expert ids[a] for the token
+//                  of assignment a (its 8 warps split K and add their partials in warp order), then
+//                  SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k, I] for the
+//                  amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
+//   moe_small_down_{bf16,nvfp4}     grid (H / 16, T), 256 threads: block (r, t) computes output rows
+//                  16r .. 16r + 15 of token t: warp j the down projection of slot j (full K, as the
+//                  grouped GEMM's warps do), then the weighted sum over the slots in slot order (the
+//                  arithmetic of moe_combine) plus the shared expert's output, to bf16.
+// Weights are tiled expert stacks as in moe_gemm. The activation rows of a block are staged in
+// shared memory as exact bf16 values (NVFP4: e2m1 * s; the epilogue multiplies by 1 / S_a).
+namespace small {
+
+constexpr int kWarps = 8;
+
+// One token row (K a multiple of 16) into shared memory as bf16, zero up to Kp (whole tiles).
+__device__ __forceinline__ void stage_row(const __nv_bfloat16* x, unsigned K, unsigned Kp, __nv_bfloat16* dst,
+                                          unsigned thread, unsigned threads) {
+    for (unsigned i = thread * 8; i < Kp; i += threads * 8)
+        *reinterpret_cast<uint4*>(dst + i) = i < K ? *reinterpret_cast<const uint4*>(x + i) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) | ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+// The bf16 pair (e2m1 of the low nibble, e2m1 of the high nibble) of every code byte, built by
+// the block before it stages NVFP4 rows.
+__device__ __forceinline__ void build_code_table(unsigned* table) {
+    for (unsigned b = threadIdx.x; b < 256; b += blockDim.x)
+        table[b] = bf16_pair(fp4_e2m1_value(b & 0xFu), fp4_e2m1_value(b >> 4));
+}
+
+// An NVFP4 row (linear layout: 8 code bytes and one E4M3 scale byte per 16 elements) decoded to
+// e2m1 * s, zero up to Kp: one table load and one bf16 multiply per pair (exact: E4M3 values are
+// bf16 values, and e2m1 * s has at most 6 significant bits and stays normal).
+__device__ __forceinline__ void stage_row(const unsigned char* packed, const unsigned char* scales, unsigned K,
+                                          unsigned Kp, __nv_bfloat16* dst, const unsigned* table, unsigned thread,
+                                          unsigned threads) {
+    for (unsigned b = thread; b < Kp / 16; b += threads) {
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (b < K / 16) {
+            const uint2 q = *reinterpret_cast<const uint2*>(packed + (size_t)b * 8);
+            const unsigned s = bf16_pair(fp4_e4m3_value(scales[b]), fp4_e4m3_value(scales[b]));
+            unsigned w[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = gemm::bf16x2_mul(table[((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xFFu], s);
+            lo = make_uint4(w[0], w[1], w[2], w[3]);
+            hi = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+        reinterpret_cast<uint4*>(dst + (size_t)b * 16)[0] = lo;
+        reinterpret_cast<uint4*>(dst + (size_t)b * 16)[1] = hi;
+    }
+}
+
+// A warp's GEMV of R weight row tiles (tile pointers at their first chunk) over chunks [c0, c1)
+// (c0 a multiple of the 4 chunks of a scale word) against one staged activation row: D groups of
+// 4 chunks in flight; lanes with t = 0 end with the token's sums in acc[r][0] (row g) and
+// acc[r][2] (row g + 8). The other lanes' columns repeat the token and are ignored. C = 2 splits
+// the accumulation into two chains (even and odd chunks, added at the end) so that consecutive
+// MMAs do not wait on each other.
+template <int R, int D, int C = 1>
+struct WarpGemv {
+    struct Group {
+        uint4 q[R][4];
+        uint2 s[R];
+    };
+    const uint4* codes[R];
+    const uint2* scales[R];
+    unsigned c0, c1;
+    unsigned long long policy;
+    Group buf[D];
+
+    __device__ __forceinline__ void fetch(Group& grp, unsigned c) {
+        const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                grp.q[r][j] = c + j < c1 ? gemm::load_stream(codes[r] + (c + j) * 32 + lane, policy) : make_uint4(0u, 0u, 0u, 0u);
+            grp.s[r] = gemm::load_stream(scales[r] + c / gemm::kGroupChunks * 32 + lane, policy);
+        }
+    }
+
+    // the first D groups: issued before the activation is staged
+    __device__ __forceinline__ void prime() {
+#pragma unroll
+        for (int d = 0; d < D; ++d)
+            if (c0 + 4 * d < c1) fetch(buf[d], c0 + 4 * d);
+    }
+
+    __device__ __forceinline__ void compute(const Group& grp, unsigned c, const __nv_bfloat16* act, float acc[R][4],
+                                            float odd[R][4]) {
+        const unsigned t = threadIdx.x & 3;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (c + j >= c1) break;
+            unsigned sc_g[R], sc_g8[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (j == 0) gemm::scale_pairs<0>(grp.s[r], sc_g[r], sc_g8[r]);
+                if (j == 1) gemm::scale_pairs<1>(grp.s[r], sc_g[r], sc_g8[r]);
+                if (j == 2) gemm::scale_pairs<2>(grp.s[r], sc_g[r], sc_g8[r]);
+                if (j == 3) gemm::scale_pairs<3>(grp.s[r], sc_g[r], sc_g8[r]);
+            }
+            const __nv_bfloat16* tile = act + (c + j) * gemm::kTileK + 16 * t;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 b = *reinterpret_cast<const uint4*>(tile + 8 * h);
+#pragma unroll
+                for (int ss = 0; ss < 2; ++ss) {
+                    const int step = 2 * h + ss;
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 q4 = grp.q[r][j];
+                        const unsigned q = step == 0 ? q4.x : step == 1 ? q4.y : step == 2 ? q4.z : q4.w;
+                        unsigned a[4];
+                        gemm::dequant_step(q, sc_g[r], sc_g8[r], a);
+                        if (C == 2 && (j & 1)) gemm::mma_bf16(odd[r], a, ss ? b.z : b.x, ss ? b.w : b.y);
+                        else gemm::mma_bf16(acc[r], a, ss ? b.z : b.x, ss ? b.w : b.y);
+                    }
+                }
+            }
+        }
+    }
+
+    // after prime(): every chunk, each group's buffer refilled with the group D ahead once used
+    __device__ __forceinline__ void run(const __nv_bfloat16* act, float acc[R][4]) {
+        float odd[R][4] = {};
+        for (unsigned c = c0; c < c1; c += 4 * D) {
+#pragma unroll
+            for (int d = 0; d < D; ++d) {
+                const unsigned cd = c + 4 * d;
+                if (cd < c1) {
+                    compute(buf[d], cd, act, acc, odd);
+                    if (cd + 4 * D < c1) fetch(buf[d], cd + 4 * D);
+                }
+            }
+        }
+        if (C == 2) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[r][v] = __fadd_rn(acc[r][v], odd[r][v]);
+        }
+    }
+};
+
+// The alpha of the engine's epilogue: (decode factor of the row * 1 / S_a) * 2^26.
+__device__ __forceinline__ float alpha(const float* decode, const float* row_decode, unsigned e, unsigned rows,
+                                       unsigned n, float a_dec) {
+    const float w_dec = row_decode ? row_decode[(size_t)e * rows + n] : decode[e];
+    return __fmul_rn(__fmul_rn(w_dec, a_dec), gemm::kWeightUnscale);
+}
+
+// One stack's view for the gate or the up half: tile p * step + first of expert e.
+struct StackRows {
+    const uint4* codes;
+    const uint2* scales;
+    const float* decode;
+    const float* row_decode;
+    unsigned rows, step, first;
+};
+
+template <int D, int C, class Stage>
+__device__ void gate_up(Stage stage, const float* act_global, StackRows gate, StackRows up, const int* ids,
+                        const float* row_scale, unsigned top_k, float limit, int has_limit, unsigned H, unsigned I,
+                        unsigned pairs_per_block, void* out, int out_f32) {
+    extern __shared__ uint4 smem_raw[];
+    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __shared__ float partial[kWarps][2][16];
+    __shared__ unsigned table[256];
+    const unsigned a = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
+    const unsigned ks = kWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
+    const unsigned e = ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
+    const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
+    const unsigned per_warp = (groups + ks - 1) / ks * gemm::kGroupChunks;
+    const bool active = p < I / 16;
+
+    WarpGemv<2, D, C> gemv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const StackRows& st = r == 0 ? gate : up;
+        const size_t tile = (size_t)e * (st.rows / 16) + (active ? p : 0) * st.step + st.first;
+        gemv.codes[r] = st.codes + tile * chunks * 32;
+        gemv.scales[r] = st.scales + tile * groups * 32;
+    }
+    gemv.c0 = active ? min(chunks, warp % ks * per_warp) : chunks;
+    gemv.c1 = min(chunks, gemv.c0 + per_warp);
+    gemv.policy = gemm::evict_first_policy();
+    gemv.prime();
+    stage.prepare(table);
+    __syncthreads();
+    stage(a / top_k, act_s, chunks * gemm::kTileK, table);
+    __syncthreads();
+    float acc[2][4] = {};
+    gemv.run(act_s, acc);
+    if ((lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) partial[warp][r][lane >> 2] = acc[r][0], partial[warp][r][(lane >> 2) + 8] = acc[r][2];
+    }
+    __syncthreads();
+    if (threadIdx.x >= 16 * pairs_per_block) return;
+    const unsigned q = threadIdx.x / 16, i = threadIdx.x % 16, pair = blockIdx.x * pairs_per_block + q;
+    if (pair >= I / 16) return;
+    const float a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+    float y[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = 0.0f;  // the K parts in order
+        for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][i]);
+        const StackRows& st = r == 0 ? gate : up;
+        const unsigned n = (pair * st.step + st.first) * 16 + i;
+        // the GEMM's bf16 output (h), as the grouped path stores it
+        y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, alpha(st.decode, st.row_decode, e, st.rows, n, a_dec))));
+    }
+    // SwiGLU as quant.cu's SwigluSource computes it
+    float g = y[0], u = y[1];
+    if (has_limit) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    float v = __fmul_rn(fp4_silu(g), u);
+    if (row_scale) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
+    const size_t index = (size_t)a * I + pair * 16 + i;
+    if (out_f32) static_cast<float*>(out)[index] = v;
+    else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
+}
+
+template <int D, int C, class Stage>
+__device__ void down(Stage stage, const float* act_global, const uint4* codes, const uint2* scales, const float* decode,
+                     const float* row_decode, const int* ids, const float* weights, int weighted, unsigned top_k,
+                     const __nv_bfloat16* shared, __nv_bfloat16* out, unsigned H, unsigned I) {
+    extern __shared__ uint4 smem_raw[];
+    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __shared__ float y[kMaxTopK][16];
+    __shared__ unsigned table[256];
+    const unsigned r = blockIdx.x, t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned chunks = (I + gemm::kTileK - 1) / gemm::kTileK, kp = chunks * gemm::kTileK;
+    const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks, row_tiles = H / 16;
+    const float a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+
+    WarpGemv<1, D, C> gemv;
+    gemv.c0 = 0;
+    gemv.c1 = chunks;
+    gemv.policy = gemm::evict_first_policy();
+    auto point = [&](unsigned j) {
+        const size_t tile = (size_t)ids[t * top_k + j] * row_tiles + r;
+        gemv.codes[0] = codes + tile * chunks * 32;
+        gemv.scales[0] = scales + tile * groups * 32;
+    };
+    if (warp < top_k) {
+        point(warp);
+        gemv.prime();
+    }
+    stage.prepare(table);
+    __syncthreads();
+    for (unsigned j = 0; j < top_k; ++j) stage(t * top_k + j, act_s + (size_t)j * kp, kp, table);
+    __syncthreads();
+    for (unsigned j = warp; j < top_k; j += kWarps) {
+        if (j != warp) {
+            point(j);
+            gemv.prime();
+        }
+        float acc[1][4] = {};
+        gemv.run(act_s + (size_t)j * kp, acc);
+        if ((lane & 3) == 0) {
+            const unsigned e = ids[t * top_k + j], n = r * 16 + (lane >> 2);
+            y[j][lane >> 2] = __fmul_rn(acc[0][0], alpha(decode, row_decode, e, H, n, a_dec));
+            y[j][(lane >> 2) + 8] = __fmul_rn(acc[0][2], alpha(decode, row_decode, e, H, n + 8, a_dec));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x >= 16) return;
+    const unsigned n = r * 16 + threadIdx.x;
+    float acc = 0.0f;  // moe_combine's arithmetic, in slot order
+    for (unsigned j = 0; j < top_k; ++j) acc = weighted ? fmaf(y[j][threadIdx.x], weights[t * top_k + j], acc) : __fadd_rn(acc, y[j][threadIdx.x]);
+    if (shared) acc = __fadd_rn(acc, __bfloat162float(shared[(size_t)t * H + n]));
+    out[(size_t)t * H + n] = __float2bfloat16_rn(acc);
+}
+
+// Activation row stagers: row `row` of the activation into `dst` (Kp bf16), by the whole block.
+struct StageBf16 {
+    const __nv_bfloat16* x;
+    unsigned K;
+    __device__ __forceinline__ void prepare(unsigned*) const {}
+    __device__ __forceinline__ void operator()(unsigned row, __nv_bfloat16* dst, unsigned kp, const unsigned*) const {
+        stage_row(x + (size_t)row * K, K, kp, dst, threadIdx.x, blockDim.x);
+    }
+};
+struct StageNvfp4 {
+    const unsigned char* packed;
+    const unsigned char* scales;
+    unsigned K;
+    __device__ __forceinline__ void prepare(unsigned* table) const { build_code_table(table); }
+    __device__ __forceinline__ void operator()(unsigned row, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        stage_row(packed + (size_t)row * (K / 2), scales + (size_t)row * (K / 16), K, kp, dst, table, threadIdx.x,
+                  blockDim.x);
+    }
+};
+
+}  // namespace small
+
+#define FP4_SMALL_GATE_UP_ARGS                                                                            \
+    const uint4 *g_codes, const uint2 *g_scales, const float *g_decode, const float *g_row_decode, unsigned g_rows, \
+        unsigned g_step, unsigned g_first, const uint4 *u_codes, const uint2 *u_scales, const float *u_decode, \
+        const float *u_row_decode, unsigned u_rows, unsigned u_step, unsigned u_first, const int *ids,   \
+        const float *row_scale, unsigned top_k, float limit, int has_limit, unsigned H, unsigned I,            \
+        unsigned pairs_per_block, void *out, int out_f32
+#define FP4_SMALL_GATE_UP_CALL(D, C, STAGE, ACT_GLOBAL)                                                   \
+    small::gate_up<D, C>(STAGE, ACT_GLOBAL,                                                               \
+                         small::StackRows{g_codes, g_scales, g_decode, g_row_decode, g_rows, g_step, g_first}, \
+                         small::StackRows{u_codes, u_scales, u_decode, u_row_decode, u_rows, u_step, u_first}, ids, \
+                         row_scale, top_k, limit, has_limit, H, I, pairs_per_block, out, out_f32)
+
+#define FP4_SMALL_DOWN_ARGS                                                                               \
+    const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *w_row_decode, const int *ids, \
+        const float *weights, int weighted, unsigned top_k, const __nv_bfloat16 *shared, __nv_bfloat16 *out, unsigned H, \
+        unsigned I
+
+// VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
+// registers must allow (B)
+#define FP4_DEFINE_SMALL(VARIANT, D, C, B)                                                                \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
+        const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
+        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageBf16{x, H}), nullptr);                                 \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
+        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
+        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageNvfp4{x_packed, x_scales, H}), x_global);              \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
+        const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
+        small::down<D, C>(small::StageBf16{h, I}, nullptr, w_codes, w_scales, w_decode, w_row_decode, ids, weights, \
+                          weighted, top_k, shared, out, H, I);                                            \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
+        const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global, FP4_SMALL_DOWN_ARGS) { \
+        small::down<D, C>(small::StageNvfp4{h_packed, h_scales, I}, h_global, w_codes, w_scales, w_decode, w_row_decode, \
+                          ids, weights, weighted, top_k, shared, out, H, I);                              \
+    }
+
+// the variants the launchers use (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone:
+// gate_up with 2 groups in flight and one chain at 2 blocks per SM; down with 1 group in flight,
+// two chains, 4 blocks per SM: 18.2 -> 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash)
+FP4_DEFINE_SMALL(d2c1, 2, 1, 2)
+FP4_DEFINE_SMALL(d1c2b4, 1, 2, 4)
