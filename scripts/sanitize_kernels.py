@@ -145,6 +145,15 @@ def run_moe(be: Backend, rng) -> None:
             ids = rng.integers(0, 50, 3).astype(np.int32) if "tid2eid" in kw else None
             got = be.host(dev(be.to(x), None if ids is None else be.to(ids)))
             close(got.astype(np.float32), host(x, ids).astype(np.float32), f"MoE fused={fused} {routing}", 1e-4)
+    # a shared expert of the layer's widths: folded into the small-T launches as one more expert
+    g, u, dn = (rng.standard_normal(s).astype(np.float32) / 8 for s in ((32, 64), (32, 64), (64, 32)))
+    for mode in ("w4a4", "w4a16"):
+        host = MoE.from_float(*weights, RoutingConfig(top_k=2), mode=mode,
+                              shared=SharedExpert.from_float(g, u, dn, limit=4.0, mode=mode))
+        dev = MoE.from_float(*(be.to(w) for w in weights), RoutingConfig(top_k=2), mode=mode,
+                             shared=SharedExpert.from_float(be.to(g), be.to(u), be.to(dn), limit=4.0, mode=mode))
+        x = rng.standard_normal((3, 64)).astype(BF16)
+        close(be.host(dev(be.to(x))).astype(np.float32), host(x).astype(np.float32), f"MoE + shared expert {mode}", 1e-4)
 
 
 def run_kv_cache(be: Backend, rng) -> None:

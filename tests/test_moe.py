@@ -259,3 +259,14 @@ def test_combine_rounds_in_fp32_in_slot_order_then_once_to_bf16():
     assert out.astype(np.float32).item() == 1.0
     out = ref.combine(y, np.array([0, 3, 4], np.uint32), np.ones((1, 3), np.float32), weighted=False)
     assert out.astype(np.float32).item() == 1.0 + 2.0**-7  # 1 + 3 * 2^-9 rounds up to the next bf16
+
+
+def test_the_shared_expert_folds_into_the_small_launches_by_the_measured_rule():
+    """Up to FOLD_SHARED_MAX_TOKENS tokens (its weights are streamed once per token) and while the
+    top-k slots plus the shared one fit the 8 warps of a down-projection block."""
+    from fp4kit.layers import moe as moe_layer
+
+    limit = moe_layer.FOLD_SHARED_MAX_TOKENS
+    assert moe_layer.fold_shared_pays(1, 6) and moe_layer.fold_shared_pays(limit, 7)
+    assert not moe_layer.fold_shared_pays(limit + 1, 6)
+    assert not moe_layer.fold_shared_pays(1, 8)  # V3's top-8: nine slots

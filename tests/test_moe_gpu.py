@@ -25,7 +25,7 @@ def host_stack(s: ExpertStack) -> ExpertStack:
     return host.to_linear()
 
 
-def build(rng, e, h, i, routing, **kwargs):
+def build(rng, e, h, i, routing, host_shared=None, **kwargs):
     gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
     w1 = cp.asarray((rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32))
     w3 = cp.asarray((rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32))
@@ -33,15 +33,19 @@ def build(rng, e, h, i, routing, **kwargs):
     dev_kwargs = {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     dev = MoE.from_float(cp.asarray(gate), w1, w3, w2, routing, **dev_kwargs)
     host_kwargs = {k: (cp.asnumpy(v) if isinstance(v, cp.ndarray) else v) for k, v in kwargs.items()}
+    if host_shared is not None:  # the same shared expert with host weights
+        host_kwargs["shared"] = host_shared
     host = MoE(gate, host_stack(dev.w2), routing, w13=host_stack(dev.w13), **host_kwargs)
     return dev, host
 
 
-@pytest.fixture(params=["small", "sorted"])
+@pytest.fixture(params=["small", "small-shared-apart", "sorted"])
 def path(request, monkeypatch):
     """Both device paths of the layer at every T: the small-T GEMVs over the (token, slot)
-    assignments, and the expert-sorted grouped GEMMs."""
-    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param == "small" else 0)
+    assignments (a shared expert folded in as one more expert, or run apart), and the expert-sorted
+    grouped GEMMs."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param.startswith("small") else 0)
+    monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param == "small")
     return request.param
 
 
@@ -107,6 +111,34 @@ def test_layer_matches_reference_wide(rng, path, t, mode):
     x = rng.standard_normal((t, 4096)).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("t", [1, 5, 64])
+@pytest.mark.parametrize("shared_inner", [256, 128])
+def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared_inner):
+    """A shared expert with its own clamp: of the layer's inner size (folded into the small-T
+    launches up to `FOLD_SHARED_MAX_TOKENS` tokens) or not (run apart on every path)."""
+    e, h, i = 32, 512, 256
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)
+          for s in ((shared_inner, h), (shared_inner, h), (h, shared_inner))]
+    dev_shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
+    host_shared = SharedExpert.from_float(*ws, limit=7.0, mode=mode)
+    dev, host = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=dev_shared, host_shared=host_shared)
+    assert dev._folds_shared(t) == (path == "small" and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS)
+    x = (rng.standard_normal((t, h)) * 2).astype(BF16)
+    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
+    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+def test_routed_ids_are_those_of_the_last_call(rng, path):
+    """`MoE.routed_ids` (what the decode benchmark counts experts from) on either path."""
+    dev, _ = build(rng, 32, 256, 128, V4, limit=10.0)
+    x = cp.asarray(rng.standard_normal((3, 256)).astype(BF16))
+    assert dev.routed_ids(3) is None
+    dev(x)
+    got = cp.asnumpy(dev.routed_ids(3))
+    assert got.shape == (3, V4.top_k) and np.array_equal(got, cp.asnumpy(dev.route(x)[0]))
 
 
 def test_adversarial_routing(rng, path):

@@ -149,12 +149,12 @@ def experts_touched(model: Model, batch: int) -> list[int]:
     """Distinct experts each layer's last forward pass used (reads the routing on the host)."""
     out = []
     for blk in model.blocks:
-        plans = getattr(blk.moe, "_plans", None) if model.device else None
-        plan = plans.peek(batch) if plans else None
-        if plan is None:
+        routed_ids = getattr(blk.moe, "routed_ids", None)  # an expert-parallel layer has none: the bound
+        ids = routed_ids(batch) if model.device and routed_ids else None
+        if ids is None:
             out.append(min(model.cfg.experts, batch * model.cfg.top_k))
         else:
-            out.append(int(np.unique(to_host(plan.ids)).size))
+            out.append(int(np.unique(to_host(ids)).size))
     return out
 
 

@@ -50,6 +50,14 @@ SCORE_FUNCS = moe_ref.SCORE_FUNCS
 #: V4-Flash 86 vs 101 us at T = 1, 266 vs 275 at T = 8; V3 131 vs 160 at T = 1, 512 vs 530 at T = 8
 #: (top-8: 64 assignments); at T = 16 about equal (an expert picked twice is streamed twice)
 SMALL_MAX_ASSIGNMENTS = 64
+#: on the small-T path, a `SharedExpert` rides in the two launches as one more expert that every
+#: token selects, instead of its own launches (gate_up, SwiGLU + quantize, down) -- up to
+#: `FOLD_SHARED_MAX_TOKENS` tokens (its weights are streamed once per token) and while the routed
+#: slots and the shared one fit the 8 warps of a down-projection block. H200, W4A4, V4-Flash:
+#: 87 -> 74 us at T = 1, 110 -> 103 at T = 2, 169 -> 166 at T = 4, 266 -> 281 at T = 8; V3
+#: (top-8: 9 slots) 131 -> 138 at T = 1
+FOLD_SHARED = True
+FOLD_SHARED_MAX_TOKENS = 4
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -197,6 +205,8 @@ class _Plan:
     h: object = None
     y: object = None
     h_f32: object = None  # the small-T path's SwiGLU output before the W4A4 quantize
+    hs_act: object = None  # the folded shared expert's down-projection input (W4A4)
+    fold: bool = False  # the small-T launches run the shared expert (`MoE._folds_shared`)
 
 
 class MoE:
@@ -268,6 +278,8 @@ class MoE:
         self._counts = None
         #: the small-T path (`SMALL_MAX_ASSIGNMENTS`) up to this many (token, slot) assignments
         self.small_max_assignments = SMALL_MAX_ASSIGNMENTS
+        #: the small-T launches run a `SharedExpert` as one more expert (`_folds_shared`)
+        self.fold_shared = FOLD_SHARED
 
     @property
     def fused(self) -> bool:
@@ -376,7 +388,17 @@ class MoE:
     # -- device -------------------------------------------------------------------------------------
     def _plan(self, x) -> _Plan:
         t = x.shape[0]
-        return self._plans.get((t, self._small(t)), lambda: self._make_plan(x))
+        return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
+
+    def _plan_key(self, t: int) -> tuple:
+        return t, self._small(t), self._folds_shared(t)
+
+    def routed_ids(self, tokens: int):
+        """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
+        tokens with the layer's current settings (None if there was none); reading them is the
+        caller's host sync."""
+        plan = self._plans.peek(self._plan_key(tokens))
+        return None if plan is None else plan.ids
 
     def _small(self, t: int) -> bool:
         return t * self.routing.top_k <= self.small_max_assignments
@@ -393,12 +415,15 @@ class MoE:
             return Nvfp4Tensor(cupy.empty((rows, cols // 2), np.uint8), cupy.empty((rows, cols // 16), np.uint8),
                                cupy.empty((), np.float32), "linear", (rows, cols))
 
+        small, fold = self._small(t), self._small(t) and self._folds_shared(t)
+        rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
                       weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 else None,
-                      h_act=nvfp4(pairs, i) if w4a4 else cupy.empty((pairs, i), arrays.BF16),
+                      h_act=nvfp4(pairs, i) if w4a4 else cupy.empty((rows if small else pairs, i), arrays.BF16),
                       out=cupy.empty((t, h), arrays.BF16))
-        if self._small(t):
-            return _Plan(**common, h_f32=cupy.empty((pairs, i), np.float32) if w4a4 else None)
+        if small:
+            return _Plan(**common, h_f32=cupy.empty((rows, i), np.float32) if w4a4 else None,
+                         hs_act=nvfp4(t, i) if w4a4 and fold else None, fold=fold)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         return _Plan(
@@ -458,23 +483,52 @@ class MoE:
             return self.shared(x, x_act=act)
         return self.shared(x)
 
+    def _folds_shared(self, t: int) -> bool:
+        """Whether the small-T launches for ``t`` tokens run the shared expert as one more expert:
+        a `SharedExpert` in the layer's mode with this layer's widths, no biases and (W4A4) dynamic
+        input scales, so that folding it in changes nothing but the summation order of its GEMMs;
+        and `fold_shared_pays` for ``t`` and top-k."""
+        sh = self.shared
+        if not (self.fold_shared and isinstance(sh, SharedExpert) and sh.mode == self.mode
+                and fold_shared_pays(t, self.routing.top_k)):
+            return False
+        gate_up, down = sh.gate_up, sh.down
+        return (gate_up.bias is None and down.bias is None and gate_up.in_features == self.hidden
+                and down.in_features == self.inner and arrays.is_device_array(gate_up.weight.packed)
+                and (self.mode == "w4a16" or (gate_up.input_scale is None and down.input_scale is None)))
+
     def _forward_small(self, x, act, plan: _Plan):
         """Two GEMV launches over the (token, slot) assignments: gate|up + SwiGLU, then (W4A4: after
-        the amax + quantize of the SwiGLU output) down + weighted combine + the shared expert."""
+        the amax + quantize of the SwiGLU output) down + weighted combine + the shared expert, which
+        rides along as one more expert (`_folds_shared`) or runs on its own."""
         if self.fused:
             gate, up = (self.w13, 2, 0), (self.w13, 2, 1)
         else:
             gate, up = (self.w1, 1, 0), (self.w3, 1, 0)
         row_scale = plan.weights if self.weight_before_down else None
+        fold = plan.fold
+        sh = self.shared
+        first = (sh.gate_up.weight, sh.gate_up.row_decode, sh.limit) if fold else None
+        routed = plan.ids.size
         if self.mode == "w4a4":
-            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_f32)
-            h_act = quant_ops.quantize(plan.h_f32, out=plan.h_act)
+            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first)
+            # the routed rows and the shared expert's rows, each with its own global scale
+            h_act = quant_ops.quantize(plan.h_f32[:routed], out=plan.h_act)
+            s_act = quant_ops.quantize(plan.h_f32[routed:], out=plan.hs_act) if fold else None
         else:
-            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_act)
-            h_act = plan.h_act
-        shared = self._shared(x, act)
-        moe_ops.small_down(h_act, self.w2, plan.ids, plan.weights, not self.weight_before_down, shared, plan.out)
+            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_act, shared=first)
+            h_act, s_act = plan.h_act, None
+        second = (sh.down.weight, sh.down.row_decode, s_act) if fold else None
+        shared_out = None if fold else self._shared(x, act)
+        moe_ops.small_down(h_act, self.w2, plan.ids, plan.weights, not self.weight_before_down, shared_out, plan.out,
+                           shared=second)
         return plan.out
+
+
+def fold_shared_pays(t: int, top_k: int) -> bool:
+    """The measured rule of `FOLD_SHARED_MAX_TOKENS`: at most that many tokens, and the top-k
+    routed slots plus the shared one within the 8 warps of a down-projection block."""
+    return t <= FOLD_SHARED_MAX_TOKENS and top_k + 1 <= 8
 
 
 def _check_shared(shared, hidden: int) -> None:

@@ -66,12 +66,7 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
               plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
-    if isinstance(act, Nvfp4Tensor):
-        kernel = loader.get_kernel(_MODULE, f"moe_gemm_nvfp4_{tiles}")
-        args = (act.packed, act.block_scales, act.global_scale, *common)
-    else:
-        kernel = loader.get_kernel(_MODULE, f"moe_gemm_bf16_{tiles}")
-        args = (act, *common)
+    kernel, args = _kernel_and_args(act, f"moe_gemm_{{}}_{tiles}", common)
     kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 
 
@@ -98,52 +93,73 @@ def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
     return pp
 
 
-def small_gate_up(act, gate, up, ids, row_scale, limit, out) -> None:
+def _weight_rows(w, step: int = 1, first: int = 0) -> tuple:
+    """Kernel arguments of one weight of the small-T launches (moe.cu ``StackRows``): a tiled
+    `ExpertStack`, a ``(tiled Nvfp4Tensor, row_decode or None)`` pair (the shared expert's dense
+    weight), or None (absent)."""
+    if w is None:
+        return (0, 0, 0, 0, 0, _U32(0), _U32(0), _U32(0))
+    if isinstance(w, tuple):
+        tensor, row_decode = w
+        if tensor.scale_layout != "tiled":
+            raise ValueError("shared: the small-T MoE path reads tiled weights (a device Linear keeps its weight tiled)")
+        return (tensor.packed, tensor.block_scales, 0, tensor.global_scale, _opt(row_decode), _U32(tensor.shape[0]),
+                _U32(step), _U32(first))
+    if w.layout != "tiled":
+        raise ValueError("stack: the small-T MoE path reads tiled expert stacks; convert with stack.to_tiled()")
+    return (w.packed, w.block_scales, w.decode, 0, _opt(w.row_decode), _U32(w.shape[1]), _U32(step), _U32(first))
+
+
+def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None) -> None:
     """The small-T path's first launch: for every (token, slot) assignment ``a`` of ``ids [T, top_k]``,
     ``out[a] = swiglu(gate_e(x_t), up_e(x_t))`` (bf16-rounded GEMM outputs, optional clamp ``limit``
     and row factor ``row_scale [T * top_k]``) with ``e = ids[a]``; fp32 ``out`` for the W4A4 quantize
     that follows, bf16 for W4A16. ``gate`` and ``up`` are ``(stack, tile step, first tile)``: the
-    interleaved fused stack twice with step 2 (first 0 and 1), or the two unfused stacks with step 1."""
+    interleaved fused stack twice with step 2 (first 0 and 1), or the two unfused stacks with step 1.
+
+    ``shared``: ``(gate_up weight [2I, H] interleaved, its row_decode or None, its limit)`` of a
+    shared expert folded in as one more expert that every token selects: rows ``T * top_k + t`` of
+    ``out`` are its SwiGLU output for token ``t`` (no routing weight)."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
-    for st in (gs, us):
-        if st.layout != "tiled":
-            raise ValueError("stack: the small-T MoE path reads tiled expert stacks; convert with stack.to_tiled()")
     h = gs.shape[2]
     inner = out.shape[1]
-    pairs = ids.size
-
-    def rows(st, step, first):
-        return (st.packed, st.block_scales, st.decode, _opt(st.row_decode), _U32(st.shape[1]), _U32(step), _U32(first))
-
+    routed = ids.size
+    blocks_y = routed + (0 if shared is None else ids.shape[0])
+    s_gate = s_up = None
+    s_limit = None
+    if shared is not None:
+        s_weight, s_row_decode, s_limit = shared
+        s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
     import cupy
 
-    pp = small_pairs_per_block(inner, pairs, loader.sm_count(cupy.cuda.Device().id))
-    common = (*rows(gs, g_step, g_first), *rows(us, u_step, u_first), ids, _opt(row_scale), _U32(ids.shape[1]),
-              np.float32(0.0 if limit is None else limit), _I32(limit is not None), _U32(h), _U32(inner), _U32(pp),
-              out, _I32(out.dtype == np.float32))
-    if isinstance(act, Nvfp4Tensor):
-        kernel, args = loader.get_kernel(_MODULE, f"moe_small_gate_up_nvfp4_{SMALL_GATE_UP_VARIANT}"), (act.packed, act.block_scales,
-                                                                              act.global_scale, *common)
-    else:
-        kernel, args = loader.get_kernel(_MODULE, f"moe_small_gate_up_bf16_{SMALL_GATE_UP_VARIANT}"), (act, *common)
-    kernel.launch((-(-inner // (16 * pp)), pairs), 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
+    pp = small_pairs_per_block(inner, blocks_y, loader.sm_count(cupy.cuda.Device().id))
+    common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
+              *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
+              np.float32(0.0 if limit is None else limit), _I32(limit is not None),
+              np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
+              _U32(pp), out, _I32(out.dtype == np.float32))
+    kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{SMALL_GATE_UP_VARIANT}", common)
+    kernel.launch((-(-inner // (16 * pp)), blocks_y), 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
 
 
-def small_down(act, stack, ids, weights, weighted: bool, shared, out) -> None:
+def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, shared=None) -> None:
     """The small-T path's second launch: ``out[t] = sum over slots j (in order) of alpha * act[t, j] @
-    W2[ids[t, j]]^T (times ``weights[t, j]`` when ``weighted``) + shared[t]``, bf16 ``[T, H]``."""
-    if stack.layout != "tiled":
-        raise ValueError("stack: the small-T MoE path reads tiled expert stacks; convert with stack.to_tiled()")
+    W2[ids[t, j]]^T (times ``weights[t, j]`` when ``weighted``) + shared_out[t]``, bf16 ``[T, H]``.
+
+    ``shared``: ``(down weight [H, I], its row_decode or None, its activation)`` of a shared expert
+    folded in (see `small_gate_up`): its down projection of activation row ``T * top_k + t``
+    (bf16: rows of ``act``; NVFP4: its own tensor ``[T, I]``, passed here) is rounded to bf16 and
+    added after the routed slots."""
     t, h = out.shape
     top_k, inner = ids.shape[1], stack.shape[2]
-    common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode), ids, weights, _I32(weighted),
-              _U32(top_k), _opt(shared), out, _U32(h), _U32(inner))
-    if isinstance(act, Nvfp4Tensor):
-        kernel, args = loader.get_kernel(_MODULE, f"moe_small_down_nvfp4_{SMALL_DOWN_VARIANT}"), (act.packed, act.block_scales,
-                                                                           act.global_scale, *common)
-    else:
-        kernel, args = loader.get_kernel(_MODULE, f"moe_small_down_bf16_{SMALL_DOWN_VARIANT}"), (act, *common)
-    kernel.launch((h // 16, t), 256, args, shared_mem=top_k * _tile_chunks(inner) * TILE_K * 2)
+    routed = ids.size
+    s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
+    common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
+              _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
+    second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
+    kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{SMALL_DOWN_VARIANT}", common, nvfp4_extra=second)
+    slots = top_k + (shared is not None)
+    kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 
 
 def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:
@@ -151,6 +167,16 @@ def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:
     top_k = slot_row.size // t
     loader.get_kernel(_MODULE, "moe_combine")(
         t, 256, (y, slot_row, weights, _I32(weighted), _opt(shared), out, _U32(h), _U32(top_k)))
+
+
+def _kernel_and_args(act, name: str, common: tuple, nvfp4_extra: tuple = ()):
+    """Kernel ``name`` for the activation's kind (``{}`` becomes ``nvfp4`` or ``bf16``) and its
+    arguments: the activation (NVFP4: codes, scales, global scale, then ``nvfp4_extra``), then
+    ``common``."""
+    if isinstance(act, Nvfp4Tensor):
+        return (loader.get_kernel(_MODULE, name.format("nvfp4")),
+                (act.packed, act.block_scales, act.global_scale, *nvfp4_extra, *common))
+    return loader.get_kernel(_MODULE, name.format("bf16")), (act, *common)
 
 
 def _opt(a):

@@ -460,34 +460,51 @@ struct WarpGemv {
     }
 };
 
-// The alpha of the engine's epilogue: (decode factor of the row * 1 / S_a) * 2^26.
-__device__ __forceinline__ float alpha(const float* decode, const float* row_decode, unsigned e, unsigned rows,
-                                       unsigned n, float a_dec) {
-    const float w_dec = row_decode ? row_decode[(size_t)e * rows + n] : decode[e];
-    return __fmul_rn(__fmul_rn(w_dec, a_dec), gemm::kWeightUnscale);
-}
-
-// One stack's view for the gate or the up half: tile p * step + first of expert e.
+// One weight for the gate or the up half (tile p * step + first of expert e), or for the down
+// projection (step 1, first 0): a tiled expert stack with decode factors per expert (`decode`,
+// fp32(1 / S_e)), or a single tiled weight (e = 0) with its encode scale `global`, whose factor
+// is 1 / S as the dense GEMM's epilogue computes it; per-row factors override either.
 struct StackRows {
     const uint4* codes;
     const uint2* scales;
     const float* decode;
+    const float* global;
     const float* row_decode;
     unsigned rows, step, first;
+
+    // the alpha of the engine's epilogue: (decode factor of row n * 1 / S_a) * 2^26
+    __device__ __forceinline__ float alpha(unsigned e, unsigned n, float a_dec) const {
+        const float w_dec = row_decode ? row_decode[(size_t)e * rows + n]
+                                       : (global ? __fdiv_rn(1.0f, *global) : decode[e]);
+        return __fmul_rn(__fmul_rn(w_dec, a_dec), gemm::kWeightUnscale);
+    }
 };
 
+// The SwiGLU settings of the routed experts or of the shared expert.
+struct Swiglu {
+    float limit;
+    int has_limit;
+};
+
+// Blocks (p, a) with a < routed take the routed assignment a (expert ids[a], token a / top_k, the
+// routing weight as row factor); a >= routed the shared expert (one more always-selected expert,
+// its own weights and clamp) for token a - routed. Rows of `out`: the routed assignments, then
+// the shared expert's tokens.
 template <int D, int C, class Stage>
-__device__ void gate_up(Stage stage, const float* act_global, StackRows gate, StackRows up, const int* ids,
-                        const float* row_scale, unsigned top_k, float limit, int has_limit, unsigned H, unsigned I,
-                        unsigned pairs_per_block, void* out, int out_f32) {
+__device__ void gate_up(Stage stage, const float* act_global, StackRows r_gate, StackRows r_up, StackRows s_gate,
+                        StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
+                        Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
+                        int out_f32) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ float partial[kWarps][2][16];
     __shared__ unsigned table[256];
     const unsigned a = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool shared = a >= routed;  // block-uniform
+    const StackRows gate = shared ? s_gate : r_gate, up = shared ? s_up : r_up;
     // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
     const unsigned ks = kWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
-    const unsigned e = ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
+    const unsigned e = shared ? 0u : ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
     const unsigned per_warp = (groups + ks - 1) / ks * gemm::kGroupChunks;
     const bool active = p < I / 16;
@@ -506,7 +523,7 @@ __device__ void gate_up(Stage stage, const float* act_global, StackRows gate, St
     gemv.prime();
     stage.prepare(table);
     __syncthreads();
-    stage(a / top_k, act_s, chunks * gemm::kTileK, table);
+    stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
     __syncthreads();
     float acc[2][4] = {};
     gemv.run(act_s, acc);
@@ -525,54 +542,59 @@ __device__ void gate_up(Stage stage, const float* act_global, StackRows gate, St
         float sum = 0.0f;  // the K parts in order
         for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][i]);
         const StackRows& st = r == 0 ? gate : up;
-        const unsigned n = (pair * st.step + st.first) * 16 + i;
-        // the GEMM's bf16 output (h), as the grouped path stores it
-        y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, alpha(st.decode, st.row_decode, e, st.rows, n, a_dec))));
+        // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
+        y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, st.alpha(e, (pair * st.step + st.first) * 16 + i, a_dec))));
     }
     // SwiGLU as quant.cu's SwigluSource computes it
+    const Swiglu sw = shared ? s_swiglu : r_swiglu;
     float g = y[0], u = y[1];
-    if (has_limit) {
-        g = g > limit ? limit : g;
-        u = u > limit ? limit : (u < -limit ? -limit : u);
+    if (sw.has_limit) {
+        g = g > sw.limit ? sw.limit : g;
+        u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
     }
     float v = __fmul_rn(fp4_silu(g), u);
-    if (row_scale) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
+    if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
     const size_t index = (size_t)a * I + pair * 16 + i;
     if (out_f32) static_cast<float*>(out)[index] = v;
     else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
 }
 
+// Block (r, t): slots j < top_k are token t's routed assignments (activation row t * top_k + j);
+// with a folded shared expert, slot top_k is its down projection (activation row routed + t,
+// its own weight and 1 / S_a), rounded to bf16 as the dense layer's output and added last, as
+// moe_combine adds a separate shared expert's output (`shared_out`).
 template <int D, int C, class Stage>
-__device__ void down(Stage stage, const float* act_global, const uint4* codes, const uint2* scales, const float* decode,
-                     const float* row_decode, const int* ids, const float* weights, int weighted, unsigned top_k,
-                     const __nv_bfloat16* shared, __nv_bfloat16* out, unsigned H, unsigned I) {
+__device__ void down(Stage stage, const float* act_global, const float* s_act_global, StackRows w, StackRows s_w,
+                     int has_shared, const int* ids, const float* weights, int weighted, unsigned top_k,
+                     unsigned routed, const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __shared__ float y[kMaxTopK][16];
+    __shared__ float y[kMaxTopK + 1][16];
     __shared__ unsigned table[256];
     const unsigned r = blockIdx.x, t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned chunks = (I + gemm::kTileK - 1) / gemm::kTileK, kp = chunks * gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks, row_tiles = H / 16;
-    const float a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+    const unsigned slots = top_k + (has_shared ? 1u : 0u);
 
     WarpGemv<1, D, C> gemv;
     gemv.c0 = 0;
     gemv.c1 = chunks;
     gemv.policy = gemm::evict_first_policy();
     auto point = [&](unsigned j) {
-        const size_t tile = (size_t)ids[t * top_k + j] * row_tiles + r;
-        gemv.codes[0] = codes + tile * chunks * 32;
-        gemv.scales[0] = scales + tile * groups * 32;
+        const bool sh = j == top_k;
+        const size_t tile = (sh ? 0u : (size_t)ids[t * top_k + j]) * row_tiles + r;
+        gemv.codes[0] = (sh ? s_w.codes : w.codes) + tile * chunks * 32;
+        gemv.scales[0] = (sh ? s_w.scales : w.scales) + tile * groups * 32;
     };
-    if (warp < top_k) {
+    if (warp < slots) {
         point(warp);
         gemv.prime();
     }
     stage.prepare(table);
     __syncthreads();
-    for (unsigned j = 0; j < top_k; ++j) stage(t * top_k + j, act_s + (size_t)j * kp, kp, table);
+    for (unsigned j = 0; j < slots; ++j) stage.row(j == top_k ? routed + t : t * top_k + j, act_s + (size_t)j * kp, kp, table);
     __syncthreads();
-    for (unsigned j = warp; j < top_k; j += kWarps) {
+    for (unsigned j = warp; j < slots; j += kWarps) {
         if (j != warp) {
             point(j);
             gemv.prime();
@@ -580,9 +602,13 @@ __device__ void down(Stage stage, const float* act_global, const uint4* codes, c
         float acc[1][4] = {};
         gemv.run(act_s + (size_t)j * kp, acc);
         if ((lane & 3) == 0) {
-            const unsigned e = ids[t * top_k + j], n = r * 16 + (lane >> 2);
-            y[j][lane >> 2] = __fmul_rn(acc[0][0], alpha(decode, row_decode, e, H, n, a_dec));
-            y[j][(lane >> 2) + 8] = __fmul_rn(acc[0][2], alpha(decode, row_decode, e, H, n + 8, a_dec));
+            const bool sh = j == top_k;
+            const float* global = sh ? s_act_global : act_global;
+            const float a_dec = global ? __fdiv_rn(1.0f, *global) : 1.0f;
+            const unsigned e = sh ? 0u : ids[t * top_k + j], n = r * 16 + (lane >> 2);
+            const StackRows& st = sh ? s_w : w;
+            y[j][lane >> 2] = __fmul_rn(acc[0][0], st.alpha(e, n, a_dec));
+            y[j][(lane >> 2) + 8] = __fmul_rn(acc[0][2], st.alpha(e, n + 8, a_dec));
         }
     }
     __syncthreads();
@@ -590,48 +616,65 @@ __device__ void down(Stage stage, const float* act_global, const uint4* codes, c
     const unsigned n = r * 16 + threadIdx.x;
     float acc = 0.0f;  // moe_combine's arithmetic, in slot order
     for (unsigned j = 0; j < top_k; ++j) acc = weighted ? fmaf(y[j][threadIdx.x], weights[t * top_k + j], acc) : __fadd_rn(acc, y[j][threadIdx.x]);
-    if (shared) acc = __fadd_rn(acc, __bfloat162float(shared[(size_t)t * H + n]));
+    if (has_shared) acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(y[top_k][threadIdx.x])));
+    if (shared_out) acc = __fadd_rn(acc, __bfloat162float(shared_out[(size_t)t * H + n]));
     out[(size_t)t * H + n] = __float2bfloat16_rn(acc);
 }
 
-// Activation row stagers: row `row` of the activation into `dst` (Kp bf16), by the whole block.
+// Activation stagers: `token(t, ...)` stages token t of the layer input, `row(a, ...)` row a of
+// the down-projection input (bf16: one buffer for every row; NVFP4: rows from `split` on are the
+// shared expert's, a tensor of their own), into `dst` (kp bf16), by the whole block.
 struct StageBf16 {
     const __nv_bfloat16* x;
     unsigned K;
     __device__ __forceinline__ void prepare(unsigned*) const {}
-    __device__ __forceinline__ void operator()(unsigned row, __nv_bfloat16* dst, unsigned kp, const unsigned*) const {
-        stage_row(x + (size_t)row * K, K, kp, dst, threadIdx.x, blockDim.x);
+    __device__ __forceinline__ void token(unsigned t, __nv_bfloat16* dst, unsigned kp, const unsigned*) const {
+        stage_row(x + (size_t)t * K, K, kp, dst, threadIdx.x, blockDim.x);
+    }
+    __device__ __forceinline__ void row(unsigned a, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        token(a, dst, kp, table);
     }
 };
 struct StageNvfp4 {
     const unsigned char* packed;
     const unsigned char* scales;
     unsigned K;
+    const unsigned char* packed2 = nullptr;
+    const unsigned char* scales2 = nullptr;
+    unsigned split = 0xFFFFFFFFu;
     __device__ __forceinline__ void prepare(unsigned* table) const { build_code_table(table); }
-    __device__ __forceinline__ void operator()(unsigned row, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
-        stage_row(packed + (size_t)row * (K / 2), scales + (size_t)row * (K / 16), K, kp, dst, table, threadIdx.x,
-                  blockDim.x);
+    __device__ __forceinline__ void token(unsigned t, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        stage_row(packed + (size_t)t * (K / 2), scales + (size_t)t * (K / 16), K, kp, dst, table, threadIdx.x, blockDim.x);
+    }
+    __device__ __forceinline__ void row(unsigned a, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        if (a < split) token(a, dst, kp, table);
+        else stage_row(packed2 + (size_t)(a - split) * (K / 2), scales2 + (size_t)(a - split) * (K / 16), K, kp, dst,
+                       table, threadIdx.x, blockDim.x);
     }
 };
 
 }  // namespace small
 
+#define FP4_STACK_ARGS(P) \
+    const uint4 *P##codes, const uint2 *P##scales, const float *P##decode, const float *P##global, \
+        const float *P##row_decode, unsigned P##rows, unsigned P##step, unsigned P##first
+#define FP4_STACK(P) small::StackRows{P##codes, P##scales, P##decode, P##global, P##row_decode, P##rows, P##step, P##first}
+
 #define FP4_SMALL_GATE_UP_ARGS                                                                            \
-    const uint4 *g_codes, const uint2 *g_scales, const float *g_decode, const float *g_row_decode, unsigned g_rows, \
-        unsigned g_step, unsigned g_first, const uint4 *u_codes, const uint2 *u_scales, const float *u_decode, \
-        const float *u_row_decode, unsigned u_rows, unsigned u_step, unsigned u_first, const int *ids,   \
-        const float *row_scale, unsigned top_k, float limit, int has_limit, unsigned H, unsigned I,            \
-        unsigned pairs_per_block, void *out, int out_f32
+    FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
+        const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
+        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
 #define FP4_SMALL_GATE_UP_CALL(D, C, STAGE, ACT_GLOBAL)                                                   \
-    small::gate_up<D, C>(STAGE, ACT_GLOBAL,                                                               \
-                         small::StackRows{g_codes, g_scales, g_decode, g_row_decode, g_rows, g_step, g_first}, \
-                         small::StackRows{u_codes, u_scales, u_decode, u_row_decode, u_rows, u_step, u_first}, ids, \
-                         row_scale, top_k, limit, has_limit, H, I, pairs_per_block, out, out_f32)
+    small::gate_up<D, C>(STAGE, ACT_GLOBAL, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+                         row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
+                         H, I, pairs_per_block, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
-    const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *w_row_decode, const int *ids, \
-        const float *weights, int weighted, unsigned top_k, const __nv_bfloat16 *shared, __nv_bfloat16 *out, unsigned H, \
-        unsigned I
+    FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
+        unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
+#define FP4_SMALL_DOWN_CALL(D, C, STAGE, ACT_GLOBAL, S_ACT_GLOBAL)                                       \
+    small::down<D, C>(STAGE, ACT_GLOBAL, S_ACT_GLOBAL, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, \
+                      weighted, top_k, routed, shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B)
@@ -646,13 +689,13 @@ struct StageNvfp4 {
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
-        small::down<D, C>(small::StageBf16{h, I}, nullptr, w_codes, w_scales, w_decode, w_row_decode, ids, weights, \
-                          weighted, top_k, shared, out, H, I);                                            \
+        FP4_SMALL_DOWN_CALL(D, C, (small::StageBf16{h, I}), nullptr, nullptr);                           \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
-        const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global, FP4_SMALL_DOWN_ARGS) { \
-        small::down<D, C>(small::StageNvfp4{h_packed, h_scales, I}, h_global, w_codes, w_scales, w_decode, w_row_decode, \
-                          ids, weights, weighted, top_k, shared, out, H, I);                              \
+        const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global,              \
+        const unsigned char* s_packed, const unsigned char* s_scales, const float* s_global, FP4_SMALL_DOWN_ARGS) { \
+        FP4_SMALL_DOWN_CALL(D, C, (small::StageNvfp4{h_packed, h_scales, I, s_packed, s_scales, routed}), h_global, \
+                            s_global);                                                                    \
     }
 
 // the variants the launchers use (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone:
