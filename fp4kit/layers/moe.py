@@ -1,15 +1,22 @@
 """`MoE`: a DeepSeek Mixture-of-Experts layer with NVFP4 experts and no host synchronisation.
 
 A forward pass on the device is a fixed sequence of launches whose grids are sized for the worst
-case (every token to distinct experts) and exit early, so it can be captured in a CUDA graph:
+case (every token to distinct experts) and exit early, so it can be captured in a CUDA graph. The
+path is chosen from the token count alone (`SMALL_MAX_ASSIGNMENTS`). Both start with
 
 1. router (one block per token): logits from the high-precision gate weight, scores
    (``sqrtsoftplus`` V4 / ``sigmoid`` V3 / ``softmax``), selection-only bias, optional grouped top-k,
-   top-k (ties to the lower expert id) or hash routing, renormalisation, routed scaling; per-expert
-   counts by atomics;
-2. dispatch (one block): offsets by a prefix sum, the active experts, each (token, slot)'s row in
+   top-k (ties to the lower expert id) or hash routing, renormalisation, routed scaling (the
+   sorted path also counts the pairs per expert by atomics);
+2. the layer input quantized once (W4A4; W4A16 feeds bf16).
+
+The small-T path (decode) then runs two GEMV launches over the (token, slot) assignments, read
+straight from the router's ids: gate|up + SwiGLU (+ clamp, + routing weight) per assignment, the
+W4A4 quantize of that output, and down + the weighted combine in slot order; a `SharedExpert`
+rides along as one more expert (`FOLD_SHARED`) or runs apart. The expert-sorted path (larger T):
+
+3. dispatch (one block): offsets by a prefix sum, the active experts, each (token, slot)'s row in
    expert-sorted order;
-3. the layer input quantized once (W4A4; W4A16 feeds bf16);
 4. L1: one grouped GEMM over W13 (gate and up interleaved in chunks of 16 rows, so the fused SwiGLU
    reads its output directly) — or, unfused, two grouped GEMMs over W1 and W3 writing the two
    halves of a ``[gate | up]`` buffer;

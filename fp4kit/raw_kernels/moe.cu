@@ -23,6 +23,8 @@
 //                  order; the output is written in sorted order.
 //   moe_combine    grid T, 256 threads: out[t] = sum over slots of y[slot_row] (times the routing
 //                  weight unless it was applied before the down projection) + shared[t], in slot order.
+//   moe_small_gate_up_* / moe_small_down_*  the small-T path (decode), which needs no dispatch: see
+//                  the section "The small-T path" below.
 //
 // Every grid is sized for the worst case and exits early, so nothing depends on a count read back.
 #include "common/block_scan.cuh"
