@@ -422,7 +422,8 @@ class MoE:
             return Nvfp4Tensor(cupy.empty((rows, cols // 2), np.uint8), cupy.empty((rows, cols // 16), np.uint8),
                                cupy.empty((), np.float32), "linear", (rows, cols))
 
-        small, fold = self._small(t), self._small(t) and self._folds_shared(t)
+        small = self._small(t)
+        fold = small and self._folds_shared(t)
         rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
                       weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 else None,
@@ -478,7 +479,6 @@ class MoE:
         shared = self._shared(x, act)
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
         return plan.out
-
 
     def _shared(self, x, act):
         """The shared expert's output; a W4A4 `SharedExpert` with a dynamic input scale reuses the

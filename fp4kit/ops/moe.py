@@ -77,7 +77,7 @@ def _tile_chunks(k: int) -> int:
 #: gate|up pairs (16 inner rows each) per block of the small-T first launch: its 8 warps split K
 #: 8 / pairs ways; None picks by size (`small_pairs_per_block`)
 SMALL_PAIRS_PER_BLOCK = None
-#: kernel variants of the two small-T launches (moe.cu FP4_DEFINE_SMALL)
+#: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
 SMALL_GATE_UP_VARIANT = "d2c1"
 SMALL_DOWN_VARIANT = "d1c2b4"
 

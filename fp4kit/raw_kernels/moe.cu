@@ -680,7 +680,7 @@ struct StageNvfp4 {
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B)
-#define FP4_DEFINE_SMALL(VARIANT, D, C, B)                                                                \
+#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B)                                                        \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
         const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
         FP4_SMALL_GATE_UP_CALL(D, C, (small::StageBf16{x, H}), nullptr);                                 \
@@ -688,7 +688,8 @@ struct StageNvfp4 {
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
         const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
         FP4_SMALL_GATE_UP_CALL(D, C, (small::StageNvfp4{x_packed, x_scales, H}), x_global);              \
-    }                                                                                                     \
+    }
+#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
         FP4_SMALL_DOWN_CALL(D, C, (small::StageBf16{h, I}), nullptr, nullptr);                           \
@@ -700,8 +701,9 @@ struct StageNvfp4 {
                             s_global);                                                                    \
     }
 
-// the variants the launchers use (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone:
-// gate_up with 2 groups in flight and one chain at 2 blocks per SM; down with 1 group in flight,
-// two chains, 4 blocks per SM: 18.2 -> 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash)
-FP4_DEFINE_SMALL(d2c1, 2, 1, 2)
-FP4_DEFINE_SMALL(d1c2b4, 1, 2, 4)
+// the variants the launchers use, chosen among (D, C, B) = (2|4, 1|2, 2), (2, 2, 3), (1, 2, 4)
+// (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone): gate_up with 2 groups in flight and
+// one chain at 2 blocks per SM; down with 1 group in flight, two chains, 4 blocks per SM (18.2 ->
+// 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash against 4 groups, one chain)
+FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2)
+FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4)
