@@ -39,14 +39,15 @@ for t in (1, 64):
 # the small-T path (T * top_k <= layer.small_max_assignments): router, L1 GEMV + SwiGLU, the
 # amax + quantize of its output, the shared expert, L2 GEMV + combine
 layer.small_max_assignments = 1 << 30
-layer.fold_shared = False  # the stages below run the shared expert apart
+layer.quantize_in_blocks = False  # the stages below include the quantize launches
+layer.fold_shared = False  # ... and the shared expert apart
 for t in (1, 8):
     x = cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16))
     layer(x)
     plan = layer._plan(x)
     gate_up = ((layer.w13, 2, 0), (layer.w13, 2, 1))
     stages = {
-        "router": lambda: layer._route_device(x, None, plan),
+        "router (one launch)": lambda: layer._route_device(x, None, plan),
         "quantize x": lambda: quant_ops.quantize(x, out=plan.x_act),
         "L1 GEMV+SwiGLU": lambda: moe_ops.small_gate_up(plan.x_act, *gate_up, plan.ids, plan.weights, 10.0, plan.h_f32),
         "quantize h": lambda: quant_ops.quantize(plan.h_f32, out=plan.h_act),
@@ -56,3 +57,7 @@ for t in (1, 8):
     }
     for name, fn in stages.items():
         print(f"small T={t:4d} {name:18s} {events_us(fn, warmup=1, iters=10):9.1f} us")
+    layer.quantize_in_blocks = True
+    print(f"small T={t:4d} {'whole layer, W4A4 quantized in the GEMV blocks':18s} "
+          f"{events_us(lambda: layer(x), warmup=1, iters=10):9.1f} us")
+    layer.quantize_in_blocks = False

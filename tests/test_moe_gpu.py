@@ -39,13 +39,14 @@ def build(rng, e, h, i, routing, host_shared=None, **kwargs):
     return dev, host
 
 
-@pytest.fixture(params=["small", "small-shared-apart", "sorted"])
+@pytest.fixture(params=["small", "small-quantize-launches", "small-shared-apart", "sorted"])
 def path(request, monkeypatch):
     """Both device paths of the layer at every T: the small-T GEMVs over the (token, slot)
-    assignments (a shared expert folded in as one more expert, or run apart), and the expert-sorted
-    grouped GEMMs."""
+    assignments (a shared expert folded in as one more expert, or run apart; W4A4 quantized in
+    the GEMV blocks or by launches of their own), and the expert-sorted grouped GEMMs."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param.startswith("small") else 0)
-    monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param == "small")
+    monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param != "small-shared-apart")
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS", request.param != "small-quantize-launches")
     return request.param
 
 
@@ -125,10 +126,32 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
     dev_shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
     host_shared = SharedExpert.from_float(*ws, limit=7.0, mode=mode)
     dev, host = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=dev_shared, host_shared=host_shared)
-    assert dev._folds_shared(t) == (path == "small" and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS)
+    folds = path in ("small", "small-quantize-launches") and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS
+    assert dev._folds_shared(t) == folds
     x = (rng.standard_normal((t, h)) * 2).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+@pytest.mark.parametrize("x_dtype", [BF16, np.float32])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_dtype, t):
+    """W4A4 on the small-T path: quantizing the input and the SwiGLU output inside the GEMV blocks
+    (from the previous launch's maxima) gives the quantize kernels' codes and scales, so the
+    layer's output is bit for bit that of the path with quantize launches; the folded shared
+    expert's rows keep their own global scale (a large input row checks the per-token amax)."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
+    shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0)
+    dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, shared=shared)
+    x = rng.standard_normal((t, 512)).astype(np.float32)
+    x[-1] *= 40
+    x = cp.asarray(x.astype(x_dtype))
+    dev.quantize_in_blocks = True
+    in_blocks = dev(x).copy()
+    dev.quantize_in_blocks = False
+    launches = dev(x)
+    assert cp.array_equal(in_blocks.view(cp.uint16), launches.view(cp.uint16))
 
 
 def test_routed_ids_are_those_of_the_last_call(rng, path):

@@ -65,6 +65,11 @@ SMALL_MAX_ASSIGNMENTS = 64
 #: (top-8: 9 slots) 131 -> 138 at T = 1
 FOLD_SHARED = True
 FOLD_SHARED_MAX_TOKENS = 4
+#: W4A4 on the small-T path in three launches: the router launch writes each token's max |x|, the
+#: gate|up launch quantizes the input in its blocks (the global amax from those maxima, the
+#: quantize kernels' recipe bit for bit) and writes each block's max |SwiGLU output|, the down
+#: launch quantizes its rows likewise; instead of a quantize launch before each GEMV launch
+QUANTIZE_IN_BLOCKS = True
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -214,6 +219,9 @@ class _Plan:
     h_f32: object = None  # the small-T path's SwiGLU output before the W4A4 quantize
     hs_act: object = None  # the folded shared expert's down-projection input (W4A4)
     fold: bool = False  # the small-T launches run the shared expert (`MoE._folds_shared`)
+    done: object = None  # the small-T router's per-token block counters (zero between calls)
+    x_amax: object = None  # W4A4 quantized in the blocks: per-token max |x| (fp32 bits)
+    h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
 
 
 class MoE:
@@ -287,6 +295,8 @@ class MoE:
         self.small_max_assignments = SMALL_MAX_ASSIGNMENTS
         #: the small-T launches run a `SharedExpert` as one more expert (`_folds_shared`)
         self.fold_shared = FOLD_SHARED
+        #: W4A4 on the small-T path quantizes inside the two GEMV launches (`QUANTIZE_IN_BLOCKS`)
+        self.quantize_in_blocks = QUANTIZE_IN_BLOCKS
 
     @property
     def fused(self) -> bool:
@@ -398,7 +408,7 @@ class MoE:
         return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
 
     def _plan_key(self, t: int) -> tuple:
-        return t, self._small(t), self._folds_shared(t)
+        return t, self._small(t), self._folds_shared(t), self.quantize_in_blocks
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
@@ -425,13 +435,18 @@ class MoE:
         small = self._small(t)
         fold = small and self._folds_shared(t)
         rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
+        in_blocks = small and w4a4 and self.quantize_in_blocks
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
-                      weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 else None,
-                      h_act=nvfp4(pairs, i) if w4a4 else cupy.empty((rows if small else pairs, i), arrays.BF16),
+                      weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 and not in_blocks else None,
+                      h_act=None if in_blocks else nvfp4(pairs, i) if w4a4 else
+                      cupy.empty((rows if small else pairs, i), arrays.BF16),
                       out=cupy.empty((t, h), arrays.BF16))
         if small:
             return _Plan(**common, h_f32=cupy.empty((rows, i), np.float32) if w4a4 else None,
-                         hs_act=nvfp4(t, i) if w4a4 and fold else None, fold=fold)
+                         hs_act=nvfp4(t, i) if w4a4 and fold and not in_blocks else None, fold=fold,
+                         done=zeros_outside_capture(t, np.uint32),
+                         x_amax=cupy.empty(t, np.uint32) if in_blocks else None,
+                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if in_blocks else None)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         return _Plan(
@@ -442,9 +457,9 @@ class MoE:
             y=cupy.empty((pairs, h), np.float32))
 
     def _route_device(self, x, token_ids, plan: _Plan) -> None:
-        if plan.tickets is None:  # the small-T path: ids and weights only
-            moe_ops.route(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
-                          plan.weights, None, None, plan.logits)
+        if plan.tickets is None:  # the small-T path: ids and weights only, one launch
+            moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
+                                plan.weights, plan.logits, plan.done, None)
             return
         moe_ops.route(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids, plan.weights,
                       self._counts, plan.tickets, plan.logits)
@@ -452,15 +467,12 @@ class MoE:
 
     def _forward_device(self, x, token_ids):
         plan = self._plan(x)
-        self._route_device(x, token_ids, plan)
-        if self.mode == "w4a4":
-            act = quant_ops.quantize(x, out=plan.x_act)
-        else:
-            act = x if x.dtype == arrays.BF16 else None
-            if act is None:
-                raise TypeError("x: mode 'w4a16' takes bfloat16 input")
+        if self.mode == "w4a16" and x.dtype != arrays.BF16:
+            raise TypeError("x: mode 'w4a16' takes bfloat16 input")
         if plan.tickets is None:
-            return self._forward_small(x, act, plan)
+            return self._forward_small(x, token_ids, plan)
+        self._route_device(x, token_ids, plan)
+        act = quant_ops.quantize(x, out=plan.x_act) if self.mode == "w4a4" else x
         tokens = x.shape[0]  # an expert gets at most one row per token
         if self.fused:
             moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=tokens)
@@ -504,31 +516,43 @@ class MoE:
                 and down.in_features == self.inner and arrays.is_device_array(gate_up.weight.packed)
                 and (self.mode == "w4a16" or (gate_up.input_scale is None and down.input_scale is None)))
 
-    def _forward_small(self, x, act, plan: _Plan):
-        """Two GEMV launches over the (token, slot) assignments: gate|up + SwiGLU, then (W4A4: after
-        the amax + quantize of the SwiGLU output) down + weighted combine + the shared expert, which
-        rides along as one more expert (`_folds_shared`) or runs on its own."""
+    def _forward_small(self, x, token_ids, plan: _Plan):
+        """The router in one launch, then two GEMV launches over the (token, slot) assignments:
+        gate|up + SwiGLU, then down + weighted combine + the shared expert, which rides along as
+        one more expert (`_folds_shared`) or runs on its own. W4A4 quantizes the input and the
+        SwiGLU output inside the GEMV launches (`quantize_in_blocks`, from the previous launch's
+        maxima) or with launches of their own."""
+        moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
+                            plan.weights, plan.logits, plan.done, plan.x_amax)
         if self.fused:
             gate, up = (self.w13, 2, 0), (self.w13, 2, 1)
         else:
             gate, up = (self.w1, 1, 0), (self.w3, 1, 0)
         row_scale = plan.weights if self.weight_before_down else None
-        fold = plan.fold
-        sh = self.shared
+        fold, sh, routed = plan.fold, self.shared, plan.ids.size
         first = (sh.gate_up.weight, sh.gate_up.row_decode, sh.limit) if fold else None
-        routed = plan.ids.size
+        weighted = not self.weight_before_down
+        if plan.x_amax is not None:  # W4A4, quantized in the blocks
+            gx, gy = moe_ops.small_gate_up(x, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
+                                           x_amax=plan.x_amax, h_amax=plan.h_amax)
+            second = (sh.down.weight, sh.down.row_decode, None) if fold else None
+            shared_out = None if fold or sh is None else sh(x)
+            moe_ops.small_down(plan.h_f32, self.w2, plan.ids, plan.weights, weighted, shared_out, plan.out,
+                               shared=second, h_amax=plan.h_amax, amax_blocks=(gx * routed, gx * gy))
+            return plan.out
         if self.mode == "w4a4":
+            act = quant_ops.quantize(x, out=plan.x_act)
             moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first)
             # the routed rows and the shared expert's rows, each with its own global scale
             h_act = quant_ops.quantize(plan.h_f32[:routed], out=plan.h_act)
             s_act = quant_ops.quantize(plan.h_f32[routed:], out=plan.hs_act) if fold else None
         else:
+            act = x
             moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_act, shared=first)
             h_act, s_act = plan.h_act, None
         second = (sh.down.weight, sh.down.row_decode, s_act) if fold else None
         shared_out = None if fold else self._shared(x, act)
-        moe_ops.small_down(h_act, self.w2, plan.ids, plan.weights, not self.weight_before_down, shared_out, plan.out,
-                           shared=second)
+        moe_ops.small_down(h_act, self.w2, plan.ids, plan.weights, weighted, shared_out, plan.out, shared=second)
         return plan.out
 
 

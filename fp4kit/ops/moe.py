@@ -43,6 +43,24 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
                  _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, _opt(counts), _opt(tickets)))
 
 
+def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax) -> None:
+    """The small-T path's router in one launch (`moe_route_*`): the logits, then the last block of
+    each token runs the router for it (``done [T]`` uint32, zero on entry and left zero) and, with
+    ``x_amax [T]`` (uint32, W4A4), writes the token's max |x| for the next launch's in-block
+    quantization. No tickets: the small-T path reads the ids directly."""
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    for name, a in (("x", x), ("gate_weight", gate_weight)):
+        if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
+            raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
+    kernel = loader.get_kernel(_MODULE, f"moe_route_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}")
+    kernel.launch((-(-e // 8), t), 256, (
+        x, gate_weight, _U32(e), _U32(h), logits, done, _opt(x_amax), _opt(bias), _opt(token_ids), _opt(tid2eid),
+        _U32(0 if tid2eid is None else tid2eid.shape[0]), status.device_word(), _U32(cfg.top_k),
+        _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group), _I32(cfg.renormalize),
+        np.float32(cfg.routed_scale), ids, weights))
+
+
 def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
     """Offsets, active experts, the sorted row of every (token, slot) and the token and weight of
     every sorted row; zeroes ``counts``. One block."""
@@ -110,7 +128,7 @@ def _weight_rows(w, step: int = 1, first: int = 0) -> tuple:
     return (w.packed, w.block_scales, w.decode, 0, _opt(w.row_decode), _U32(w.shape[1]), _U32(step), _U32(first))
 
 
-def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None) -> None:
+def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_amax=None, h_amax=None) -> tuple:
     """The small-T path's first launch: for every (token, slot) assignment ``a`` of ``ids [T, top_k]``,
     ``out[a] = swiglu(gate_e(x_t), up_e(x_t))`` (bf16-rounded GEMM outputs, optional clamp ``limit``
     and row factor ``row_scale [T * top_k]``) with ``e = ids[a]``; fp32 ``out`` for the W4A4 quantize
@@ -119,7 +137,12 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None) -> 
 
     ``shared``: ``(gate_up weight [2I, H] interleaved, its row_decode or None, its limit)`` of a
     shared expert folded in as one more expert that every token selects: rows ``T * top_k + t`` of
-    ``out`` are its SwiGLU output for token ``t`` (no routing weight)."""
+    ``out`` are its SwiGLU output for token ``t`` (no routing weight).
+
+    ``x_amax`` (W4A4 in three launches): ``act`` is the raw layer input (bf16 or fp32), quantized
+    in the blocks with the global amax of `route_small`'s per-token maxima; each block writes the
+    max |SwiGLU output| it produced to ``h_amax`` (uint32, one per block: grid x * y words) for
+    `small_down`. Returns the grid ``(x, y)``."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
     h = gs.shape[2]
     inner = out.shape[1]
@@ -138,26 +161,41 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None) -> 
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
-    kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{SMALL_GATE_UP_VARIANT}", common)
-    kernel.launch((-(-inner // (16 * pp)), blocks_y), 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
+    if x_amax is not None:
+        kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{SMALL_GATE_UP_VARIANT}")
+        args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
+    else:
+        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{SMALL_GATE_UP_VARIANT}", common)
+    grid = (-(-inner // (16 * pp)), blocks_y)
+    kernel.launch(grid, 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
+    return grid
 
 
-def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, shared=None) -> None:
+def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, shared=None, h_amax=None,
+               amax_blocks: tuple | None = None) -> None:
     """The small-T path's second launch: ``out[t] = sum over slots j (in order) of alpha * act[t, j] @
     W2[ids[t, j]]^T (times ``weights[t, j]`` when ``weighted``) + shared_out[t]``, bf16 ``[T, H]``.
 
     ``shared``: ``(down weight [H, I], its row_decode or None, its activation)`` of a shared expert
     folded in (see `small_gate_up`): its down projection of activation row ``T * top_k + t``
     (bf16: rows of ``act``; NVFP4: its own tensor ``[T, I]``, passed here) is rounded to bf16 and
-    added after the routed slots."""
+    added after the routed slots.
+
+    ``h_amax`` (W4A4 in three launches): ``act`` is `small_gate_up`'s fp32 output, quantized in the
+    blocks with the global amax of that launch's per-block maxima, ``amax_blocks = (routed blocks,
+    all blocks)`` of its grid (the shared expert's rows keep the amax of its own blocks)."""
     t, h = out.shape
     top_k, inner = ids.shape[1], stack.shape[2]
     routed = ids.size
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
               _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
-    second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
-    kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{SMALL_DOWN_VARIANT}", common, nvfp4_extra=second)
+    if h_amax is not None:
+        kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{SMALL_DOWN_VARIANT}")
+        args = (act, h_amax, _U32(amax_blocks[0]), _U32(amax_blocks[1]), status.device_word(), *common)
+    else:
+        second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
+        kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{SMALL_DOWN_VARIANT}", common, nvfp4_extra=second)
     slots = top_k + (shared is not None)
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 

@@ -84,6 +84,19 @@ __device__ float block_sum(float v) {
     return s;
 }
 
+// Block-wide max of unsigned values (fp32 bits of |v|); every thread gets it. All threads call it.
+__device__ unsigned block_max_bits(unsigned m) {
+    __shared__ unsigned warp_max[32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) m = max(m, warp_max[w]);
+    __syncthreads();  // warp_max is reused by the next call
+    return m;
+}
+
 // logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / 8), T), one warp per expert, lanes
 // stride over H, a fixed-order warp reduction. Spread over many blocks so that even one token
 // reads the gate weight at full bandwidth.
@@ -104,12 +117,12 @@ __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigne
 __device__ void router(const float* logits, const float* bias, const int* token_ids, const int* tid2eid,
                        unsigned vocab, unsigned* status, unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group,
                        int renormalize, float routed_scale, int* ids, float* weights, unsigned* counts,
-                       unsigned* tickets) {
+                       unsigned* tickets, unsigned t) {
     __shared__ float score[kMaxExperts];
     __shared__ float select[kMaxExperts];
     __shared__ int chosen[kMaxTopK];
-    const unsigned t = blockIdx.x;
-    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = logits[(size_t)t * E + e];
+    // __ldcg: in moe_route the logits of the other blocks of this token were written by them
+    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = __ldcg(logits + (size_t)t * E + e);
     __syncthreads();
     float mx = 0.0f, denom = 1.0f;
     if (score_func == kSoftmax) {
@@ -208,8 +221,52 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
     float* weights, unsigned* counts, unsigned* tickets) {
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
-           ids, weights, counts, tickets);
+           ids, weights, counts, tickets, blockIdx.x);
 }
+
+// moe_route_<x>_<w>: the small-T path's first launch, grid (ceil(E / 8), T), 256 threads. The
+// logits of moe_router_logits; the last block of a token to finish (a per-token counter it then
+// resets) runs the router for that token and writes the token's max |x| as fp32 bits to
+// x_amax[t] (the W4A4 input's amax, reduced over the tokens by the next launch).
+template <typename XT, typename WT>
+__device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits, unsigned* done,
+                            unsigned* x_amax, const float* bias, const int* token_ids, const int* tid2eid,
+                            unsigned vocab, unsigned* status, unsigned top_k, int score_func, unsigned n_group,
+                            unsigned topk_group, int renormalize, float routed_scale, int* ids, float* weights) {
+    __shared__ unsigned last;
+    const unsigned t = blockIdx.y;
+    router_logits<XT, WT>(x, gate_w, E, H, logits);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done + t, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;  // block-uniform
+    __threadfence();
+    router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize,
+           routed_scale, ids, weights, nullptr, nullptr, t);
+    if (x_amax) {
+        unsigned m = 0;
+        for (unsigned k = threadIdx.x; k < H; k += blockDim.x) m = max(m, fp4_abs_bits(load_f32(x + (size_t)t * H + k)));
+        m = block_max_bits(m);
+        if (threadIdx.x == 0) x_amax[t] = m;
+    }
+    if (threadIdx.x == 0) done[t] = 0u;  // every block of this token has counted
+}
+
+#define FP4_DEFINE_ROUTE(SUFFIX, XT, WT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_route_##SUFFIX(                      \
+        const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits, unsigned* done, unsigned* x_amax, \
+        const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
+        unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
+        int* ids, float* weights) {                                                                       \
+        route_fused<XT, WT>(x, gate_w, E, H, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
+                            score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
+    }
+
+FP4_DEFINE_ROUTE(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+FP4_DEFINE_ROUTE(bf16_f32, __nv_bfloat16, float)
+FP4_DEFINE_ROUTE(f32_f32, float, float)
+FP4_DEFINE_ROUTE(f32_bf16, float, __nv_bfloat16)
 
 extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts, const unsigned* tickets, const int* ids,
                                                                const float* weights, unsigned E, unsigned pairs,
@@ -347,25 +404,31 @@ __device__ __forceinline__ void build_code_table(unsigned* table) {
         table[b] = bf16_pair(fp4_e2m1_value(b & 0xFu), fp4_e2m1_value(b >> 4));
 }
 
+// One 16-element block (8 code bytes q, E4M3 scale byte) decoded to e2m1 * s into dst (32 bytes):
+// one table load and one bf16 multiply per pair (exact: E4M3 values are bf16 values, and e2m1 * s
+// has at most 6 significant bits and stays normal).
+__device__ __forceinline__ void store_decoded(__nv_bfloat16* dst, uint2 q, unsigned scale_byte, const unsigned* table) {
+    const float sv = fp4_e4m3_value(scale_byte);
+    const unsigned s = bf16_pair(sv, sv);
+    unsigned w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = gemm::bf16x2_mul(table[((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xFFu], s);
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+__device__ __forceinline__ void store_zeros(__nv_bfloat16* dst) {
+    reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<uint4*>(dst)[1] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // An NVFP4 row (linear layout: 8 code bytes and one E4M3 scale byte per 16 elements) decoded to
-// e2m1 * s, zero up to Kp: one table load and one bf16 multiply per pair (exact: E4M3 values are
-// bf16 values, and e2m1 * s has at most 6 significant bits and stays normal).
+// e2m1 * s, zero up to Kp.
 __device__ __forceinline__ void stage_row(const unsigned char* packed, const unsigned char* scales, unsigned K,
                                           unsigned Kp, __nv_bfloat16* dst, const unsigned* table, unsigned thread,
                                           unsigned threads) {
     for (unsigned b = thread; b < Kp / 16; b += threads) {
-        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-        if (b < K / 16) {
-            const uint2 q = *reinterpret_cast<const uint2*>(packed + (size_t)b * 8);
-            const unsigned s = bf16_pair(fp4_e4m3_value(scales[b]), fp4_e4m3_value(scales[b]));
-            unsigned w[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] = gemm::bf16x2_mul(table[((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xFFu], s);
-            lo = make_uint4(w[0], w[1], w[2], w[3]);
-            hi = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-        reinterpret_cast<uint4*>(dst + (size_t)b * 16)[0] = lo;
-        reinterpret_cast<uint4*>(dst + (size_t)b * 16)[1] = hi;
+        if (b < K / 16) store_decoded(dst + (size_t)b * 16, *reinterpret_cast<const uint2*>(packed + (size_t)b * 8), scales[b], table);
+        else store_zeros(dst + (size_t)b * 16);
     }
 }
 
@@ -493,7 +556,7 @@ struct Swiglu {
 // its own weights and clamp) for token a - routed. Rows of `out`: the routed assignments, then
 // the shared expert's tokens.
 template <int D, int C, class Stage>
-__device__ void gate_up(Stage stage, const float* act_global, StackRows r_gate, StackRows r_up, StackRows s_gate,
+__device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
                         int out_f32) {
@@ -534,31 +597,38 @@ __device__ void gate_up(Stage stage, const float* act_global, StackRows r_gate, 
         for (int r = 0; r < 2; ++r) partial[warp][r][lane >> 2] = acc[r][0], partial[warp][r][(lane >> 2) + 8] = acc[r][2];
     }
     __syncthreads();
-    if (threadIdx.x >= 16 * pairs_per_block) return;
     const unsigned q = threadIdx.x / 16, i = threadIdx.x % 16, pair = blockIdx.x * pairs_per_block + q;
-    if (pair >= I / 16) return;
-    const float a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
-    float y[2];
+    const bool writes = threadIdx.x < 16 * pairs_per_block && pair < I / 16;
+    unsigned v_bits = 0;  // |v| as fp32 bits: this block's share of the amax
+    if (writes) {
+        const float a_dec = stage.a_dec(false);
+        float y[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = 0.0f;  // the K parts in order
-        for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][i]);
-        const StackRows& st = r == 0 ? gate : up;
-        // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
-        y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, st.alpha(e, (pair * st.step + st.first) * 16 + i, a_dec))));
+        for (int r = 0; r < 2; ++r) {
+            float sum = 0.0f;  // the K parts in order
+            for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][i]);
+            const StackRows& st = r == 0 ? gate : up;
+            // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
+            y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, st.alpha(e, (pair * st.step + st.first) * 16 + i, a_dec))));
+        }
+        // SwiGLU as quant.cu's SwigluSource computes it
+        const Swiglu sw = shared ? s_swiglu : r_swiglu;
+        float g = y[0], u = y[1];
+        if (sw.has_limit) {
+            g = g > sw.limit ? sw.limit : g;
+            u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
+        }
+        float v = __fmul_rn(fp4_silu(g), u);
+        if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
+        const size_t index = (size_t)a * I + pair * 16 + i;
+        if (out_f32) static_cast<float*>(out)[index] = v;
+        else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
+        v_bits = fp4_abs_bits(v);
     }
-    // SwiGLU as quant.cu's SwigluSource computes it
-    const Swiglu sw = shared ? s_swiglu : r_swiglu;
-    float g = y[0], u = y[1];
-    if (sw.has_limit) {
-        g = g > sw.limit ? sw.limit : g;
-        u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
+    if (out_amax) {  // W4A4 with the quantization in the next launch: one max per block, plain stores
+        v_bits = block_max_bits(v_bits);
+        if (threadIdx.x == 0) out_amax[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = v_bits;
     }
-    float v = __fmul_rn(fp4_silu(g), u);
-    if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
-    const size_t index = (size_t)a * I + pair * 16 + i;
-    if (out_f32) static_cast<float*>(out)[index] = v;
-    else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
 }
 
 // Block (r, t): slots j < top_k are token t's routed assignments (activation row t * top_k + j);
@@ -566,7 +636,7 @@ __device__ void gate_up(Stage stage, const float* act_global, StackRows r_gate, 
 // its own weight and 1 / S_a), rounded to bf16 as the dense layer's output and added last, as
 // moe_combine adds a separate shared expert's output (`shared_out`).
 template <int D, int C, class Stage>
-__device__ void down(Stage stage, const float* act_global, const float* s_act_global, StackRows w, StackRows s_w,
+__device__ void down(Stage stage, StackRows w, StackRows s_w,
                      int has_shared, const int* ids, const float* weights, int weighted, unsigned top_k,
                      unsigned routed, const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
     extern __shared__ uint4 smem_raw[];
@@ -605,8 +675,7 @@ __device__ void down(Stage stage, const float* act_global, const float* s_act_gl
         gemv.run(act_s + (size_t)j * kp, acc);
         if ((lane & 3) == 0) {
             const bool sh = j == top_k;
-            const float* global = sh ? s_act_global : act_global;
-            const float a_dec = global ? __fdiv_rn(1.0f, *global) : 1.0f;
+            const float a_dec = stage.a_dec(sh);
             const unsigned e = sh ? 0u : ids[t * top_k + j], n = r * 16 + (lane >> 2);
             const StackRows& st = sh ? s_w : w;
             y[j][lane >> 2] = __fmul_rn(acc[0][0], st.alpha(e, n, a_dec));
@@ -623,13 +692,15 @@ __device__ void down(Stage stage, const float* act_global, const float* s_act_gl
     out[(size_t)t * H + n] = __float2bfloat16_rn(acc);
 }
 
-// Activation stagers: `token(t, ...)` stages token t of the layer input, `row(a, ...)` row a of
-// the down-projection input (bf16: one buffer for every row; NVFP4: rows from `split` on are the
-// shared expert's, a tensor of their own), into `dst` (kp bf16), by the whole block.
+// Activation stagers: `prepare` (every thread, then a block barrier), then `token(t, ...)` stages
+// token t of the layer input, `row(a, ...)` row a of the down-projection input, into `dst` (kp
+// bf16), by the whole block; `a_dec(shared)` is the 1 / S_a of the epilogue (the shared expert's
+// rows of a down-projection input may have their own). bf16: one buffer for every row, 1 / S_a = 1.
 struct StageBf16 {
     const __nv_bfloat16* x;
     unsigned K;
-    __device__ __forceinline__ void prepare(unsigned*) const {}
+    __device__ __forceinline__ void prepare(unsigned*) {}
+    __device__ __forceinline__ float a_dec(bool) const { return 1.0f; }
     __device__ __forceinline__ void token(unsigned t, __nv_bfloat16* dst, unsigned kp, const unsigned*) const {
         stage_row(x + (size_t)t * K, K, kp, dst, threadIdx.x, blockDim.x);
     }
@@ -637,14 +708,20 @@ struct StageBf16 {
         token(a, dst, kp, table);
     }
 };
+
+// An NVFP4 activation quantized by its own launch; rows from `split` on (the shared expert's) are a
+// tensor of their own with its own global scale.
 struct StageNvfp4 {
     const unsigned char* packed;
     const unsigned char* scales;
+    const float* global;
     unsigned K;
     const unsigned char* packed2 = nullptr;
     const unsigned char* scales2 = nullptr;
+    const float* global2 = nullptr;
     unsigned split = 0xFFFFFFFFu;
-    __device__ __forceinline__ void prepare(unsigned* table) const { build_code_table(table); }
+    __device__ __forceinline__ void prepare(unsigned* table) { build_code_table(table); }
+    __device__ __forceinline__ float a_dec(bool shared) const { return __fdiv_rn(1.0f, *(shared ? global2 : global)); }
     __device__ __forceinline__ void token(unsigned t, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
         stage_row(packed + (size_t)t * (K / 2), scales + (size_t)t * (K / 16), K, kp, dst, table, threadIdx.x, blockDim.x);
     }
@@ -652,6 +729,79 @@ struct StageNvfp4 {
         if (a < split) token(a, dst, kp, table);
         else stage_row(packed2 + (size_t)(a - split) * (K / 2), scales2 + (size_t)(a - split) * (K / 16), K, kp, dst,
                        table, threadIdx.x, blockDim.x);
+    }
+};
+
+// max of `count` amax words (fp32 bits of |v|) by the whole block; a subnormal maximum flushes to
+// zero and a non-finite one is recorded, as the quantize launch does. Every thread gets the result.
+__device__ __forceinline__ unsigned block_amax(const unsigned* words, unsigned count, unsigned* status) {
+    unsigned m = 0;
+    for (unsigned i = threadIdx.x; i < count; i += blockDim.x) m = max(m, __ldcg(words + i));
+    m = block_max_bits(m);
+    if (m >= 0x7F800000u && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
+    return m < 0x00800000u ? 0u : m;
+}
+
+// A row of T (16-byte aligned) quantized with encode scale s exactly as the quantize kernels do
+// (amax_quantize: the block's max |v| from the raw values, fp4_encode_block) and staged as the
+// decoded e2m1 * s_block values, zero up to Kp.
+template <typename T>
+__device__ __forceinline__ void quantize_row(const T* src, float s, unsigned K, unsigned Kp, __nv_bfloat16* dst,
+                                             const unsigned* table) {
+    for (unsigned b = threadIdx.x; b < Kp / 16; b += blockDim.x) {
+        if (b < K / 16) {
+            const Fp4Raw16<T> raw = fp4_fetch16(src + (size_t)b * FP4_BLOCK);
+            float v[FP4_BLOCK];
+            fp4_expand16(raw, v);
+            uint2 q;
+            const unsigned sf = fp4_encode_block(v, fp4_raw_abs_max_bits(raw), s, q);
+            store_decoded(dst + (size_t)b * 16, q, sf, table);
+        } else {
+            store_zeros(dst + (size_t)b * 16);
+        }
+    }
+}
+
+// W4A4 layer input quantized in the block from its raw values (bf16 or fp32): the global amax is
+// the max over the tokens of the per-token maxima the route launch wrote.
+template <typename T>
+struct StageQuantize {
+    const T* x;
+    unsigned K;
+    const unsigned* x_amax;  // [tokens]
+    unsigned tokens;
+    unsigned* status;
+    float s = 1.0f;
+    __device__ __forceinline__ void prepare(unsigned* table) {
+        build_code_table(table);
+        s = fp4_global_scale_from_amax(__uint_as_float(block_amax(x_amax, tokens, status)));
+    }
+    __device__ __forceinline__ float a_dec(bool) const { return __fdiv_rn(1.0f, s); }
+    __device__ __forceinline__ void token(unsigned t, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        quantize_row(x + (size_t)t * K, s, K, kp, dst, table);
+    }
+};
+
+// W4A4 down-projection input quantized in the block from the first launch's fp32 SwiGLU output:
+// the routed rows with the amax of the routed blocks' maxima, the shared expert's rows (from
+// `split` on) with that of its own blocks.
+struct StageQuantizeRows {
+    const float* h;
+    unsigned K;
+    const unsigned* h_amax;  // per first-launch block: the routed blocks, then the shared expert's
+    unsigned routed_blocks, blocks;
+    unsigned split;
+    unsigned* status;
+    float s = 1.0f, s2 = 1.0f;
+    __device__ __forceinline__ void prepare(unsigned* table) {
+        build_code_table(table);
+        s = fp4_global_scale_from_amax(__uint_as_float(block_amax(h_amax, routed_blocks, status)));
+        if (blocks > routed_blocks)
+            s2 = fp4_global_scale_from_amax(__uint_as_float(block_amax(h_amax + routed_blocks, blocks - routed_blocks, status)));
+    }
+    __device__ __forceinline__ float a_dec(bool shared) const { return __fdiv_rn(1.0f, shared ? s2 : s); }
+    __device__ __forceinline__ void row(unsigned a, __nv_bfloat16* dst, unsigned kp, const unsigned* table) const {
+        quantize_row(h + (size_t)a * K, a < split ? s : s2, K, kp, dst, table);
     }
 };
 
@@ -666,20 +816,22 @@ struct StageNvfp4 {
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
         int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
-#define FP4_SMALL_GATE_UP_CALL(D, C, STAGE, ACT_GLOBAL)                                                   \
-    small::gate_up<D, C>(STAGE, ACT_GLOBAL, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+#define FP4_SMALL_GATE_UP_CALL(D, C, STAGE, OUT_AMAX)                                                    \
+    small::gate_up<D, C>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
                          H, I, pairs_per_block, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
         unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
-#define FP4_SMALL_DOWN_CALL(D, C, STAGE, ACT_GLOBAL, S_ACT_GLOBAL)                                       \
-    small::down<D, C>(STAGE, ACT_GLOBAL, S_ACT_GLOBAL, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, \
-                      weighted, top_k, routed, shared_out, out, H, I)
+#define FP4_SMALL_DOWN_CALL(D, C, STAGE)                                                                  \
+    small::down<D, C>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
+                      shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
-// registers must allow (B)
+// registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
+// (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
+// the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
 #define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B)                                                        \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
         const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
@@ -687,18 +839,33 @@ struct StageNvfp4 {
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
         const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
-        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageNvfp4{x_packed, x_scales, H}), x_global);              \
+        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
+        const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
+        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
+        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_f32_##VARIANT(           \
+        const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
+        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
+        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
     }
 #define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
-        FP4_SMALL_DOWN_CALL(D, C, (small::StageBf16{h, I}), nullptr, nullptr);                           \
+        FP4_SMALL_DOWN_CALL(D, C, (small::StageBf16{h, I}));                                             \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
         const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global,              \
         const unsigned char* s_packed, const unsigned char* s_scales, const float* s_global, FP4_SMALL_DOWN_ARGS) { \
-        FP4_SMALL_DOWN_CALL(D, C, (small::StageNvfp4{h_packed, h_scales, I, s_packed, s_scales, routed}), h_global, \
-                            s_global);                                                                    \
+        FP4_SMALL_DOWN_CALL(D, C, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, \
+                                                    routed}));                                            \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_quant_##VARIANT(                  \
+        const float* h, const unsigned* h_amax, unsigned routed_blocks, unsigned blocks, unsigned* status,  \
+        FP4_SMALL_DOWN_ARGS) {                                                                            \
+        FP4_SMALL_DOWN_CALL(D, C, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
     }
 
 // the variants the launchers use, chosen among (D, C, B) = (2|4, 1|2, 2), (2, 2, 3), (1, 2, 4)
