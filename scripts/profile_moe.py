@@ -39,7 +39,7 @@ for t in (1, 64):
 # the small-T path (T * top_k <= layer.small_max_assignments): router, L1 GEMV + SwiGLU, the
 # amax + quantize of its output, the shared expert, L2 GEMV + combine
 layer.small_max_assignments = 1 << 30
-layer.quantize_in_blocks = False  # the stages below include the quantize launches
+layer.quantize_in_blocks_max_tokens = 0  # the stages below include the quantize launches
 layer.fold_shared = False  # ... and the shared expert apart
 for t in (1, 8):
     x = cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16))
@@ -57,7 +57,7 @@ for t in (1, 8):
     }
     for name, fn in stages.items():
         print(f"small T={t:4d} {name:18s} {events_us(fn, warmup=1, iters=10):9.1f} us")
-    layer.quantize_in_blocks = True
+    layer.quantize_in_blocks_max_tokens = 1 << 30
     print(f"small T={t:4d} {'whole layer, W4A4 quantized in the GEMV blocks':18s} "
           f"{events_us(lambda: layer(x), warmup=1, iters=10):9.1f} us")
-    layer.quantize_in_blocks = False
+    layer.quantize_in_blocks_max_tokens = 0

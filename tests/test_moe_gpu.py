@@ -46,7 +46,7 @@ def path(request, monkeypatch):
     the GEMV blocks or by launches of their own), and the expert-sorted grouped GEMMs."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param.startswith("small") else 0)
     monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param != "small-shared-apart")
-    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS", request.param != "small-quantize-launches")
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 0 if request.param == "small-quantize-launches" else 1 << 30)
     return request.param
 
 
@@ -128,6 +128,7 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
     dev, host = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=dev_shared, host_shared=host_shared)
     folds = path in ("small", "small-quantize-launches") and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS
     assert dev._folds_shared(t) == folds
+    assert dev._quantizes_in_blocks(t) == (mode == "w4a4" and path in ("small", "small-shared-apart"))
     x = (rng.standard_normal((t, h)) * 2).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
@@ -147,9 +148,9 @@ def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_
     x = rng.standard_normal((t, 512)).astype(np.float32)
     x[-1] *= 40
     x = cp.asarray(x.astype(x_dtype))
-    dev.quantize_in_blocks = True
+    dev.quantize_in_blocks_max_tokens = 1 << 30
     in_blocks = dev(x).copy()
-    dev.quantize_in_blocks = False
+    dev.quantize_in_blocks_max_tokens = 0
     launches = dev(x)
     assert cp.array_equal(in_blocks.view(cp.uint16), launches.view(cp.uint16))
 

@@ -68,8 +68,10 @@ FOLD_SHARED_MAX_TOKENS = 4
 #: W4A4 on the small-T path in three launches: the router launch writes each token's max |x|, the
 #: gate|up launch quantizes the input in its blocks (the global amax from those maxima, the
 #: quantize kernels' recipe bit for bit) and writes each block's max |SwiGLU output|, the down
-#: launch quantizes its rows likewise; instead of a quantize launch before each GEMV launch
-QUANTIZE_IN_BLOCKS = True
+#: launch quantizes its rows likewise; instead of a quantize launch before each GEMV launch. Up to
+#: this many tokens: H200, W4A4, V4-Flash, T = 1 74.1 -> 74.9 us (7 -> 3 launches); T = 2 103 -> 107,
+#: T = 4 166 -> 175 (the blocks repeat the quantization of the input rows they read)
+QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -295,8 +297,9 @@ class MoE:
         self.small_max_assignments = SMALL_MAX_ASSIGNMENTS
         #: the small-T launches run a `SharedExpert` as one more expert (`_folds_shared`)
         self.fold_shared = FOLD_SHARED
-        #: W4A4 on the small-T path quantizes inside the two GEMV launches (`QUANTIZE_IN_BLOCKS`)
-        self.quantize_in_blocks = QUANTIZE_IN_BLOCKS
+        #: W4A4 on the small-T path quantizes inside the two GEMV launches up to this many tokens
+        #: (`QUANTIZE_IN_BLOCKS_MAX_TOKENS`)
+        self.quantize_in_blocks_max_tokens = QUANTIZE_IN_BLOCKS_MAX_TOKENS
 
     @property
     def fused(self) -> bool:
@@ -408,7 +411,7 @@ class MoE:
         return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
 
     def _plan_key(self, t: int) -> tuple:
-        return t, self._small(t), self._folds_shared(t), self.quantize_in_blocks
+        return t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t)
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
@@ -433,9 +436,9 @@ class MoE:
                                cupy.empty((), np.float32), "linear", (rows, cols))
 
         small = self._small(t)
-        fold = small and self._folds_shared(t)
+        fold = self._folds_shared(t)
         rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
-        in_blocks = small and w4a4 and self.quantize_in_blocks
+        in_blocks = self._quantizes_in_blocks(t)
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
                       weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 and not in_blocks else None,
                       h_act=None if in_blocks else nvfp4(pairs, i) if w4a4 else
@@ -502,13 +505,17 @@ class MoE:
             return self.shared(x, x_act=act)
         return self.shared(x)
 
+    def _quantizes_in_blocks(self, t: int) -> bool:
+        """Whether W4A4 on the small-T path quantizes inside the GEMV launches for ``t`` tokens."""
+        return self.mode == "w4a4" and self._small(t) and t <= self.quantize_in_blocks_max_tokens
+
     def _folds_shared(self, t: int) -> bool:
         """Whether the small-T launches for ``t`` tokens run the shared expert as one more expert:
-        a `SharedExpert` in the layer's mode with this layer's widths, no biases and (W4A4) dynamic
-        input scales, so that folding it in changes nothing but the summation order of its GEMMs;
-        and `fold_shared_pays` for ``t`` and top-k."""
+        ``t`` takes the small-T path; the shared expert is a `SharedExpert` in the layer's mode with
+        this layer's widths, no biases and (W4A4) dynamic input scales, so that folding it in changes
+        nothing but the summation order of its GEMMs; and `fold_shared_pays` for ``t`` and top-k."""
         sh = self.shared
-        if not (self.fold_shared and isinstance(sh, SharedExpert) and sh.mode == self.mode
+        if not (self.fold_shared and self._small(t) and isinstance(sh, SharedExpert) and sh.mode == self.mode
                 and fold_shared_pays(t, self.routing.top_k)):
             return False
         gate_up, down = sh.gate_up, sh.down
@@ -520,7 +527,7 @@ class MoE:
         """The router in one launch, then two GEMV launches over the (token, slot) assignments:
         gate|up + SwiGLU, then down + weighted combine + the shared expert, which rides along as
         one more expert (`_folds_shared`) or runs on its own. W4A4 quantizes the input and the
-        SwiGLU output inside the GEMV launches (`quantize_in_blocks`, from the previous launch's
+        SwiGLU output inside the GEMV launches (`_quantizes_in_blocks`, from the previous launch's
         maxima) or with launches of their own."""
         moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
                             plan.weights, plan.logits, plan.done, plan.x_amax)
