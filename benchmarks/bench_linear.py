@@ -20,7 +20,7 @@ M >= 256: >= 0.9x bf16; W4A4 <= 1.15x W4A16 at M <= 64.
     .venv/bin/python benchmarks/bench_linear.py [--quick] [--sweep] [--sass] [--shapes=NxK,...] [--ms=1,16,...]
 
 ``--sweep`` also times every launch shape (row tiles per warp, weight tiles per fetch, blocks per
-SM) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
+SM; up to 8 rows the GEMV kernels' fetch size and K split) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
 """
 
 from __future__ import annotations
@@ -111,15 +111,32 @@ def sweep(table, w_list, x, out, m, n, k):
     knobs = (gemm_ops.ROW_TILES_PER_WARP, gemm_ops.FETCH_TILES, gemm_ops.BLOCKS_PER_SM, gemm_ops.WGMMA_BLOCKS_PER_SM,
              gemm_ops.WGMMA_ROW_TILES_PER_WARP)
     saved = [dict(d) for d in knobs] + [gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS]
+    saved_gemv = (gemm_ops.USE_GEMV, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM,
+                  gemm_ops.GEMV_MAX_BLOCKS_PER_SM)
+    results = []
+    if m <= gemm_ops.GEMV_MAX_M:  # the GEMV kernels at any grid size: fetch size, K split over blocks too
+        try:
+            gemm_ops.USE_GEMV, gemm_ops.GEMV_MAX_BLOCKS_PER_SM = True, {gemm_ops.GEMV_MAX_M: float("inf")}
+            for f, split_below in itertools.product((4, 8), (0, 0.5, 1, 2)):
+                gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM = f, split_below
+                t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
+                shape = gemm_ops.gemv_config(m, n, k)
+                results.append((t, f"{shape.kernel}, split below {split_below} blocks/SM, {shape.splits} splits"))
+                table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel,
+                             "blocks/SM": f"split below {split_below}", "splits": shape.splits, "µs": t})
+        finally:
+            (gemm_ops.USE_GEMV, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM,
+             gemm_ops.GEMV_MAX_BLOCKS_PER_SM) = saved_gemv
     tiles = gemm_ops.token_tiles(m)
     shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
-    variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (1, 2, 4, 8))]
+    # blocks per SM 0: the balanced split count
+    variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (0, 1, 2, 4, 8))]
     if cp.cuda.Device().compute_capability == "90":
         wg_tiles = gemm_ops.launch_config(m, n, k, wgmma=True).token_tiles
         wg_rows = (1, 2) if wg_tiles in (4, 8) else (1,)
         variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
-    results = []
     try:
+        gemm_ops.USE_GEMV = False
         for (engine, r, f, per_sm), clusters in itertools.product(variants, (True, False)):
             wgmma = engine == "wgmma"
             gemm_ops.USE_CLUSTERS = clusters
@@ -139,6 +156,7 @@ def sweep(table, w_list, x, out, m, n, k):
             d.clear()
             d.update(old)
         gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS = saved[-2:]
+        gemm_ops.USE_GEMV = saved_gemv[0]
     return min(results)
 
 

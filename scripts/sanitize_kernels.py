@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4kit  # noqa: E402
 from fp4kit.layers import (  # noqa: E402
     Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert, SparseAttention)
-from fp4kit.ops import elementwise, quant  # noqa: E402
+from fp4kit.ops import elementwise, gemm as gemm_ops, quant  # noqa: E402
 from fp4kit.reference.gemm import calc_diff  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -117,6 +117,19 @@ def run_gemm(be: Backend, rng) -> None:
                 x = rng.standard_normal((m, k)).astype(BF16)
                 close(be.host(lin_d(be.to(x))).astype(np.float32), lin_h(x).astype(np.float32),
                       f"Linear {n}x{k} {mode} M={m} decode_max_m={decode_max_m}", 1e-5)
+    # the GEMV kernels (M <= 8) with K split over blocks as well (by default only for tiny grids)
+    saved = gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM
+    gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM = 1 << 30
+    try:
+        w = rng.standard_normal((40, 4096)).astype(np.float32)
+        for mode in ("w4a4", "w4a16"):
+            lin_h, lin_d = Linear.from_float(w, mode=mode), Linear.from_float(be.to(w), mode=mode)
+            for m in (1, 5):
+                x = rng.standard_normal((m, 4096)).astype(BF16)
+                close(be.host(lin_d(be.to(x))).astype(np.float32), lin_h(x).astype(np.float32),
+                      f"Linear 40x4096 {mode} M={m}, GEMV with K split over blocks", 1e-5)
+    finally:
+        gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM = saved
     for mode in ("w4a4", "w4a16"):
         g, u, dn = (rng.standard_normal(s).astype(np.float32) for s in ((32, 64), (32, 64), (64, 32)))
         se_h = SharedExpert.from_float(g, u, dn, limit=4.0, mode=mode)

@@ -35,15 +35,27 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-@pytest.fixture(params=["mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images", "wgmma-2-row-tiles"])
+ENGINES = ["gemv", "gemv-f8", "gemv-split", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
+           "wgmma-2-row-tiles"]
+
+
+@pytest.fixture(params=ENGINES)
 def engine(request, monkeypatch):
-    """Every M on one tensor-core path: the mma.sync kernels (an NVFP4 activation decoded in the
-    blocks, or from 9 rows dequantized by its own launch first), or (on Hopper) the warpgroup-MMA
-    ones, with one or two row tiles per warp; their bf16 activation up to 64 rows staged in the
-    blocks (these test weights are small) or, with "images", as window images at every M."""
+    """Every M on one tensor-core path: up to 8 rows the GEMV kernels (K split over the warps of a
+    block; 4 or 8 weight tiles per fetch; K split over blocks too, at every size, with "split"),
+    the mma.sync kernels (an NVFP4 activation decoded in the blocks, or from 9 rows dequantized by
+    its own launch first), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
+    warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
+    or, with "images", as window images at every M."""
     if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels need sm_90")
-    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith("mma.sync") else 1)
+    gemv = request.param.startswith("gemv")
+    monkeypatch.setattr(gemm_ops, "USE_GEMV", gemv)
+    monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
+    monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", 8 if request.param == "gemv-f8" else 4)
+    if request.param == "gemv-split":
+        monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 1 << 30)
+    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
     monkeypatch.setattr(gemm_ops, "PREDEQUANTIZE_MIN_WEIGHT", 0 if request.param.endswith("predequantized") else 1 << 62)
     monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0 if request.param == "wgmma-images" else 1 << 62)
     if request.param == "wgmma-2-row-tiles":
@@ -53,7 +65,8 @@ def engine(request, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [16, 48, 1040, 2048, 7168])
-@pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 300])
+@pytest.mark.parametrize("engine,m", [(e, m) for e in ENGINES for m in (1, 3, 8, 17, 64, 65, 300)
+                                      if m <= 8 or not e.startswith("gemv")], indirect=["engine"])
 def test_gemm_paths_match_float64(rng, m, k, engine):
     n = 2056  # not a multiple of the 16-row tile nor of a 128-row group
     w = weight(rng, n, k)
@@ -81,8 +94,8 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
     monkeypatch.setattr(gemm_ops, "USE_CLUSTERS", clusters)
     w = weight(rng, n, k)
     wd = tiled(w)
-    for m in (1, 16, 64):
-        splits = gemm_ops.launch_config(m, n, k, wgmma=engine != "mma.sync").splits
+    for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64):
+        splits = launch_shape(m, n, k, engine).splits
         x = rng.standard_normal((m, k)).astype(BF16)
         expect = ref.gemm(x, w, None, None, np.float64)
         first = cp.full((m, n), np.nan, np.float32)
@@ -92,7 +105,14 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    assert gemm_ops.launch_config(1, 2048, 7168, wgmma=engine != "mma.sync").splits > 1  # the split path is exercised
+    if engine not in ("gemv", "gemv-f8"):  # the split path is exercised
+        assert launch_shape(1, 2048, 7168, engine).splits > 1
+
+
+def launch_shape(m, n, k, engine):
+    if engine.startswith("gemv"):
+        return gemm_ops.gemv_config(m, n, k)
+    return gemm_ops.launch_config(m, n, k, wgmma=not engine.startswith("mma.sync"))
 
 
 def test_graph_replay_equals_eager(rng, capture_stream):

@@ -149,6 +149,57 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
     assert gemm_ops.launch_config(1, 129280, 4096, sms=132).splits == 1  # the lm_head fills the GPU by itself
 
 
+def gemv_warp_chunks(shape, n, k, block_row, split, warp):
+    """gemv.cuh gemv_block: (row tile, first chunk, end chunk) of one warp of a GEMV launch."""
+    from fp4kit.formats import tiled_dims
+
+    _, chunks, groups = tiled_dims(n, k)
+    slices = 8 // shape.row_tiles_per_warp
+    per_split = shape.chunks_per_split // 4
+    s_begin = split * per_split
+    s_count = min(groups, s_begin + per_split) - s_begin
+    slice_ = warp % slices
+    c_begin = (s_begin + slice_ * s_count // slices) * 4
+    c_end = min(chunks, (s_begin + (slice_ + 1) * s_count // slices) * 4)
+    return block_row * shape.row_tiles_per_warp + warp // slices, c_begin, c_end
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("split_below", [0.5, 1 << 30])
+def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, monkeypatch):
+    """The GEMV launch: its warps (row tile x K slice, per block and split) take every (row tile,
+    chunk) of the weight exactly once, slices start on scale groups (4 chunks), no split is empty,
+    the split-K partials fit their scratch, and the activation slots fit in shared memory."""
+    from fp4kit.formats import tiled_dims
+    from fp4kit.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", split_below)
+    for f in (4, 8):
+        monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", f)
+        for n, k in [(1, 16), (17, 48), (2056, 1040), (2048, 7168), (1024, 4096), (32768, 1024), (4096, 65536)]:
+            shape = gemm_ops.gemv_config(m, n, k, sms=132)
+            row_tiles, chunks, groups = tiled_dims(n, k)
+            assert shape.gemv and shape.family == f"gemv_{shape.row_tiles_per_warp}f{f}"
+            assert shape.row_tiles_per_warp in (1, 2, 4, 8) and shape.chunks_per_split % 4 == 0
+            assert (shape.splits - 1) * shape.chunks_per_split < chunks <= shape.splits * shape.chunks_per_split
+            if shape.splits > 1:
+                assert shape.splits * m * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
+            assert shape.shared_bytes <= 227 * 1024 - 8 * 1024  # beside the static buffers
+            seen = np.zeros((row_tiles, chunks), np.int32)
+            for block_row in range(shape.row_groups):
+                for split in range(shape.splits):
+                    for warp in range(8):
+                        tile, c_begin, c_end = gemv_warp_chunks(shape, n, k, block_row, split, warp)
+                        assert c_begin % 4 == 0
+                        if tile < row_tiles:
+                            seen[tile, c_begin:c_end] += 1
+            assert (seen == 1).all(), (n, k, shape)
+    # an 8 MB weight fills the GPU with its row tiles: no split over blocks by default
+    monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 0.5)
+    assert gemm_ops.gemv_config(1, 2048, 7168, sms=132).splits == 1
+    assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 2  # 64 row tiles: two splits
+
+
 def wgmma_pair_offset(m, kk, tiles):
     """gemm_engine.cuh Window<T, true>::pair: where token m's bf16 pair at window position kk is staged
     (K-columns of 8T tokens x 8 bf16 plus 8 bf16 of padding)."""

@@ -24,11 +24,12 @@ The threshold and the launch shapes were chosen from ``benchmarks/bench_linear.p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..formats import BLOCK_SIZE, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
+from ..formats import BLOCK_SIZE, GROUP_CHUNKS, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
@@ -41,11 +42,17 @@ DECODE_MAX_M_MMA_SYNC = 64
 _TOKEN_TILES = (1, 2, 4, 8)  # mma.sync kernels: 8 tokens per tile
 #: weight row tiles (16 rows) per warp, by token tiles: more rows share each staged activation
 ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 1, 8: 1}  # 4x2 and 8x2 spill
-#: weight tiles a warp fetches at once, by token tiles (4 or 8; 8 only for 1 and 2 token tiles)
-FETCH_TILES = {1: 4, 2: 8, 4: 4, 8: 4}
+#: weight tiles a warp fetches at once, by token tiles (4 or 8; 8 only for 1 and 2 token tiles).
+#: H200, one token tile, same run: the lm_head at M = 1 91.1 -> 80.0 us, 32768x1024 9.5 -> 9.2
+FETCH_TILES = {1: 8, 2: 8, 4: 4, 8: 4}
 #: split K until the grid has this many 8-warp blocks per SM (when K allows), by token tiles:
-#: more tokens make the split-K partials larger, and their kernels are less bound by latency
-BLOCKS_PER_SM = {1: 4, 2: 4, 4: 2, 8: 1}
+#: more tokens make the split-K partials larger, and their kernels are less bound by latency.
+#: 0: the fewest splits that spread the blocks evenly over the SMs (`balanced_splits`): H200, M = 1,
+#: 32768x1024 (256 row groups) 13.4 us in 2 splits -> 9.2 in 1, 18432x7168 (144 row groups) 34.6
+#: in 1 split -> 29.6 in 4
+BLOCKS_PER_SM = {1: 0, 2: 4, 4: 2, 8: 1}
+#: `balanced_splits`: the busiest SM's blocks over the mean
+WAVE_IMBALANCE = 1.15
 #: the warpgroup-MMA (wgmma, sm_90a) kernels: token tiles per block (up to 128 tokens; more rows
 #: run as token chunks of the same launch), blocks per SM to split K for, and the smallest M that
 #: takes them on Hopper (below it the mma.sync kernels)
@@ -73,6 +80,22 @@ PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8)}
 USE_CLUSTERS = True
 _WARPS = 8
+#: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
+#: the K split over the warps of one block, which add up in shared memory, instead of over blocks
+#: that meet through a global scratch and a counter. They win while their grid is about one wave,
+#: up to `GEMV_MAX_BLOCKS_PER_SM` blocks per SM (by M); larger weights stay on the tiled kernels.
+#: H200, same run, W4A16: M = 1 1024x4096 5.46 -> 4.33 us, 2048x4096 6.07 -> 5.05, 4096x2048
+#: 5.92 -> 5.25, 4096x4096 (256 blocks) 7.78 -> 7.41, 2048x7168 7.88 -> 7.56; 7168x2048 (448
+#: blocks) 7.40 vs 7.44, 18432x7168 26.7 vs 30.4, the lm_head 81 vs 103, 32768x1024 9.3 vs 15.1;
+#: M = 8 4096x4096 8.73 vs 9.70
+GEMV_MAX_M = 8
+USE_GEMV = True
+GEMV_MAX_BLOCKS_PER_SM = {1: 2.0, 8: 1.0}  # by the largest M of each entry
+#: weight tiles a GEMV warp fetches at once (4 or 8; 8 measured slower or equal but on two shapes)
+GEMV_FETCH_TILES = 4
+#: split K over blocks too while the grid has fewer blocks than this many per SM (0: never; the
+#: split measured slower even at 64 blocks: 1024x4096, M = 1 4.47 us unsplit, 5.21 in two splits)
+GEMV_SPLIT_BELOW_BLOCKS_PER_SM = 0.0
 
 
 def _window_chunks(tiles: int, wgmma: bool = False) -> int:
@@ -272,18 +295,22 @@ class LaunchShape:
 
     wgmma: bool
     token_tiles: int
-    row_tiles_per_warp: int
-    fetch8: bool  # 8 weight tiles per fetch (mma.sync kernels)
+    row_tiles_per_warp: int  # GEMV: row tiles per block
+    fetch8: bool  # 8 weight tiles per fetch (mma.sync and GEMV kernels)
     row_groups: int
     splits: int
     chunks_per_split: int
     token_chunks: int
     shared_bytes: int
     cluster: int = 0
+    gemv: bool = False
 
     @property
     def family(self) -> str:
-        """``tiled_<T>x<R>[f8]`` or ``wgmma_<T>x<R>``: the kernel without its cluster size."""
+        """``tiled_<T>x<R>[f8]``, ``wgmma_<T>x<R>`` or ``gemv_<RT>f<4|8>``: the kernel without its
+        cluster size."""
+        if self.gemv:
+            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}"
         return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
                 + ("f8" if self.fetch8 else ""))
 
@@ -298,12 +325,26 @@ def uses_wgmma(m: int, compute_capability: str) -> bool:
     return str(compute_capability) == "90" and m >= WGMMA_MIN_M
 
 
+def balanced_splits(blocks: int, most: int, sms: int) -> int:
+    """The fewest K splits (up to ``most``) that spread ``blocks`` times the splits over ``sms``
+    SMs within `WAVE_IMBALANCE` of evenly (the busiest SM's share over the mean: a grid of 1.09
+    blocks per SM takes as long as one of 2), or else the most even split count."""
+    best = (float("inf"), 1)
+    for splits in range(1, most + 1):
+        per_sm = blocks * splits / sms
+        imbalance = math.ceil(per_sm) / per_sm
+        if imbalance <= WAVE_IMBALANCE:
+            return splits
+        best = min(best, (imbalance, splits))
+    return best[1]
+
+
 def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
-    per SM, in whole activation windows and within the split-K scratch (`_PARTIALS_BYTES`); every
+    per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch (`_PARTIALS_BYTES`); every
     split gets at least one tile. A wgmma launch of more rows than one block holds (128) runs them
     as token chunks of one grid, each with its own split-K scratch.
     """
@@ -326,6 +367,8 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     scratch_rows = token_chunks * 8 * tiles if wgmma else m
     if wgmma and groups * token_chunks >= sms:
         target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS)
+    elif per_sm == 0:
+        target = balanced_splits(groups * token_chunks, windows, sms)
     else:
         target = -(-per_sm * sms // (groups * token_chunks))
     splits = max(1, min(windows, target))
@@ -343,9 +386,51 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     return shape
 
 
+def uses_gemv(m: int, n: int, k: int, sms: int | None = None) -> bool:
+    """Whether ``m`` rows of an ``[n, k]`` weight take the GEMV kernels: up to `GEMV_MAX_M` rows
+    and `GEMV_MAX_BLOCKS_PER_SM` blocks per SM."""
+    if not USE_GEMV or m > GEMV_MAX_M:
+        return False
+    if sms is None:
+        import cupy
+
+        sms = loader.sm_count(cupy.cuda.Device().id)
+    per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
+    return gemv_config(m, n, k, sms).row_groups <= per_sm * sms
+
+
+def gemv_shared_bytes(m: int, fetch_tiles: int) -> int:
+    """Dynamic shared memory of a GEMV launch of ``m`` rows: two activation slots of ``m`` token
+    rows (``fetch_tiles`` * 64 bf16 plus 16 bytes) per warp."""
+    return _WARPS * 2 * m * (fetch_tiles * TILE_K + 8) * 2
+
+
+def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
+    """The GEMV launch of ``m <= 8`` rows: the K range of a row tile is split over 8, 4, 2 or 1
+    warps (whole scale groups of 256 k each, as many as K has, up to 8), the block holds the rest
+    of its 8 warps as more row tiles, and K is split over blocks as well only while the grid has
+    fewer than `GEMV_SPLIT_BELOW_BLOCKS_PER_SM` blocks per SM."""
+    if sms is None:
+        import cupy
+
+        sms = loader.sm_count(cupy.cuda.Device().id)
+    row_tiles, _, groups = tiled_dims(n, k)
+    slices = 1 << (min(_WARPS, groups).bit_length() - 1)  # a power of two dividing the 8 warps
+    per_block = _WARPS // slices
+    blocks = -(-row_tiles // per_block)
+    splits = 1
+    if blocks < GEMV_SPLIT_BELOW_BLOCKS_PER_SM * sms:
+        splits = max(1, min(groups // slices, -(-sms // blocks)))
+    splits = min(splits, max(1, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))  # within the scratch
+    per_split = -(-groups // splits)
+    f = GEMV_FETCH_TILES
+    return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
+                       gemv_shared_bytes(m, f), gemv=True)
+
+
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
-    shape = launch_config(m, n, k, wgmma=wgmma)
-    if shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
+    shape = gemv_config(m, n, k) if not wgmma and uses_gemv(m, n, k) else launch_config(m, n, k, wgmma=wgmma)
+    if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
     if shape.wgmma and uses_image(m, n, k, kind == "nvfp4"):

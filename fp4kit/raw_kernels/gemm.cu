@@ -22,6 +22,7 @@
 // dequantizes the weight (and an NVFP4 activation) exactly into bf16 workspaces for a cuBLAS bf16
 // GEMM with fp32 output, then applies alpha, bias and the output cast.
 #include "common/gemm_engine.cuh"
+#include "common/gemv.cuh"
 
 using namespace gemm;
 
@@ -71,6 +72,34 @@ FP4_DEFINE_GEMM_TILED(2, 2, 4, 2x2)
 FP4_DEFINE_GEMM_TILED(2, 1, 8, 2x1f8)
 FP4_DEFINE_GEMM_TILED(4, 1, 4, 4x1)
 FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
+
+// The decode-size kernels gemm_gemv_<RT>f<F>_{bf16,nvfp4} (M <= 8, common/gemv.cuh): RT row tiles
+// per block, the K range split over its 8 / RT warps per row tile, F weight tiles per fetch. Grid
+// (ceil(N / (16 RT)), splits), 256 threads, dynamic shared memory gemm.py `gemv_shared_bytes`; the
+// same arguments as the tiled kernels.
+#define FP4_DEFINE_GEMV(RT, F)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_gemv_##RT##f##F##_bf16(                     \
+        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,        \
+        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                         \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
+        gemv_block<RT, F>(w_codes, w_scales, WarpActBf16<F>{act}, ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT); \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_gemv_##RT##f##F##_nvfp4(                    \
+        const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                          \
+        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) { \
+        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
+        gemv_block<RT, F>(w_codes, w_scales, WarpActNvfp4<F>{act_packed, act_scales, nullptr}, ep, M, N, K,     \
+                          blockIdx.x, blockIdx.y, FP4_SPLIT);                                                  \
+    }
+
+FP4_DEFINE_GEMV(1, 4)
+FP4_DEFINE_GEMV(2, 4)
+FP4_DEFINE_GEMV(4, 4)
+FP4_DEFINE_GEMV(8, 4)
+FP4_DEFINE_GEMV(1, 8)
+FP4_DEFINE_GEMV(2, 8)
+FP4_DEFINE_GEMV(4, 8)
+FP4_DEFINE_GEMV(8, 8)
 
 // The split-K scratch of this block's token chunk (blockIdx.z).
 __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counters, unsigned splits,

@@ -205,6 +205,24 @@ struct ActBf16 {
     }
 };
 
+// The NVFP4 activation decode table (256 entries in shared memory, one per thread of a 256-thread
+// block; the block synchronises before use): the bf16 pair (e2m1 * 2^-100) of a code byte.
+__device__ __forceinline__ void fill_code_table(unsigned* table) {
+    const unsigned b = threadIdx.x;
+    const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(b & 0xFu), 7.8886090522101181e-31f),
+                                                   __fmul_rn(fp4_e2m1_value(b >> 4), 7.8886090522101181e-31f));
+    table[b] = *reinterpret_cast<const unsigned*>(&v);  // 7.88e-31 = 2^-100
+}
+
+// One 16-element NVFP4 block (8 code bytes, its E4M3 scale byte) as 8 exact bf16 pairs e2m1 * s:
+// the table's e2m1 * 2^-100 times s * 2^100 (the weight's scale conversion), one multiply per pair.
+__device__ __forceinline__ void decode_block16(uint2 codes, unsigned scale, const unsigned* table, unsigned h[8]) {
+    const unsigned b = scale & 0x7Fu;
+    const unsigned sc = bf16x2_mul(bf16x2_mul((b << 4) | (b << 20), 0x7B807B80u), 0x71807180u);  // s * 2^100
+#pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = bf16x2_mul(table[((q < 4 ? codes.x : codes.y) >> (8 * (q % 4))) & 0xFFu], sc);
+}
+
 // NVFP4 (linear layout): the codes and scale bytes of one 16-element block per thread and token
 // tile are loaded into registers, then dequantized into the buffer, once per block rather than once
 // per warp: a 256-entry table in shared memory gives the bf16 pair (e2m1 * 2^-100) of a code byte,
@@ -223,10 +241,7 @@ struct ActNvfp4 {
     };
     __device__ __forceinline__ void init(unsigned* shared_table) {
         table = shared_table;
-        const unsigned b = threadIdx.x;  // kThreads == 256: one entry per thread
-        const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(b & 0xFu), 7.8886090522101181e-31f),
-                                                       __fmul_rn(fp4_e2m1_value(b >> 4), 7.8886090522101181e-31f));
-        table[b] = *reinterpret_cast<const unsigned*>(&v);  // 7.88e-31 = 2^-100
+        fill_code_table(table);
     }
     __device__ __forceinline__ void start(Pending& pd, __nv_bfloat16*, unsigned M, unsigned k0, unsigned K) const {
 #pragma unroll
@@ -247,12 +262,8 @@ struct ActNvfp4 {
         for (int p = 0; p < kBlocks; ++p) {
             unsigned m, kk;
             Win::block16(p, m, kk);
-            const unsigned b = pd.scale[p] & 0x7Fu;
-            const unsigned sc = bf16x2_mul(bf16x2_mul((b << 4) | (b << 20), 0x7B807B80u), 0x71807180u);  // s * 2^100
             unsigned h[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q)
-                h[q] = bf16x2_mul(table[((q < 4 ? pd.codes[p].x : pd.codes[p].y) >> (8 * (q % 4))) & 0xFFu], sc);
+            decode_block16(pd.codes[p], pd.scale[p], table, h);
             if (Win::kWarpgroup) {
 #pragma unroll
                 for (int q = 0; q < 8; ++q) *reinterpret_cast<unsigned*>(act_s + Win::pair(m, kk + 2 * q)) = h[q];
@@ -463,6 +474,18 @@ struct WeightGroup {
     uint2 scales[R][F / kGroupChunks];
 };
 
+// Called by every thread after its block's partials are written: whether this block is the last
+// split of row group `group` to arrive (it then sees every partial); `flag` is a shared word.
+__device__ __forceinline__ bool arrive_last(const SplitK& sk, unsigned group, unsigned* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(sk.counters + group, 1u) == sk.splits - 1;
+    __syncthreads();
+    if (!*flag) return false;
+    __threadfence();
+    return true;
+}
+
 // out = sum over splits (in order) of the fp32 partials, for the outputs of one row group: each
 // thread takes kQuads groups of 4 adjacent columns (float4) and loads kAtOnce splits of each at a time.
 template <int kQuads, int kAtOnce>
@@ -504,6 +527,19 @@ __device__ __forceinline__ void reduce_splits(const SplitK& sk, const Epilogue& 
             for (int c = 0; c < 4; ++c)
                 if (n + c < N) ep.store(token, n + c, N, v[c]);
         }
+    }
+}
+
+// The same sum for few outputs (rows x M, from row n0): one output per thread, whose split loads
+// the compiler issues together.
+__device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilogue& ep, unsigned n0, unsigned rows,
+                                                   unsigned M, unsigned N, unsigned ld) {
+    for (unsigned i = threadIdx.x; i < rows * M; i += kThreads) {
+        const unsigned n = n0 + i % rows, token = i / rows;
+        if (n >= N) continue;
+        float sum = 0.0f;
+        for (unsigned s = 0; s < sk.splits; ++s) sum = __fadd_rn(sum, __ldcg(sk.partials + ((size_t)s * M + token) * ld + n));
+        ep.store(token, n, N, sum);
     }
 }
 
@@ -750,25 +786,13 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                     if (token < M && tile0 + r < row_tiles) __stcg(part + (size_t)token * ld + n, acc[r][i][v]);
                 }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last_block = atomicAdd(sk.counters + group, 1u) == sk.splits - 1;
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
+    if (!arrive_last(sk, group, &last_block)) return;
     // The reduction is latency-bound. Few outputs (small M): one output per thread, whose split loads
     // the compiler issues together. More: 4 groups of 4 adjacent outputs (float4) per thread with 4
     // splits of each in flight. Either way the splits are added in order.
     const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
     if (rows * M <= kThreads) {
-        for (unsigned i = threadIdx.x; i < rows * M; i += kThreads) {
-            const unsigned n = n0 + i % rows, token = i / rows;
-            if (n >= N) continue;
-            float sum = 0.0f;
-            for (unsigned s = 0; s < sk.splits; ++s)
-                sum = __fadd_rn(sum, __ldcg(sk.partials + ((size_t)s * M + token) * ld + n));
-            ep.store(token, n, N, sum);
-        }
+        reduce_splits_each(sk, ep, n0, rows, M, N, ld);
     } else {
         reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
     }
