@@ -43,8 +43,8 @@ ENGINES = ["gemv", "gemv-f8", "gemv-split", "mma.sync", "mma.sync-predequantized
 def engine(request, monkeypatch):
     """Every M on one tensor-core path: up to 8 rows the GEMV kernels (K split over the warps of a
     block; 4 or 8 weight tiles per fetch; K split over blocks too, at every size, with "split"),
-    the mma.sync kernels (an NVFP4 activation decoded in the blocks, or from 9 rows dequantized by
-    its own launch first), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
+    the mma.sync kernels (an NVFP4 activation decoded in the blocks, or dequantized by its own
+    launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
     warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
     or, with "images", as window images at every M."""
     if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":

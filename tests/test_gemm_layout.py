@@ -293,12 +293,13 @@ def test_kernel_launch_raises_the_shared_memory_limit_once_and_passes_the_grid()
 
 def test_activation_paths_by_rows_and_weight_size():
     """Where the activation is prepared: an NVFP4 activation on the mma.sync kernels is dequantized
-    by its own launch from 9 rows on large weights only; the wgmma kernels read window images for
+    by its own launch on large weights only; the wgmma kernels read window images for
     NVFP4 always and for bf16 above 64 rows or on large weights."""
     from fp4kit.ops import gemm as gemm_ops
 
     big, small = (18432, 7168), (2048, 7168)
-    assert gemm_ops.predequantizes(9, *big, wgmma=False) and not gemm_ops.predequantizes(8, *big, wgmma=False)
+    assert gemm_ops.predequantizes(1, *big, wgmma=False) and gemm_ops.predequantizes(16, *big, wgmma=False)
+    assert not gemm_ops.predequantizes(1, *small, wgmma=False)
     assert not gemm_ops.predequantizes(16, *small, wgmma=False) and not gemm_ops.predequantizes(16, *big, wgmma=True)
     assert gemm_ops.uses_image(17, *small, nvfp4=True) and not gemm_ops.uses_image(64, *small, nvfp4=False)
     assert gemm_ops.uses_image(65, *small, nvfp4=False) and gemm_ops.uses_image(17, *big, nvfp4=False)

@@ -49,8 +49,9 @@ FETCH_TILES = {1: 8, 2: 8, 4: 4, 8: 4}
 #: more tokens make the split-K partials larger, and their kernels are less bound by latency.
 #: 0: the fewest splits that spread the blocks evenly over the SMs (`balanced_splits`): H200, M = 1,
 #: 32768x1024 (256 row groups) 13.4 us in 2 splits -> 9.2 in 1, 18432x7168 (144 row groups) 34.6
-#: in 1 split -> 29.6 in 4
-BLOCKS_PER_SM = {1: 0, 2: 4, 4: 2, 8: 1}
+#: in 1 split -> 29.6 in 4; M = 16 (was 4 blocks per SM) 32768x1024 16.6 -> 11.0, 4096x4096
+#: 11.6 -> 9.8, 2048x7168 12.3 -> 10.0, equal or better on the other six shapes
+BLOCKS_PER_SM = {1: 0, 2: 0, 4: 2, 8: 1}
 #: `balanced_splits`: the busiest SM's blocks over the mean
 WAVE_IMBALANCE = 1.15
 #: the warpgroup-MMA (wgmma, sm_90a) kernels: token tiles per block (up to 128 tokens; more rows
@@ -70,9 +71,10 @@ WGMMA_MIN_M = 17
 #: than it saves there (H200, 64 rows: 2048x7168 17.0 us in-block vs 19.1 with images; 18432x7168
 #: 60.4 vs 49.4)
 WGMMA_IMAGE_MIN_WEIGHT = 1 << 26
-#: W4A4 on the mma.sync kernels from 9 rows: weights with at least this many elements take the
-#: activation dequantized once by its own launch instead of by every block (H200, 16 rows, W4A4 /
-#: W4A16: 1.16 on 18432x7168 and 1.15 on the lm_head with the in-block decode)
+#: W4A4 on the mma.sync kernels: weights with at least this many elements take the activation
+#: dequantized once by its own launch instead of by every block (H200, W4A4 / W4A16 with the
+#: in-block decode -> with the launch: 16 rows 1.16 -> 1.05 on 18432x7168, 1.15 -> 1.02 on the
+#: lm_head; 1 row 1.10 -> 1.05 and 1.11 -> 1.03; on smaller weights the launch costs more than it saves)
 PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: kernels whose K splits can meet in a thread-block cluster (sm_90+), and the cluster sizes built:
 #: the splits of a row group reduce through distributed shared memory instead of a global scratch
@@ -253,9 +255,9 @@ def gemm(
 
 def predequantizes(m: int, n: int, k: int, wgmma: bool) -> bool:
     """Whether an NVFP4 activation of ``m`` rows is dequantized exactly into bf16 by one launch before
-    an ``mma.sync`` engine launch (from 9 rows on weights of `PREDEQUANTIZE_MIN_WEIGHT` elements or
-    more), rather than by every block of the GEMM."""
-    return not wgmma and m > 8 and n * k >= PREDEQUANTIZE_MIN_WEIGHT
+    an ``mma.sync`` engine launch (on weights of `PREDEQUANTIZE_MIN_WEIGHT` elements or more), rather
+    than by every block of the GEMM."""
+    return not wgmma and n * k >= PREDEQUANTIZE_MIN_WEIGHT
 
 
 def uses_image(m: int, n: int, k: int, nvfp4: bool) -> bool:
