@@ -3,8 +3,9 @@
 
 Compiles ``raw_kernels/gemm.cu`` for sm_90a through fp4kit's own NVRTC path (the same source and
 options the loader uses), disassembles it with ``cuobjdump -sass`` and, for each
-``gemm_tiled_*`` kernel, counts the instructions of its mainloop: the loop over activation
-windows, without the nested staging loop. One pass of that loop is 8 weight tiles of 64 k for
+``gemm_tiled_*``, ``gemm_wgmma_*`` and ``gemm_gemv_*`` kernel, counts the instructions of its
+mainloop: the loop over activation windows (GEMV: over pairs of fetch groups), without the nested
+staging loop. One pass of that loop is 8 weight tiles of 64 k for
 each of the warp's R row tiles, i.e. ``8 * 32 * R`` weights per thread (every branch counted as
 taken, so the figure is an upper bound for full windows). Prints the count per weight, split into
 integer/logic instructions on the ALU pipe (LOP3, SHF, PRMT, LEA, IADD3, ...), IMAD (integer
@@ -107,12 +108,16 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
+        gemv = re.fullmatch(r"gemm_gemv_(\d+)f(\d)_(?:bf16|nvfp4)", name)
         m = re.fullmatch(r"gemm_(?:tiled_(\d+)x(\d+)(f8)?_(?:bf16|nvfp4)|wgmma_(\d+)x(\d+)(?:_c\d+)?(?:_bf16)?)", name)
-        if not m:
+        if gemv:  # one pass of the GEMV loop: two fetch groups of F tiles of the warp's one row tile
+            tiles, r, per = 1, 1, 2 * int(gemv.group(2)) * 32
+        elif m:
+            tiles, r = int(m.group(1) or m.group(4)), int(m.group(2) or m.group(5))
+            per = body_weights(tiles, bool(m.group(3))) * r
+        else:
             continue
-        tiles, r = int(m.group(1) or m.group(4)), int(m.group(2) or m.group(5))
         ops = mainloop_mix(ins)
-        per = body_weights(tiles, bool(m.group(3))) * r
         alu = sum(v for k, v in ops.items() if k in ALU)
         rows.append({"kernel": name, "token_tiles": tiles, "row_tiles_per_warp": r,
                      "instructions_per_weight": sum(ops.values()) / per,

@@ -128,7 +128,7 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
     dev, host = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=dev_shared, host_shared=host_shared)
     folds = path in ("small", "small-quantize-launches") and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS
     assert dev._folds_shared(t) == folds
-    assert dev._quantizes_in_blocks(t) == (mode == "w4a4" and path in ("small", "small-shared-apart"))
+    assert dev._quantizes_in_blocks(t) == (mode == "w4a4" and folds and path != "small-quantize-launches")
     x = (rng.standard_normal((t, h)) * 2).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
@@ -140,15 +140,19 @@ def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_
     """W4A4 on the small-T path: quantizing the input and the SwiGLU output inside the GEMV blocks
     (from the previous launch's maxima) gives the quantize kernels' codes and scales, so the
     layer's output is bit for bit that of the path with quantize launches; the folded shared
-    expert's rows keep their own global scale (a large input row checks the per-token amax)."""
+    expert's rows keep their own global scale (a large input row checks the per-token amax). A
+    shared expert up to the tokens it is folded for; past them none (one run apart turns the
+    in-block quantization off)."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
     ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
     shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0)
-    dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, shared=shared)
+    folded = t <= moe_layer.FOLD_SHARED_MAX_TOKENS
+    dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, shared=shared if folded else None)
     x = rng.standard_normal((t, 512)).astype(np.float32)
     x[-1] *= 40
     x = cp.asarray(x.astype(x_dtype))
     dev.quantize_in_blocks_max_tokens = 1 << 30
+    assert dev._quantizes_in_blocks(t) and dev._folds_shared(t) == folded
     in_blocks = dev(x).copy()
     dev.quantize_in_blocks_max_tokens = 0
     launches = dev(x)

@@ -70,7 +70,8 @@ FOLD_SHARED_MAX_TOKENS = 4
 #: quantize kernels' recipe bit for bit) and writes each block's max |SwiGLU output|, the down
 #: launch quantizes its rows likewise; instead of a quantize launch before each GEMV launch. Up to
 #: this many tokens: H200, W4A4, V4-Flash, T = 1 74.1 -> 74.9 us (7 -> 3 launches); T = 2 103 -> 107,
-#: T = 4 166 -> 175 (the blocks repeat the quantization of the input rows they read)
+#: T = 4 166 -> 175 (the blocks repeat the quantization of the input rows they read). Not with a
+#: shared expert run apart (V3, top-8: 147 us in-block, 131-138 with the launches in the run before)
 QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
 
 
@@ -506,8 +507,11 @@ class MoE:
         return self.shared(x)
 
     def _quantizes_in_blocks(self, t: int) -> bool:
-        """Whether W4A4 on the small-T path quantizes inside the GEMV launches for ``t`` tokens."""
-        return self.mode == "w4a4" and self._small(t) and t <= self.quantize_in_blocks_max_tokens
+        """Whether W4A4 on the small-T path quantizes inside the GEMV launches for ``t`` tokens: up to
+        `quantize_in_blocks_max_tokens`, and only with no shared expert or a folded one (one run
+        apart needs the quantized input anyway, so the in-block quantization would save no launch)."""
+        return (self.mode == "w4a4" and self._small(t) and t <= self.quantize_in_blocks_max_tokens
+                and (self.shared is None or self._folds_shared(t)))
 
     def _folds_shared(self, t: int) -> bool:
         """Whether the small-T launches for ``t`` tokens run the shared expert as one more expert:
