@@ -223,6 +223,14 @@ __device__ __forceinline__ void decode_block16(uint2 codes, unsigned scale, cons
     for (int q = 0; q < 8; ++q) h[q] = bf16x2_mul(table[((q < 4 ? codes.x : codes.y) >> (8 * (q % 4))) & 0xFFu], sc);
 }
 
+// NVFP4 activation blocks in flight: loaded into registers by an activation's `start`, decoded by
+// its `finish` (N blocks of 16 per thread).
+template <int N>
+struct Nvfp4Blocks {
+    uint2 codes[N];
+    unsigned scale[N];
+};
+
 // NVFP4 (linear layout): the codes and scale bytes of one 16-element block per thread and token
 // tile are loaded into registers, then dequantized into the buffer, once per block rather than once
 // per warp: a 256-entry table in shared memory gives the bf16 pair (e2m1 * 2^-100) of a code byte,
@@ -235,10 +243,7 @@ struct ActNvfp4 {
     RowMap row;
     unsigned* table;              // [256] in shared memory, filled by init()
     static constexpr int kBlocks = Win::kTiles * 8 * (Win::kK / 16) / kThreads;  // per thread and window
-    struct Pending {
-        uint2 codes[kBlocks];
-        unsigned scale[kBlocks];
-    };
+    using Pending = Nvfp4Blocks<kBlocks>;
     __device__ __forceinline__ void init(unsigned* shared_table) {
         table = shared_table;
         fill_code_table(table);

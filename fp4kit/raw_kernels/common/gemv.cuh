@@ -56,10 +56,7 @@ struct WarpActNvfp4 {
     const unsigned char* scales;  // [M, K/16]
     const unsigned* table;
     static constexpr int kBlocks = 8 * F * 4 / 32;  // per lane: 8 tokens x 4F blocks of 16
-    struct Pending {
-        uint2 codes[kBlocks];
-        unsigned scale[kBlocks];
-    };
+    using Pending = Nvfp4Blocks<kBlocks>;
     __device__ __forceinline__ void init(unsigned* shared_table) {
         table = shared_table;
         fill_code_table(shared_table);
