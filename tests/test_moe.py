@@ -270,3 +270,27 @@ def test_the_shared_expert_folds_into_the_small_launches_by_the_measured_rule():
     assert moe_layer.fold_shared_pays(1, 6) and moe_layer.fold_shared_pays(limit, 7)
     assert not moe_layer.fold_shared_pays(limit + 1, 6)
     assert not moe_layer.fold_shared_pays(1, 8)  # V3's top-8: nine slots
+
+
+@pytest.mark.parametrize("top_k", [6, 8])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_w4a4_quantizes_in_the_small_launches_by_the_measured_rule(monkeypatch, top_k, with_shared):
+    """W4A4 on the small-T path quantizes inside the GEMV launches up to
+    QUANTIZE_IN_BLOCKS_MAX_TOKENS tokens, and only with no shared expert or a folded one (a shared
+    expert run apart needs the quantized input anyway). The rule on the host, for a layer whose
+    weights it takes to be on the device (the only place it applies)."""
+    from fp4kit.layers import moe as moe_layer
+
+    rng = np.random.default_rng(0)
+    e, h, i = 16, 64, 32
+    gate, w1, w3, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((e, h), (e, i, h), (e, i, h), (e, h, i)))
+    shared = SharedExpert.from_float(w1[0], w3[0], w2[0]) if with_shared else None
+    layer = MoE.from_float(gate, w1, w3, w2, RoutingConfig(top_k=top_k), shared=shared)
+    monkeypatch.setattr(moe_layer.arrays, "is_device_array", lambda a: True)
+    limit = moe_layer.QUANTIZE_IN_BLOCKS_MAX_TOKENS
+    folds = with_shared and moe_layer.fold_shared_pays(1, top_k)
+    assert layer._folds_shared(1) == folds
+    assert layer._quantizes_in_blocks(1) == (folds or not with_shared)
+    assert not layer._quantizes_in_blocks(limit + 1)
+    layer.mode = "w4a16"
+    assert not layer._quantizes_in_blocks(1)
