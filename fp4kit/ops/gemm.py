@@ -6,14 +6,15 @@ layer is built); numpy arrays run the reference with either layout. Two paths, p
 of activation rows M (``decode_max_m``; by default `DECODE_MAX_M` on Hopper, 64 elsewhere):
 
 * **engine** (M <= ``decode_max_m``): one launch that streams the weight, dequantizing it in
-  registers and multiplying on the bf16 tensor cores: ``mma.sync`` for up to 16 rows, and on Hopper
-  the warpgroup MMA (``wgmma``) from `WGMMA_MIN_M` rows, up to 128 rows per block and more rows as
-  token chunks of the same launch (elsewhere ``mma.sync`` once per 64 rows). The wgmma launch is
-  preceded by a small staging launch that writes the activation (W4A4: decoded) as the byte images
-  of the kernel's shared-memory windows, which its blocks then fetch with one bulk copy per window
-  instead of scattering 4-byte pairs themselves. Small weights are split
-  along K over more blocks with a deterministic reduction (in a thread-block cluster where a kernel
-  for that split count exists). No library call, so it can be captured in a CUDA graph.
+  registers and multiplying on the bf16 tensor cores: up to 8 rows on grids of about one wave the
+  GEMV kernels (`uses_gemv`: K split over the warps of one block), ``mma.sync`` up to 16 rows
+  otherwise, and on Hopper the warpgroup MMA (``wgmma``) from `WGMMA_MIN_M` rows, up to 128 rows
+  per block and more rows as token chunks of the same launch (elsewhere ``mma.sync`` once per 64
+  rows). The wgmma launch is preceded by a small staging launch that writes the activation (W4A4:
+  decoded) as the byte images of the kernel's shared-memory windows, which its blocks then fetch
+  with one bulk copy per window instead of scattering 4-byte pairs themselves. Small weights are
+  split along K over more blocks with a deterministic reduction (in a thread-block cluster where a
+  kernel for that split count exists). No library call, so it can be captured in a CUDA graph.
 * **prefill** (M > ``decode_max_m``): the weight (and an NVFP4 activation) dequantized exactly into
   a reusable bf16 workspace, a cuBLAS bf16 GEMM with fp32 output, then one epilogue kernel for
   alpha, bias and the output cast. cuBLAS cannot be captured in a CuPy graph.
@@ -346,8 +347,8 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     on a GPU with ``sms`` multiprocessors (default: the current device's).
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
-    per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch (`_PARTIALS_BYTES`); every
-    split gets at least one tile. A wgmma launch of more rows than one block holds (128) runs them
+    per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
+    (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than one block holds (128) runs them
     as token chunks of one grid, each with its own split-K scratch.
     """
     if sms is None:
