@@ -546,9 +546,9 @@ class MoE:
         if plan.x_amax is not None:  # W4A4, quantized in the blocks
             gx, gy = moe_ops.small_gate_up(x, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
                                            x_amax=plan.x_amax, h_amax=plan.h_amax)
+            # in-block quantization implies no shared expert or a folded one (`_quantizes_in_blocks`)
             second = (sh.down.weight, sh.down.row_decode, None) if fold else None
-            shared_out = None if fold or sh is None else sh(x)
-            moe_ops.small_down(plan.h_f32, self.w2, plan.ids, plan.weights, weighted, shared_out, plan.out,
+            moe_ops.small_down(plan.h_f32, self.w2, plan.ids, plan.weights, weighted, None, plan.out,
                                shared=second, h_amax=plan.h_amax, amax_blocks=(gx * routed, gx * gy))
             return plan.out
         if self.mode == "w4a4":

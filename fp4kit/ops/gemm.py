@@ -7,7 +7,7 @@ of activation rows M (``decode_max_m``; by default `DECODE_MAX_M` on Hopper, 64 
 
 * **engine** (M <= ``decode_max_m``): one launch that streams the weight, dequantizing it in
   registers and multiplying on the bf16 tensor cores: up to 8 rows on grids of about one wave the
-  GEMV kernels (`uses_gemv`: K split over the warps of one block), ``mma.sync`` up to 16 rows
+  GEMV kernels (`gemv_launch`: K split over the warps of one block), ``mma.sync`` up to 16 rows
   otherwise, and on Hopper the warpgroup MMA (``wgmma``) from `WGMMA_MIN_M` rows, up to 128 rows
   per block and more rows as token chunks of the same launch (elsewhere ``mma.sync`` once per 64
   rows). The wgmma launch is preceded by a small staging launch that writes the activation (W4A4:
@@ -348,8 +348,8 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
     per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
-    (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than one block holds (128) runs them
-    as token chunks of one grid, each with its own split-K scratch.
+    (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than one
+    block holds (128) runs them as token chunks of one grid, each with its own split-K scratch.
     """
     if sms is None:
         import cupy
@@ -389,17 +389,18 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     return shape
 
 
-def uses_gemv(m: int, n: int, k: int, sms: int | None = None) -> bool:
-    """Whether ``m`` rows of an ``[n, k]`` weight take the GEMV kernels: up to `GEMV_MAX_M` rows
-    and `GEMV_MAX_BLOCKS_PER_SM` blocks per SM."""
+def gemv_launch(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape | None:
+    """The GEMV launch (`gemv_config`) of ``m`` rows of an ``[n, k]`` weight if it takes the GEMV
+    kernels (up to `GEMV_MAX_M` rows and `GEMV_MAX_BLOCKS_PER_SM` blocks per SM), else None."""
     if not USE_GEMV or m > GEMV_MAX_M:
-        return False
+        return None
     if sms is None:
         import cupy
 
         sms = loader.sm_count(cupy.cuda.Device().id)
     per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
-    return gemv_config(m, n, k, sms).row_groups <= per_sm * sms
+    shape = gemv_config(m, n, k, sms)
+    return shape if shape.row_groups <= per_sm * sms else None
 
 
 def gemv_shared_bytes(m: int, fetch_tiles: int) -> int:
@@ -432,7 +433,7 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
-    shape = gemv_config(m, n, k) if not wgmma and uses_gemv(m, n, k) else launch_config(m, n, k, wgmma=wgmma)
+    shape = (None if wgmma else gemv_launch(m, n, k)) or launch_config(m, n, k, wgmma=wgmma)
     if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"

@@ -21,7 +21,6 @@ namespace gemm {
 template <int F>
 struct GemvSlot {
     static constexpr int kStride = F * kTileK + 8;
-    static constexpr int kBytesPerRow = 2 * kStride;
 };
 
 // bf16 activation [M, K]: the F tiles from chunk c of tokens 0 .. M-1 into a slot with 16-byte
