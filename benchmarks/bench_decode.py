@@ -8,7 +8,11 @@ routers, the distinct routed experts the step touched, the lm_head and the KV en
 or scores) and the bandwidth achieved over them. Target at batch 1: >= 60 % of the measured copy
 bandwidth; <= 15 kernels per layer (the kernel nodes of the captured step, counted).
 
-    .venv/bin/python benchmarks/bench_decode.py
+    .venv/bin/python benchmarks/bench_decode.py [--mode=w4a16] [--projections-apart]
+
+``--mode`` picks the activation format of every GEMM (default W4A4); ``--projections-apart`` runs
+each attention projection as its own Linear instead of one concatenated Linear per input
+(`examples/dsv4/model.py` ``FUSE_PROJECTIONS``), to compare the two in one session.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from dsv4 import config as configs  # noqa: E402
+from dsv4 import model as model_module  # noqa: E402
 from dsv4 import runner  # noqa: E402
 
 from fp4kit.ops import elementwise as ew  # noqa: E402
@@ -73,12 +78,17 @@ def breakdown(model, state) -> Table:
 
 
 def main() -> None:
-    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT)
+    mode = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mode=")), "w4a4")
+    if mode not in ("w4a4", "w4a16"):
+        raise SystemExit(f"--mode: expected w4a4 or w4a16, got {mode!r}")
+    model_module.FUSE_PROJECTIONS = "--projections-apart" not in sys.argv
+    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
     del ckpt
     copy = copy_bandwidth()
-    table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, W4A4, context {CONTEXT}, graph-replayed "
-                  f"({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
+    projections = "concatenated" if model_module.FUSE_PROJECTIONS else "apart"
+    table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, {mode.upper()}, projections {projections}, "
+                  f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
                    "kernels in graph", "kernels per layer", "target"])
     for batch in BATCHES:
@@ -105,7 +115,7 @@ def main() -> None:
     print()
     print(parts.markdown())
     meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
-            "copy_bandwidth": copy}
+            "copy_bandwidth": copy, "mode": mode, "projections": projections}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
 

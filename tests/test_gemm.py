@@ -128,3 +128,40 @@ def test_bad_input_gets_a_clear_error(call, exc, message):
     x = np.ones((2, 64), BF16)
     with pytest.raises(exc, match=message):
         call(w, x)
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_concatenated_linears_equal_the_parts(rng, mode):
+    """`Linear.concatenate`: one quantization and one GEMM for several layers of one input give
+    each part's output exactly (parts of different global scales and sizes, with biases; a part
+    that is itself a fused gate|up with per-row decode factors)."""
+    k = 96
+    ws = [(rng.standard_normal((n, k)) * scale).astype(np.float32) for n, scale in ((40, 1.0), (16, 30.0), (8, 0.01))]
+    biases = [rng.standard_normal(w.shape[0]).astype(np.float32) for w in ws]
+    parts = [Linear.from_float(w, bias=b, mode=mode) for w, b in zip(ws, biases)]
+    fused_gate_up, row_decode = fuse_gate_up(qref.quantize(ws[0][:16]), qref.quantize(ws[0][16:32] * 7))
+    parts.append(Linear(fused_gate_up, bias=rng.standard_normal(32).astype(np.float32), mode=mode,
+                        row_decode=row_decode))
+    fused = Linear.concatenate(parts)
+    assert fused.split_sizes == [40, 16, 8, 32] and fused.out_features == 96
+    x = rng.standard_normal((3, k)).astype(BF16)
+    for got, part in zip(fused.split(fused(x)), parts):
+        want = part(x)
+        assert got.flags.c_contiguous and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert Linear.concatenate(parts[:1]).split_sizes == [40]
+
+
+def test_concatenate_refuses_parts_it_cannot_join(rng):
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    a = Linear.from_float(w)
+    with pytest.raises(ValueError, match=r"parts\[1\]: expected in_features=64"):
+        Linear.concatenate([a, Linear.from_float(rng.standard_normal((16, 32)).astype(np.float32))])
+    with pytest.raises(ValueError, match=r"parts\[1\]: expected in_features=64 and mode='w4a4'"):
+        Linear.concatenate([a, Linear.from_float(w, mode="w4a16")])
+    with pytest.raises(ValueError, match="static input_scale"):
+        Linear.concatenate([a, Linear.from_float(w, input_scale=np.array(100.0, np.float32))])
+    with pytest.raises(ValueError, match="a bias or none"):
+        Linear.concatenate([a, Linear.from_float(w, bias=np.zeros(16, np.float32))])
+    with pytest.raises(TypeError, match="non-empty list of Linear"):
+        Linear.concatenate([])

@@ -223,3 +223,20 @@ def test_device_bad_inputs(rng):
         gemm(np.ones((2, 64), BF16), w)
     with pytest.raises(ValueError, match="bias: expected an array on the same device as w"):
         gemm(cp.ones((2, 64), BF16), w, bias=np.ones(32, np.float32))
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_concatenated_linears_on_the_device(rng, mode):
+    """`Linear.concatenate` on the device (one quantization, one GEMM over the fused tiled weight
+    with per-row decode factors) against each part on the numpy reference, at one and eight rows
+    (where the column views of the split are copied to contiguous arrays)."""
+    k = 2048
+    ws = [(rng.standard_normal((n, k)) * s).astype(np.float32) for n, s in ((1024, 1.0), (512, 40.0), (64, 0.01))]
+    fused = Linear.concatenate([Linear.from_float(cp.asarray(w), mode=mode) for w in ws])
+    hosts = [Linear.from_float(w, mode=mode) for w in ws]
+    for m in (1, 8):
+        x = (rng.standard_normal((m, k)) * 3).astype(BF16)
+        outs = fused.split(fused(cp.asarray(x)))
+        for got, host in zip(outs, hosts):
+            assert got.flags.c_contiguous
+            assert ref.calc_diff(cp.asnumpy(got).astype(np.float32), host(x).astype(np.float32)) < BOUND, (m, mode)

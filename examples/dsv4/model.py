@@ -7,7 +7,10 @@ K = V): a low-rank query (``wq_a`` -> RMSNorm -> ``wq_b``, per-head RMS norm, Ro
 entries every ``ratio`` tokens; ratio-4 layers select compressed entries with the lightning
 indexer's top-k (its own 128-d compressed key cache), ratio-128 layers take all of them, ratio-0
 layers use the window alone; `fp4kit.SparseAttention` over window + selection with a per-head
-sink; the grouped low-rank output projection (``wo_a`` per group, then ``wo_b``). MoE: hash
+sink; the grouped low-rank output projection (``wo_a`` per group, then ``wo_b``). The projections
+that read the same input (of the normed hidden state: ``wq_a``, ``wkv``, the compressors' and the
+indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one concatenated
+`fp4kit.Linear` each (`Projections`). MoE: hash
 routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
 expert, the V4 SwiGLU clamp.
 
@@ -29,11 +32,44 @@ import fp4kit
 from fp4kit.checkpoint import Checkpoint
 from fp4kit.layers import (Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert,
                            SparseAttention)
+from fp4kit.layers.linear import split_columns
 from fp4kit.ops import elementwise as ew
 from fp4kit.ops import sampling as sampling_ops
 from fp4kit.runtime.arrays import BF16
 
 from .config import ModelConfig
+
+
+#: the attention projections that read the same input run as one concatenated Linear each (one
+#: activation quantization and one GEMM instead of one of each per projection)
+FUSE_PROJECTIONS = True
+
+
+class Projections:
+    """Several projections of one input, called together: one `Linear.concatenate` of them (with
+    ``fuse``; the parts are then dropped, so the weights are held once) or one Linear each. Returns
+    the outputs in the order of ``names``."""
+
+    def __init__(self, names: list[str], parts: list[Linear], fuse: bool):
+        self.names, self.sizes = names, [p.out_features for p in parts]
+        self.fused = Linear.concatenate(parts) if fuse and len(parts) > 1 else None
+        self.parts = None if self.fused is not None else parts
+
+    def __call__(self, x) -> list:
+        if self.fused is None:
+            return [p(x) for p in self.parts]
+        return split_columns(self.fused(x), self.sizes)
+
+    def linears(self) -> list:
+        """The layers holding the weights (one when fused)."""
+        return [self.fused] if self.fused is not None else list(self.parts)
+
+    def map(self, fn) -> None:
+        """Replace each layer holding weights by ``fn(layer)`` (e.g. a tensor-parallel shard of it)."""
+        if self.fused is not None:
+            self.fused = fn(self.fused)
+        else:
+            self.parts = [fn(p) for p in self.parts]
 
 
 class Attention:
@@ -45,16 +81,20 @@ class Attention:
         def linear(name: str) -> Linear:
             return Linear.from_checkpoint(ckpt, f"{p}.{name}", mode=cfg.mode, static_input_scale=False)
 
-        self.wq_a, self.wq_b, self.wkv, self.wo_b = (linear(n) for n in ("wq_a", "wq_b", "wkv", "wo_b"))
+        def projections(names: list[str]) -> Projections:
+            return Projections(names, [linear(n) for n in names], FUSE_PROJECTIONS)
+
+        # the projections of the normed input h, then those of the query's low-rank qr
+        of_h = ["wq_a", "wkv"] + (["compressor.wkv", "compressor.wgate"] if self.ratio else [])
+        of_h += ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.ratio == 4 else []
+        self.of_h = projections(of_h)
+        self.of_qr = projections(["wq_b"] + (["indexer.wq"] if self.ratio == 4 else []))
+        self.wo_b = linear("wo_b")
         self.wo_a = [linear(f"wo_a.{g}") for g in range(cfg.o_groups)]
         self.q_norm, self.kv_norm = ckpt.extra[f"{p}.q_norm"], ckpt.extra[f"{p}.kv_norm"]
         self.attn = SparseAttention(cfg.heads, cfg.head_dim, sink=ckpt.extra[f"{p}.sink"])
         self.extra = {k[len(p) + 1:]: v for k, v in ckpt.extra.items() if k.startswith(p + ".")}
-        if self.ratio:
-            self.wc_kv, self.wc_gate = linear("compressor.wkv"), linear("compressor.wgate")
         if self.ratio == 4:
-            self.wiq, self.wiw = linear("indexer.wq"), linear("indexer.weights_proj")
-            self.wic_kv, self.wic_gate = linear("indexer.compressor.wkv"), linear("indexer.compressor.wgate")
             self.indexer = Indexer(cfg.index_topk, capacity=cfg.max_comp(4), heads=cfg.index_heads,
                                    head_dim=cfg.index_head_dim)
 
@@ -83,21 +123,25 @@ class Attention:
         cfg, xp, cache = self.cfg, self.xp, st["kv"]
         b = h.shape[0]
         pos = cache.pos  # this token's position (read on the device before the append below)
-        qr = ew.rmsnorm_rope(self.wq_a(h), self.q_norm, eps=cfg.eps)
-        q = ew.rmsnorm_rope(self.wq_b(qr).reshape(b, cfg.heads, cfg.head_dim), None, pos, eps=cfg.eps,
+        of_h = dict(zip(self.of_h.names, self.of_h(h)))
+        qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
+        of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
+        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b, cfg.heads, cfg.head_dim), None, pos, eps=cfg.eps,
                             rope_dim=cfg.rope_dim, theta=self.theta)
-        kv = ew.rmsnorm_rope(self.wkv(h), self.kv_norm, pos, eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
+        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, pos, eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         if self.ratio == 4:  # the indexer's query, rotated at the same position
-            iq = ew.rmsnorm_rope(self.wiq(qr).reshape(b, cfg.index_heads, cfg.index_head_dim), None, pos,
+            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b, cfg.index_heads, cfg.index_head_dim), None, pos,
                                  normalize=False, rope_dim=cfg.rope_dim, theta=self.theta)
         if self.ratio:
-            cache.append(kv.reshape(b, 1, -1), self.wc_kv(h).reshape(b, 1, -1), self.wc_gate(h).reshape(b, 1, -1))
+            cache.append(kv.reshape(b, 1, -1), of_h["compressor.wkv"].reshape(b, 1, -1),
+                         of_h["compressor.wgate"].reshape(b, 1, -1))
         else:
             cache.append(kv.reshape(b, 1, -1))
         if self.ratio == 4:
             keys = st["index"]
-            keys.append(st["index_kv"], self.wic_kv(h).reshape(b, 1, -1), self.wic_gate(h).reshape(b, 1, -1))
-            w = self.wiw(h).astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
+            keys.append(st["index_kv"], of_h["indexer.compressor.wkv"].reshape(b, 1, -1),
+                        of_h["indexer.compressor.wgate"].reshape(b, 1, -1))
+            w = of_h["indexer.weights_proj"].astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
             indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len)
             comp, comp_len = cache.comp, cache.comp_len
         elif self.ratio == 128:
@@ -231,9 +275,9 @@ class Model:
                 blk.moe = dist.ExpertParallelMoE.shard(blk.moe, comm, tokens="replicated")
             if tp:
                 a = blk.attn
-                for name in ("wq_a", "wq_b", "wkv", "wo_b", "wc_kv", "wc_gate", "wiq", "wiw", "wic_kv", "wic_gate"):
-                    if hasattr(a, name):
-                        setattr(a, name, column(getattr(a, name)))
+                a.of_h.map(column)
+                a.of_qr.map(column)
+                a.wo_b = column(a.wo_b)
                 a.wo_a = [column(lin) for lin in a.wo_a]
         if tp:
             self.lm_head = column(self.lm_head)
@@ -251,8 +295,7 @@ class Model:
         attn = shared = routed = router = 0
         for blk, touched in zip(self.blocks, experts_touched):
             a = blk.attn
-            lins = [a.wq_a, a.wq_b, a.wkv, a.wo_b, *a.wo_a] + ([a.wc_kv, a.wc_gate] if a.ratio else [])
-            lins += [a.wiq, a.wiw, a.wic_kv, a.wic_gate] if a.ratio == 4 else []
+            lins = [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b, *a.wo_a]
             attn += sum(nbytes(lin) for lin in lins)
             shared += nbytes(blk.moe.shared.gate_up) + nbytes(blk.moe.shared.down)
             stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))

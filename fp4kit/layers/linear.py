@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import Nvfp4Tensor, to_tiled
+from ..formats import Nvfp4Tensor, fuse_rows, to_linear, to_tiled
 from ..ops import gemm as gemm_ops
 from ..ops import quant as quant_ops
 from ..runtime import arrays, workspace
@@ -54,6 +54,8 @@ class Linear:
         self.weight, self.bias, self.mode = weight, bias, mode
         self.input_scale, self.row_decode = input_scale, row_decode
         self._buffers = workspace.BufferCache()
+        #: output widths of the layers this one concatenates (`concatenate`); one part otherwise
+        self.split_sizes = [weight.shape[0]]
         #: rows up to which the graph-capturable decode GEMM is used (above: cuBLAS prefill); raise
         #: it to capture large-M calls in a CUDA graph
         self.decode_max_m = None  # the GEMM's default for the device (see fp4kit.ops.gemm)
@@ -89,6 +91,43 @@ class Linear:
         return cls(checkpoint.weights[prefix], bias=None if bias is None else checkpoint.extra[bias],
                    mode=mode, input_scale=input_scale)
 
+    @classmethod
+    def concatenate(cls, parts: list["Linear"]) -> "Linear":
+        """One layer computing several layers of the same input: their weights' rows one after
+        another (`fp4kit.formats.fuse_rows`, every byte kept, a decode factor per row), so one
+        activation quantization and one GEMM replace one of each per part. Output columns
+        ``[sum(N_i)]`` in the order of ``parts`` (`split_sizes` gives the N_i).
+
+        The parts must share in_features, mode and a dynamic input scale (``input_scale=None``:
+        each would compute the same scale from the same input), and all have a bias or none.
+        """
+        if not parts or not all(isinstance(p, Linear) for p in parts):
+            raise TypeError(f"parts: expected a non-empty list of Linear, got {[type(p).__name__ for p in parts]}")
+        first = parts[0]
+        for i, p in enumerate(parts):
+            if p.in_features != first.in_features or p.mode != first.mode:
+                raise ValueError(f"parts[{i}]: expected in_features={first.in_features} and mode={first.mode!r} "
+                                 f"like parts[0], got {p.in_features} and {p.mode!r}")
+            if p.input_scale is not None:
+                raise ValueError(f"parts[{i}]: a static input_scale cannot be shared; concatenate layers "
+                                 "that compute the activation scale per call (input_scale=None)")
+            if (p.bias is None) != (first.bias is None):
+                raise ValueError(f"parts[{i}]: expected all parts with a bias or none")
+        weight, row_decode = fuse_rows([to_linear(p.weight) for p in parts], "concatenated",
+                                       row_decodes=[p.row_decode for p in parts])
+        bias = None
+        if first.bias is not None:
+            xp = arrays.array_module(first.bias)
+            bias = xp.concatenate([p.bias.astype(np.float32, copy=False) for p in parts])
+        fused = cls(weight, bias=bias, mode=first.mode, row_decode=row_decode)
+        fused.decode_max_m = first.decode_max_m
+        fused.split_sizes = [p.out_features for p in parts]
+        return fused
+
+    def split(self, y) -> list:
+        """The outputs of the concatenated parts (`concatenate`) in ``y [..., N]`` (`split_columns`)."""
+        return split_columns(y, self.split_sizes)
+
     def _output_buffer(self, lead: tuple):
         import cupy
 
@@ -123,3 +162,13 @@ class Linear:
             return self.gemm(x, out=out)
         act = self._activation_buffer(tuple(x.shape[:-1])) if arrays.is_device_array(x) else None
         return self.gemm(quant_ops.quantize(x, global_scale=self.input_scale, out=act), out=out)
+
+
+def split_columns(y, sizes) -> list:
+    """``y [..., sum(sizes)]`` as consecutive column blocks of these widths, each C-contiguous: a
+    view where it already is (one row), else a copy."""
+    if sum(sizes) != y.shape[-1]:
+        raise ValueError(f"sizes: expected widths adding up to y's last dimension {y.shape[-1]}, got {list(sizes)}")
+    xp = arrays.array_module(y)
+    bounds = np.cumsum([0, *sizes])
+    return [xp.ascontiguousarray(y[..., a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
