@@ -102,3 +102,27 @@ def test_decode_script_on_the_gpu_times_the_warm_up_apart(capsys):
     assert "prefill: 3 tokens in" in out
     assert decode.main(args + ["--check"]) == 0
     assert "bit-identical: True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("b", [1, 5])
+def test_grouped_output_projection_equals_one_linear_per_group(b):
+    """The example's ``wo_a`` as one grouped GEMM launch (W4A16, the groups as experts of the MoE's
+    expert GEMM) against one Linear per group, and its buffers reused by a second call."""
+    import ml_dtypes
+
+    from dsv4 import model as model_module
+
+    from fp4kit.layers import Linear
+    from fp4kit.reference.gemm import calc_diff
+
+    rng = np.random.default_rng(4)
+    groups, k, n = 4, 256, 128
+    ws = [rng.standard_normal((n, k)).astype(np.float32) * (g + 1) for g in range(groups)]
+    grouped = model_module.OutputProjection([Linear.from_float(cp.asarray(w), mode="w4a16") for w in ws], True)
+    apart = model_module.OutputProjection([Linear.from_float(cp.asarray(w), mode="w4a16") for w in ws], False)
+    assert grouped.stack is not None and apart.stack is None
+    for _ in range(2):
+        o = cp.asarray(rng.standard_normal((b, groups * k)).astype(ml_dtypes.bfloat16))
+        got, want = grouped(o), apart(o)
+        assert got.shape == want.shape == (b, groups * n) and got.flags.c_contiguous
+        assert calc_diff(cp.asnumpy(got).astype(np.float32), cp.asnumpy(want).astype(np.float32)) < 1e-5

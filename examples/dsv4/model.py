@@ -7,7 +7,8 @@ K = V): a low-rank query (``wq_a`` -> RMSNorm -> ``wq_b``, per-head RMS norm, Ro
 entries every ``ratio`` tokens; ratio-4 layers select compressed entries with the lightning
 indexer's top-k (its own 128-d compressed key cache), ratio-128 layers take all of them, ratio-0
 layers use the window alone; `fp4kit.SparseAttention` over window + selection with a per-head
-sink; the grouped low-rank output projection (``wo_a`` per group, then ``wo_b``). The projections
+sink; the grouped low-rank output projection (``wo_a`` per group, then ``wo_b``; W4A16 on the device
+runs the groups as one grouped GEMM launch, `OutputProjection`). The projections
 that read the same input (of the normed hidden state: ``wq_a``, ``wkv``, the compressors' and the
 indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one concatenated
 `fp4kit.Linear` each (`Projections`). MoE: hash
@@ -26,15 +27,20 @@ step the step can be captured in a CUDA graph (see `examples/decode.py`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 import fp4kit
 from fp4kit.checkpoint import Checkpoint
-from fp4kit.layers import (Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert,
-                           SparseAttention)
+from fp4kit.formats import to_linear
+from fp4kit.layers import (ExpertStack, Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler,
+                           SharedExpert, SparseAttention)
 from fp4kit.layers.linear import split_columns
 from fp4kit.ops import elementwise as ew
+from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
+from fp4kit.runtime import arrays
 from fp4kit.runtime.arrays import BF16
 
 from .config import ModelConfig
@@ -72,6 +78,75 @@ class Projections:
             self.parts = [fn(p) for p in self.parts]
 
 
+#: the grouped low-rank output projection (``wo_a``, one weight per group of heads) as one grouped
+#: GEMM launch with the groups as experts (the MoE's expert GEMM) instead of one Linear per group,
+#: with bf16 activations (W4A16; the same arithmetic per group). W4A4 keeps one Linear per group:
+#: each group's activation has its own global scale, and the grouped GEMM takes one
+GROUP_OUTPUT_PROJECTION = True
+
+
+@dataclass
+class _GroupRows:
+    """The grouped GEMM's row plan for ``b`` tokens and G groups: group g's rows are g * b .. (g +
+    1) * b - 1 in the output, reading row t * G + g of the attention output ``[b * G, K_g]``."""
+
+    offsets: object
+    active: object
+    num_active: object
+    row_token: object
+    slot_row: object
+
+
+class OutputProjection:
+    """``wo_a``: group g of the attention output ``[b, G, K_g]`` through its own weight
+    ``[N, K_g]``, the results side by side ``[b, G * N]``: one grouped GEMM launch over the G
+    weights held as one tiled expert stack (``group``, W4A16 on the device), or one Linear per
+    group."""
+
+    def __init__(self, linears: list[Linear], group: bool):
+        self.groups, self.mode = len(linears), linears[0].mode
+        self.k, self.n = linears[0].in_features, linears[0].out_features
+        self.linears, self.stack, self._buffers = linears, None, {}
+        if group and self.mode == "w4a16" and arrays.is_device_array(linears[0].weight.packed):
+            self.stack = ExpertStack.from_tensors([to_linear(lin.weight) for lin in linears]).to_tiled()
+            self.linears = None  # the stack holds the weights
+
+    def __call__(self, o):
+        """``o [b, G * K_g]`` (C-contiguous) -> ``[b, G * N]`` bf16."""
+        b, xp = o.shape[0], arrays.array_module(o)
+        if self.stack is None:
+            parts = xp.ascontiguousarray(o.reshape(b, self.groups, self.k).transpose(1, 0, 2))
+            return xp.concatenate([self.linears[g](parts[g]) for g in range(self.groups)], axis=1)
+        plan, y = self._device_buffers(b)
+        rows = o.reshape(b * self.groups, self.k)  # row t * G + g: group g of token t
+        moe_ops.grouped_gemm(rows, self.stack, y, plan=plan, gather=True, max_rows=b)
+        return xp.ascontiguousarray(y.reshape(self.groups, b, self.n).transpose(1, 0, 2)).reshape(b, -1)
+
+    def _device_buffers(self, b: int):
+        if b not in self._buffers:
+            import cupy
+
+            g = self.groups
+            u32 = lambda a: cupy.asarray(np.asarray(a, np.uint32))  # noqa: E731
+            row_token = u32((np.arange(b)[None, :] * g + np.arange(g)[:, None]).reshape(-1))
+            plan = _GroupRows(u32(np.arange(g + 1) * b), u32(np.arange(g)), u32([g]), row_token, row_token)
+            self._buffers[b] = (plan, cupy.empty((g * b, self.n), arrays.BF16))
+        return self._buffers[b]
+
+    def ungroup(self) -> None:
+        """One Linear per group again (e.g. before sharding each of them): the same arithmetic."""
+        if self.stack is not None:
+            linear = self.stack.to_linear()
+            self.linears = [Linear(linear.expert(g), mode=self.mode) for g in range(self.groups)]
+            self.stack = None
+
+    def weight_bytes(self) -> int:
+        if self.stack is not None:
+            return int(self.stack.packed.nbytes + self.stack.block_scales.nbytes + 4 * self.groups)
+        weights = [getattr(lin, "local", lin).weight for lin in self.linears]  # a tensor-parallel layer's own shard
+        return sum(int(w.packed.nbytes + w.block_scales.nbytes + 4) for w in weights)
+
+
 class Attention:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
         p = f"layers.{i}.attn"
@@ -90,7 +165,7 @@ class Attention:
         self.of_h = projections(of_h)
         self.of_qr = projections(["wq_b"] + (["indexer.wq"] if self.ratio == 4 else []))
         self.wo_b = linear("wo_b")
-        self.wo_a = [linear(f"wo_a.{g}") for g in range(cfg.o_groups)]
+        self.wo_a = OutputProjection([linear(f"wo_a.{g}") for g in range(cfg.o_groups)], GROUP_OUTPUT_PROJECTION)
         self.q_norm, self.kv_norm = ckpt.extra[f"{p}.q_norm"], ckpt.extra[f"{p}.kv_norm"]
         self.attn = SparseAttention(cfg.heads, cfg.head_dim, sink=ckpt.extra[f"{p}.sink"])
         self.extra = {k[len(p) + 1:]: v for k, v in ckpt.extra.items() if k.startswith(p + ".")}
@@ -150,9 +225,7 @@ class Attention:
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
-        groups = xp.ascontiguousarray(o.reshape(b, cfg.o_groups, -1).transpose(1, 0, 2))
-        low = xp.concatenate([self.wo_a[g](groups[g]) for g in range(cfg.o_groups)], axis=1)
-        return self.wo_b(low)
+        return self.wo_b(self.wo_a(o.reshape(b, -1)))
 
 
 class Block:
@@ -278,7 +351,8 @@ class Model:
                 a.of_h.map(column)
                 a.of_qr.map(column)
                 a.wo_b = column(a.wo_b)
-                a.wo_a = [column(lin) for lin in a.wo_a]
+                a.wo_a.ungroup()
+                a.wo_a.linears = [column(lin) for lin in a.wo_a.linears]
         if tp:
             self.lm_head = column(self.lm_head)
         return whole
@@ -295,8 +369,8 @@ class Model:
         attn = shared = routed = router = 0
         for blk, touched in zip(self.blocks, experts_touched):
             a = blk.attn
-            lins = [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b, *a.wo_a]
-            attn += sum(nbytes(lin) for lin in lins)
+            lins = [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b]
+            attn += sum(nbytes(lin) for lin in lins) + a.wo_a.weight_bytes()
             shared += nbytes(blk.moe.shared.gate_up) + nbytes(blk.moe.shared.down)
             stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))
             routed += stack_bytes * touched // self.cfg.experts
