@@ -414,3 +414,38 @@ def test_prefill_attention_is_token_by_token_decoding(rng, window):
             np.testing.assert_allclose(got[j], want[0], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="kv: expected at least start \\+ T = 28 rows, got 27"):
         ref.prefill_attention(q, kv[:-1], start, window, comp, comp_len, indices, sink)
+
+
+def _prefill_inputs(rng, t=23, heads=3, d=16, cap=8, start=5, n=5):
+    return dict(q=rng.standard_normal((t, heads, d)).astype(BF16), kv=rng.standard_normal((start + t, d)).astype(BF16),
+                start=np.array([start], np.int32), comp=rng.standard_normal((cap, d)).astype(BF16),
+                comp_len=np.minimum((start + np.arange(t) + 1) // 4, cap).astype(np.int32),
+                indices=rng.integers(-1, cap + 2, (t, n)).astype(np.int32),
+                sink=rng.standard_normal(heads).astype(np.float32))
+
+
+def test_prefill_op_runs_the_reference_and_writes_out(rng):
+    a = _prefill_inputs(rng)
+    want = ref.prefill_attention(a["q"], a["kv"], 5, 4, a["comp"], a["comp_len"], a["indices"], a["sink"])
+    out = np.full(a["q"].shape, np.nan, np.float32)
+    got = ops.sparse_prefill_attention(a["q"], a["kv"], a["start"], 4, a["comp"], a["comp_len"], a["indices"],
+                                       a["sink"], out=out)
+    assert got is out and np.array_equal(out, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("change, exc, message", [
+    (dict(q=np.zeros((2, 16), BF16)), ValueError, r"q: expected bfloat16 \[T, Hq, D\]"),
+    (dict(kv=np.zeros((28, 32), BF16)), ValueError, r"kv: expected bfloat16 \[L, D=16\]"),
+    (dict(start=np.array(5, np.int32)), ValueError, r"start: expected int32 \[1\]"),
+    (dict(start=np.array([5], np.int64)), TypeError, r"start: expected dtype int32"),
+    (dict(start=np.array([-1], np.int32)), ValueError, "start: expected a non-negative position, got -1"),
+    (dict(window=0), ValueError, "window: expected a positive int"),
+    (dict(comp_len=np.zeros(3, np.int32)), ValueError, r"comp_len: expected int32 \[T=23\]"),
+    (dict(indices=np.zeros((22, 5), np.int32)), ValueError, r"indices: expected int32 \[T=23, N\]"),
+    (dict(kv=np.zeros((27, 16), BF16)), ValueError, r"kv: expected at least start \+ T = 28 rows, got 27"),
+])
+def test_prefill_bad_input_gets_a_clear_error(rng, change, exc, message):
+    a = {**_prefill_inputs(rng), "window": 4, **change}
+    with pytest.raises(exc, match=message):
+        ops.sparse_prefill_attention(a["q"], a["kv"], a["start"], a["window"], a["comp"], a["comp_len"],
+                                     a["indices"], a["sink"])

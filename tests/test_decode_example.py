@@ -157,3 +157,32 @@ def test_sharded_decoding_over_two_simulated_ranks_matches_one(tp, ep):
 def test_decode_script_rejects_a_parallel_size_it_was_not_launched_with():
     with pytest.raises(SystemExit, match="--ep 2: expected 1 or the launched world size 1"):
         decode.main(["--numpy", "--ep", "2"])
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_batched_prefill_equals_token_by_token_feeding(mode):
+    """`Model.prefill`: the 149 prompt tokens of two sequences through each layer once (the window
+    of 16 wrapping, ratio-4 entries past the indexer's top-16, a ratio-128 entry, hash routing)
+    leave the model where 149 `feed` calls do. W4A16 on numpy: the same logits bit for bit over the
+    next three decode steps. W4A4 quantizes each GEMM's activation with one global scale over all
+    149 tokens instead of one per token, so its logits differ by that quantization (within the
+    numpy-vs-GPU check's largest-difference bound)."""
+    cfg = configs.tiny(layers=4, mode=mode)
+    prompt = runner.random_prompt(2, 150, cfg.vocab, seed=5)
+    logits = {}
+    for batched in (False, True):
+        model, _ = runner.build(cfg, device=False, seed=3)
+        state = model.new_state(2, history_rows=3)
+        dec = runner.Decoder(model, state, prompt, use_graph=False, batched_prefill=batched)
+        assert dec.prefill() == 149 and np.array_equal(state.positions, [149, 149])
+        steps = []
+        for _ in range(3):
+            dec.decode_step()
+            steps.append(np.asarray(state.logits, np.float32).copy())
+        logits[batched] = np.stack(steps)
+    if mode == "w4a16":
+        assert np.array_equal(logits[True], logits[False])
+    else:
+        a, b = logits[True], logits[False]
+        rel = np.sqrt(((a - b) ** 2).mean(axis=(1, 2)) / (b**2).mean(axis=(1, 2)))
+        assert (rel <= runner.NUMPY_TOLERANCE["w4a4"]["max"]).all(), rel

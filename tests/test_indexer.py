@@ -145,6 +145,17 @@ def test_score_topk_matches_reference_with_outputs(rng):
     assert host_flags() & status.INDEXER_INPUT == 0
 
 
+def test_one_key_cache_shared_by_every_row_is_the_cache_repeated(rng):
+    """keys [1, C, D]: the query positions of one sequence's prefill score its one cache, each up
+    to its own length; the same as giving every row a copy."""
+    q, w, keys = exact_inputs(rng, 4, 16, 64, 120)
+    shared = keys[:1]
+    lengths = np.array([120, 7, 0, 64], np.int32)
+    got = ops.score_topk(q, w, shared, lengths, 16)
+    want = ops.score_topk(q, w, np.repeat(shared, 4, axis=0), lengths, 16)
+    assert np.array_equal(got[0], want[0]) and got[1].tobytes() == want[1].tobytes()
+
+
 def test_score_topk_allocates_outputs_and_accepts_an_empty_batch(rng):
     q, w, keys = exact_inputs(rng, 2, 8, 32, 20)
     idx, val = ops.score_topk(q, w, keys, np.array([20, 5], np.int32), 8)
@@ -249,7 +260,7 @@ def _call(**changes):
         (dict(w=np.ones(16, np.float32)), ValueError, "w: expected a 2-D array"),
         (dict(w=np.ones((8, 2), np.float32).T), ValueError, "w: expected a C-contiguous array"),
         (dict(keys=np.ones((2, 16, 32), np.float32)), TypeError, "keys: expected dtype bfloat16, got float32"),
-        (dict(keys=np.ones((3, 16, 32), BF16)), ValueError, r"keys: expected shape \(2, C, 32\) to match q"),
+        (dict(keys=np.ones((3, 16, 32), BF16)), ValueError, r"keys: expected shape \(2, C, 32\) or \(1, C, 32\) \(shared by every row\) to match q"),
         (dict(keys=np.ones((2, 16, 64), BF16)), ValueError, r"keys: expected shape \(2, C, 32\)"),
         (dict(keys=np.ones((2, 0, 32), BF16)), ValueError, r"keys: expected a capacity C in \[1, "),
         (dict(keys=np.ones((2, 32, 16), BF16).transpose(0, 2, 1)), ValueError, "keys: expected a C-contiguous array"),

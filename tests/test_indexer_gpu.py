@@ -51,7 +51,7 @@ def float_inputs(rng, bsz, capacity, heads=H, dim=D):
 
 def run(q, w, keys, lengths, k):
     """score_topk on the device into poisoned outputs; host copies of (indices, scores, workspace)."""
-    bsz, capacity = keys.shape[:2]
+    bsz, capacity = q.shape[0], keys.shape[1]
     idx = cp.full((bsz, k), POISON_INDEX, cp.int32)
     val = cp.full((bsz, k), np.nan, cp.float32)
     work = cp.full((bsz, capacity), np.nan, cp.float32)
@@ -106,6 +106,18 @@ def test_exact_batch8_mixed_lengths(rng, k):
     q, w, keys = exact_inputs(rng, 8, C)
     lengths = mixed_lengths(rng, k, C)
     assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_one_key_cache_shared_by_every_row(rng, k):
+    """keys [1, C, D] (the query positions of one sequence's prefill): every row scores the one
+    cache up to its own length, exactly as the reference does on the cache repeated per row."""
+    fp4kit.clear_status()
+    q, w, keys = exact_inputs(rng, 8, C)
+    shared = keys[:1]
+    lengths = mixed_lengths(rng, k, C)
+    assert_exact(q, w, np.repeat(shared, 8, axis=0), lengths, k, run(q, w, shared, lengths, k))
     assert fp4kit.read_status() & FLAG == 0
 
 

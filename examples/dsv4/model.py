@@ -17,8 +17,9 @@ expert, the V4 SwiGLU clamp.
 
 Left out (documented in the README): hyper-connections (a plain residual stream instead), YaRN
 RoPE scaling, the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents, the
-output de-rotation, multi-token prediction, and a prefill attention kernel: the prompt goes through
-the decode step one token at a time.
+output de-rotation, and multi-token prediction. `Model.prefill` runs a prompt through each layer
+once as T tokens (the runner's ``batched_prefill``); by default the prompt goes through the decode
+step one token at a time.
 
 The same code runs on CuPy arrays (kernels) and on numpy arrays (the reference): `Model(...,
 device=False)`. On the device a `DecodeState` owns every buffer a step writes, so after one eager
@@ -225,7 +226,56 @@ class Attention:
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
-        return self.wo_b(self.wo_a(o.reshape(b, -1)))
+        return self._project_out(o)
+
+    def _project_out(self, o):
+        """The grouped low-rank output projection of the attention output ``o [rows, heads, D]``."""
+        return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
+
+    def prefill(self, h, st: dict, positions, b: int, t: int):
+        """The first ``t`` tokens of each of ``b`` sequences at once (a fresh state): ``h [b * t,
+        hidden]`` (sequence-major), ``positions`` int32 ``[b * t]`` (0 .. t - 1 per sequence). Appends
+        all of them to the caches, as ``t`` decode steps would, and returns the attention output
+        ``[b * t, hidden]``: each token over its causal window and the entries complete at it."""
+        cfg, xp, cache = self.cfg, self.xp, st["kv"]
+        rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
+        of_h = dict(zip(self.of_h.names, self.of_h(h)))
+        qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
+        of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
+        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim), None, positions, **rope)
+        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, positions, **rope).reshape(b, t, cfg.head_dim)
+        if self.ratio:
+            cache.append(kv, of_h["compressor.wkv"].reshape(b, t, -1), of_h["compressor.wgate"].reshape(b, t, -1))
+        else:
+            cache.append(kv)
+        # entries complete at each position (the compressor emits one every `ratio` tokens)
+        capacity = cache.comp.shape[1] if self.ratio else 1
+        visible = np.minimum((np.arange(t) + 1) // self.ratio, capacity) if self.ratio else np.zeros(t)
+        comp_len = xp.asarray(visible.astype(np.int32))
+        start = xp.zeros(1, np.int32)
+        if self.ratio == 4:
+            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim), None, positions,
+                                 normalize=False, **rope)
+            keys = st["index"]
+            keys.append(xp.zeros((b, t, cfg.index_head_dim), BF16), of_h["indexer.compressor.wkv"].reshape(b, t, -1),
+                        of_h["indexer.compressor.wgate"].reshape(b, t, -1))
+            w = of_h["indexer.weights_proj"].astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
+        elif self.ratio == 128:
+            every = ew.all_entries(comp_len, capacity)
+        else:
+            none, no_entries = xp.full((t, 1), -1, np.int32), xp.zeros((1, cfg.head_dim), BF16)
+        o = xp.empty((b * t, cfg.heads, cfg.head_dim), BF16)
+        for s in range(b):
+            rows = slice(s * t, (s + 1) * t)
+            if self.ratio == 4:
+                indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys.comp[s:s + 1], lengths=comp_len)
+                comp = cache.comp[s]
+            elif self.ratio == 128:
+                indices, comp = every, cache.comp[s]
+            else:
+                indices, comp = none, no_entries
+            self.attn.prefill(q[rows], kv[s], start, cfg.window, comp, comp_len, indices, out=o[rows])
+        return self._project_out(o)
 
 
 class Block:
@@ -309,6 +359,27 @@ class Model:
             delta = sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=st.tokens))
         h = ew.add_rmsnorm(st.resid, delta, self.norm, eps=self.cfg.eps)
         st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
+        return st.logits
+
+    def prefill(self, st: DecodeState, tokens):
+        """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched
+        prefill), on a fresh state: the caches end as T `feed` calls would leave them (the
+        activations of a W4A4 GEMM are quantized with one global scale over all T tokens, not per
+        token, so logits agree with token-by-token feeding within the quantization's error).
+        Returns the logits of each sequence's last token, bf16 ``[B, vocab]``. No host sync."""
+        xp, cfg = self.xp, self.cfg
+        tokens = xp.ascontiguousarray(xp.asarray(tokens, dtype=np.int32))
+        b, t = tokens.shape
+        flat = tokens.reshape(-1)
+        positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
+        resid = ew.embed(self.embed, flat)
+        delta = None
+        for blk, caches in zip(self.blocks, st.layers):
+            h = ew.add_rmsnorm(resid, delta, blk.attn_norm, eps=cfg.eps)
+            h = ew.add_rmsnorm(resid, blk.attn.prefill(h, caches, positions, b, t), blk.ffn_norm, eps=cfg.eps)
+            delta = blk.moe(h, token_ids=flat)
+        h = ew.add_rmsnorm(resid, delta, self.norm, eps=cfg.eps)
+        st.logits = self.lm_head(xp.ascontiguousarray(h.reshape(b, t, -1)[:, -1]))
         return st.logits
 
     def step(self, st: DecodeState):

@@ -74,6 +74,7 @@ class Decoder:
     state: DecodeState
     prompt: object  # int32 [B, P] in the model's memory
     use_graph: bool = True
+    batched_prefill: bool = False  # the prompt through each layer once (`Model.prefill`), not token by token
     prefill_graph: CapturedStep | None = None
     decode_graph: CapturedStep | None = None
 
@@ -87,6 +88,13 @@ class Decoder:
         it compiles the kernels and makes every buffer) and, with graphs, the prefill graph is
         captured, after a synchronisation, so a caller can time the rest apart from the warm-up."""
         n = self.prompt.shape[1] - 1
+        if self.batched_prefill and n > 0:
+            self.model.prefill(self.state, self.prompt[:, :n])
+            if warmed_up is not None:
+                self.synchronize()
+                warmed_up()
+            ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
+            return n
         graphed = self.use_graph and self.model.device
         for i in range(n):
             if graphed and i > 0:

@@ -118,3 +118,13 @@ class SparseAttention:
             ws = self._buffers.get(("workspace", device, batch, splits), lambda: cupy.empty(size, np.float32))
         return attention_ops.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale=self.scale,
                                                      out=out, num_splits=splits, workspace=ws)
+
+    def prefill(self, q, kv, start, window: int, comp, comp_len, indices, *, out=None):
+        """Attention output ``[T, heads, head_dim]`` of T consecutive prompt tokens of one sequence
+        at once, with this layer's sink and scale (`fp4kit.ops.attention.sparse_prefill_attention`:
+        ``kv [L, D]`` the sequence's K = V rows, ``start`` int32 ``[1]`` the first token's position,
+        ``comp [C, D]``, ``comp_len [T]`` and ``indices [T, N]`` per query)."""
+        q = arrays.as_array(q, "q")
+        return attention_ops.sparse_prefill_attention(q, kv, start, window, comp, comp_len, indices, self._sink_for(q),
+                                                      scale=self.scale, out=out,
+                                                      out_dtype=self.out_dtype if out is None else None)

@@ -83,7 +83,7 @@ class Indexer:
 
     def score_topk(self, q, w, keys, lengths, *, return_scores: bool = False):
         """Selected indices int32 ``[B, k]`` (ascending, ``-1`` padded) for q ``[B, H, D]`` bf16,
-        w ``[B, H]`` fp32, keys ``[B, C, D]`` bf16 and lengths ``[B]`` int32 (see
+        w ``[B, H]`` fp32, keys ``[B, C, D]`` (or ``[1, C, D]``, one cache for every row) bf16 and lengths ``[B]`` int32 (see
         `fp4kit.ops.indexer.score_topk`).
 
         On the device the result is the layer's buffer for this batch size, overwritten by the

@@ -1,6 +1,9 @@
 """DeepSeek-V4 sparse decode attention: validate inputs, pick the backend, launch
 ``raw_kernels/attention.cu``.
 
+`sparse_prefill_attention` is the same kernel for T consecutive prompt tokens of one sequence
+(each over its own window of the sequence's K = V rows and its own selection).
+
 `sparse_decode_attention` takes numpy arrays (runs `fp4kit.reference.attention`, the
 specification) or device arrays (CuPy, or any CUDA DLPack producer: runs the kernels on CuPy's
 current stream and returns CuPy arrays). Every input is validated before anything launches. The
@@ -142,18 +145,25 @@ def _splits_value(num_splits, candidates: int) -> int | None:
     return num_splits
 
 
-def _validate(q, swa, pos, comp, comp_len, indices, sink):
+def _take_queries(q, rows: str, what: str, unit: str):
+    """``q`` as bf16 ``[rows, Hq, D]`` (``what`` they are), D a multiple of 16 up to `MAX_HEAD_DIM`,
+    at most 65535 rows (the grid's z dimension, counted in ``unit``), C-contiguous."""
     q = arrays.as_array(q, "q")
     if q.dtype != arrays.BF16:
-        raise TypeError(f"q: expected dtype bfloat16 [B, Hq, D], got {arrays.describe(q)}")
+        raise TypeError(f"q: expected dtype bfloat16 [{rows}, Hq, D], got {arrays.describe(q)}")
     if q.ndim != 3:
-        raise ValueError(f"q: expected bfloat16 [B, Hq, D] (one decode token per sequence), got {arrays.describe(q)}")
-    batch, heads, head_dim = q.shape
-    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: expected bfloat16 [{rows}, Hq, D] ({what}), got {arrays.describe(q)}")
+    if q.shape[2] % 16 or not 16 <= q.shape[2] <= MAX_HEAD_DIM:
         raise ValueError(f"q: head dimension D must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got shape {tuple(q.shape)}")
-    if batch > _MAX_BATCH:
-        raise ValueError(f"q: at most {_MAX_BATCH} sequences per call, got shape {tuple(q.shape)}")
+    if q.shape[0] > _MAX_BATCH:
+        raise ValueError(f"q: at most {_MAX_BATCH} {unit} per call, got shape {tuple(q.shape)}")
     arrays.check_contiguous("q", q)
+    return q
+
+
+def _validate(q, swa, pos, comp, comp_len, indices, sink):
+    q = _take_queries(q, "B", "one decode token per sequence", "sequences")
+    batch, heads, head_dim = q.shape
     b, d = f"B={batch}", f"D={head_dim}"
     swa = _take("swa", swa, arrays.BF16, f"[{b}, W, {d}]", (batch, None, head_dim))
     pos = _take("pos", pos, np.int32, f"[{b}]", (batch,))
@@ -233,7 +243,7 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     stream without a host synchronisation.
     """
     q, swa, pos, comp, comp_len, indices, sink = _validate(q, swa, pos, comp, comp_len, indices, sink)
-    batch, heads, head_dim = q.shape
+    head_dim = q.shape[2]
     candidates = swa.shape[1] + indices.shape[1]
     scale = _scale_value(scale, head_dim)
     dtype = _out_dtype(out, out_dtype)
@@ -250,8 +260,17 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale)
         return arrays.host_result(result.astype(dtype), out)
 
+    return _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace,
+                   window=swa.shape[1], capacity=comp.shape[1])
+
+
+def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace, *, window: int,
+            capacity: int, start=None, kv_rows: int = 0):
+    """The device launches of a validated call (``start``: the prefill form, see attention.cu)."""
     import cupy
 
+    batch, heads, head_dim = q.shape
+    candidates = window + indices.shape[1]
     if splits is None:
         splits = num_splits_for(q, candidates)
     needed = workspace_size(batch, heads, head_dim, splits)
@@ -274,14 +293,84 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     out_f32 = _I32(dtype == np.float32)
     scale_log2 = _F32(scale * math.log2(math.e))
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
-    kernel.launch(grid, _THREADS, (q, swa, pos, comp, comp_len, indices, sink, out, part_o, part_ml, _I32(heads),
-                                   _I32(head_dim), _I32(swa.shape[1]), _I32(comp.shape[1]), _I32(indices.shape[1]),
-                                   _I32(chunk), scale_log2, out_f32, status.device_word()), shared_mem=shared)
+    kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len, indices, sink, out, part_o,
+                                   part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
+                                   _I32(indices.shape[1]), _I32(chunk), scale_log2, out_f32, status.device_word(),
+                                   0 if start is None else start, _I32(kv_rows)), shared_mem=shared)
     if splits > 1:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS).function
         combine((heads, batch), (_COMBINE_THREADS,), (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
                                                       _I32(splits), out_f32))
     return out
+
+
+def sparse_prefill_attention(q, kv, start, window: int, comp, comp_len, indices, sink, *, scale: float | None = None,
+                             out=None, out_dtype=None, num_splits: int | None = None, workspace=None):
+    """Sparse attention of ``T`` consecutive prompt tokens of one sequence at once: for each, what
+    `sparse_decode_attention` gives it when the prompt is decoded token by token
+    (`fp4kit.reference.attention.prefill_attention` is the specification).
+
+    Parameters
+    ----------
+    q : bf16 ``[T, Hq, D]``
+        Query heads of the T tokens (positions ``start .. start + T - 1``).
+    kv : bf16 ``[L, D]``
+        The K = V row of every token of the sequence so far (``L >= start + T``); query ``t``'s
+        window is the rows of the ``window`` tokens ending at it (``kv[max(0, p + 1 - window) : p +
+        1]`` at position ``p = start + t``).
+    start : int32 ``[1]``
+        Position of the first query token, in the same memory as ``q`` (on the device it is read
+        by the kernel only). On the device a query past ``L`` attends to the rows that exist and is
+        recorded in the status word (`fp4kit.runtime.status.KV_INPUT`); on the host it is an error.
+    window : int
+        Sliding-window length ``W`` (a static hyperparameter).
+    comp : bf16 ``[C, D]``
+        The sequence's compressed entries.
+    comp_len : int32 ``[T]``
+        Entries complete at each query's position.
+    indices : int32 ``[T, N]``
+        Each query's selection (-1 pads; duplicates count twice).
+    sink, scale, out, out_dtype, num_splits, workspace
+        As in `sparse_decode_attention` (``out [T, Hq, D]``; splits of the ``W + N`` candidates).
+    """
+    q = _take_queries(q, "T", "the query heads of the prompt's tokens", "query tokens")
+    tokens, heads, head_dim = q.shape
+    t, d = f"T={tokens}", f"D={head_dim}"
+    kv = _take("kv", kv, arrays.BF16, f"[L, {d}]", (None, head_dim))
+    start = _take("start", start, np.int32, "[1]", (1,))
+    comp = _take("comp", comp, arrays.BF16, f"[C, {d}]", (None, head_dim))
+    comp_len = _take("comp_len", comp_len, np.int32, f"[{t}]", (tokens,))
+    indices = _take("indices", indices, np.int32, f"[{t}, N]", (tokens, None))
+    sink = _take("sink", sink, np.float32, f"[Hq={heads}]", (heads,))
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= _I32_MAX:
+        raise ValueError(f"window: expected a positive int below 2**31, got {window!r}")
+    window = int(window)
+    if window + indices.shape[1] > _I32_MAX or max(kv.shape[0], comp.shape[0]) > _I32_MAX:
+        raise ValueError(f"kv, comp, indices: L, C and W + N must be below 2**31, got L={kv.shape[0]}, "
+                         f"C={comp.shape[0]}, W + N={window + indices.shape[1]}")
+    arrays.check_same_device(q=q, kv=kv, start=start, comp=comp, comp_len=comp_len, indices=indices, sink=sink)
+    for name, x in (("q", q), ("kv", kv), ("comp", comp)):
+        arrays.check_aligned(name, x, 16)
+    for name, x in (("start", start), ("comp_len", comp_len), ("indices", indices), ("sink", sink)):
+        arrays.check_aligned(name, x, 4)
+    scale = _scale_value(scale, head_dim)
+    dtype = _out_dtype(out, out_dtype)
+    if out is not None:
+        arrays.check_out("out", out, q.shape, dtype, q)
+    splits = _splits_value(num_splits, window + indices.shape[1])
+
+    if not arrays.is_device_array(q):
+        if workspace is not None:
+            _check_workspace(workspace, 0, q)
+        first = int(start[0])
+        if first < 0:
+            raise ValueError(f"start: expected a non-negative position, got {first}")
+        if (comp_len < 0).any() or (comp_len > comp.shape[0]).any():
+            status.record_host(status.KV_INPUT)  # lengths are data: clamped, and recorded
+        result = ref.prefill_attention(q, kv, first, window, comp, comp_len, indices, sink, scale)
+        return arrays.host_result(result.astype(dtype), out)
+    return _launch(q, kv, None, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace,
+                   window=window, capacity=comp.shape[0], start=start, kv_rows=kv.shape[0])
 
 
 def _shared_workspace(elements: int):

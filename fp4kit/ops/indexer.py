@@ -65,7 +65,7 @@ def check_inputs(q, w, keys, lengths, k):
 
     q : bf16 ``[B, H, D]``, H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
     w : fp32 ``[B, H]``
-    keys : bf16 ``[B, C, D]``, C >= 1
+    keys : bf16 ``[B, C, D]`` or ``[1, C, D]`` (one cache shared by every row), C >= 1
     lengths : int32 ``[B]``
     k : int in [1, 4096]
     All C-contiguous, in one memory (host or one device), device arrays 16-byte aligned.
@@ -85,8 +85,9 @@ def check_inputs(q, w, keys, lengths, k):
         raise ValueError(f"q: at most {MAX_BATCH} sequences per call, got shape {tuple(q.shape)}")
     if tuple(w.shape) != (bsz, heads):
         raise ValueError(f"w: expected shape {(bsz, heads)} to match q {tuple(q.shape)}, got {arrays.describe(w)}")
-    if keys.shape[0] != bsz or keys.shape[2] != dim:
-        raise ValueError(f"keys: expected shape ({bsz}, C, {dim}) to match q {tuple(q.shape)}, got {arrays.describe(keys)}")
+    if keys.shape[0] not in (bsz, 1) or keys.shape[2] != dim:
+        raise ValueError(f"keys: expected shape ({bsz}, C, {dim}) or (1, C, {dim}) (shared by every row) to match "
+                         f"q {tuple(q.shape)}, got {arrays.describe(keys)}")
     if not 1 <= keys.shape[1] <= MAX_CAPACITY:
         raise ValueError(f"keys: expected a capacity C in [1, {MAX_CAPACITY}], got shape {tuple(keys.shape)}")
     if tuple(lengths.shape) != (bsz,):
@@ -121,8 +122,10 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
         Index queries of the decode token (H a multiple of 8 up to 64, D a multiple of 32 up to 128).
     w : fp32 ``[B, H]``
         Per-head weights.
-    keys : bf16 ``[B, C, D]``
-        The preallocated compressed-key cache; only entries ``t < lengths[b]`` are read.
+    keys : bf16 ``[B, C, D]``, or ``[1, C, D]``
+        The preallocated compressed-key cache; only entries ``t < lengths[b]`` are read. One cache
+        ``[1, C, D]`` is scored by every row: the ``B`` query positions of one sequence's prefill,
+        each with its own ``lengths[b]`` (the entries complete at its position).
     lengths : int32 ``[B]``
         Live entries per sequence, in the same memory as the other inputs (on the device for
         device inputs: read by the kernels, never by the host). Clamped to ``[0, C]``; a length
@@ -148,10 +151,11 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
     call compiles the kernels).
     """
     q, w, keys, lengths, k = check_inputs(q, w, keys, lengths, k)
-    bsz, capacity = keys.shape[0], keys.shape[1]
+    bsz, capacity = q.shape[0], keys.shape[1]
+    shared = keys.shape[0] == 1  # one cache for every row (the same offsets when B = 1)
     out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
     if not arrays.is_device_array(q):
-        s = ref.scores(q, w, keys, lengths)
+        s = ref.scores(q, w, np.broadcast_to(keys, (bsz, *keys.shape[1:])), lengths)
         n = ref.live_lengths(lengths, capacity)
         for b in range(bsz):
             workspace[b, : n[b]] = s[b, : n[b]]
@@ -167,7 +171,7 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
     scores_kernel = loader.get_kernel(_MODULE, "indexer_scores", block=_SCORE_THREADS)
     grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
     scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, keys, lengths, workspace, _U32(heads), _U32(dim),
-                                                     _U32(capacity)))
+                                                     _U32(capacity), _U32(shared)))
     name = "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
     topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)
     topk_kernel(bsz, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),

@@ -14,6 +14,10 @@
 //   out       bf16 or fp32 [B, Hq, D] (out_f32 selects)
 //   part_o    fp32  [B, S, Hq, D]  unnormalised partial outputs of the S candidate splits (S > 1)
 //   part_ml   fp32  [B, S, Hq, 2]  their running max (log2 domain) and probability sum
+//   start     int32 [1] or null  prefill: the B query rows are tokens start .. start + B - 1 of ONE
+//                                sequence; swa is then its K = V rows [kv_rows, D] and each query's window
+//                                the rows of the W tokens ending at it; comp [C, D] is that sequence's
+//                                compressed cache, comp_len and indices are per query (its visible entries)
 // Positions, lengths and indices are read on the device only; the grid is sized from shapes.
 //
 // Launch geometry of sparse_decode_attention: grid (S, ceil(Hq / 16), B), 256 threads (8 warps;
@@ -133,7 +137,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         const int* __restrict__ comp_len, const int* __restrict__ indices,
                         const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ part_o,
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
-                        float scale_log2, int out_f32, unsigned* __restrict__ status) {
+                        float scale_log2, int out_f32, unsigned* __restrict__ status,
+                        const int* __restrict__ start, int kv_rows) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
     __nv_bfloat16* stages = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -155,10 +160,16 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     // ---- 1. compaction of this split's valid candidates
     const int total = W + N;
     const int begin = min(split * chunk, total), end = bad ? begin : min(begin + chunk, total);
-    const int window_live = min(max(pos[b], 0), W);
+    // prefill (start given): query b is token start + b of one sequence, whose K = V rows are swa
+    // [kv_rows, D]; it has written start + b + 1 tokens, and its window is the rows of the last W
+    // of them (contiguous rows, not a ring)
+    const int pos_in = start ? start[0] + b + 1 : pos[b];
+    const int pos_b = start ? min(pos_in, kv_rows) : pos_in;
+    const int window_live = min(max(pos_b, 0), W);
     const int comp_live = min(max(comp_len[b], 0), C);
-    // lengths outside their range are clamped (above) and reported once per sequence
-    if (split == 0 && blockIdx.y == 0 && tid == 0 && (pos[b] < 0 || comp_len[b] < 0 || comp_len[b] > C))
+    // positions and lengths outside their range are clamped (above) and reported once per query row
+    if (split == 0 && blockIdx.y == 0 && tid == 0 &&
+        (pos_in < 0 || pos_in != pos_b || comp_len[b] < 0 || comp_len[b] > C))
         atomicOr(status, FP4_STATUS_KV_INPUT);
     int count = 0;
     for (int base = begin; base < end; base += kThreads) {
@@ -190,8 +201,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         __syncthreads();  // warp_counts is rewritten by the next pass; codes are read below
     }
 
-    const __nv_bfloat16* swa_b = swa + (size_t)b * W * D;
-    const __nv_bfloat16* comp_b = comp + (size_t)b * C * D;
+    const __nv_bfloat16* swa_b = start ? swa + (size_t)(pos_b - window_live) * D : swa + (size_t)b * W * D;
+    const __nv_bfloat16* comp_b = start ? comp : comp + (size_t)b * C * D;  // prefill: one sequence's entries
     const int ntiles = (count + kTileRows - 1) / kTileRows;
     if (ntiles > 0) issue_tile(stages, codes, 0, count, swa_b, comp_b, D);
     cp_async_commit();

@@ -5,7 +5,8 @@
 // Arguments (row-major, contiguous, 16-byte aligned):
 //   q        bf16  [B, H, D]   index queries; H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
 //   w        fp32  [B, H]      per-head weights
-//   keys     bf16  [B, C, D]   the compressed-key cache, capacity C
+//   keys     bf16  [B, C, D]   the compressed-key cache, capacity C; or [1, C, D] with shared_keys:
+//                              one sequence's cache scored by every row (the query positions of a prefill)
 //   lengths  int32 [B]         live entries of each row, read on the device; n_b = clamp(lengths[b], 0, C)
 //   scores   fp32  [B, C]      scratch written by indexer_scores for t < n_b (the rest is left as it was)
 //   indices  int32 [B, k]      the selected indices in ascending order, then -1
@@ -70,7 +71,8 @@ __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f
 // element pairs.
 extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     const __nv_bfloat16* __restrict__ q, const float* __restrict__ w, const __nv_bfloat16* __restrict__ keys,
-    const int* __restrict__ lengths, float* __restrict__ scores, unsigned H, unsigned D, unsigned C) {
+    const int* __restrict__ lengths, float* __restrict__ scores, unsigned H, unsigned D, unsigned C,
+    unsigned shared_keys) {
     const unsigned b = blockIdx.y;
     const unsigned n = live_length(lengths, b, C);
     const unsigned tile = blockIdx.x * kKeysPerBlock;
@@ -94,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     if (first >= n) return;  // no barrier below
 
     // A operand: key rows first + 16 mt + 8 half + g; rows past the live length read as zero.
-    const __nv_bfloat16* kb = keys + (size_t)b * C * D;
+    const __nv_bfloat16* kb = shared_keys ? keys : keys + (size_t)b * C * D;
     uint4 a[kMaxChunks][2][2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
