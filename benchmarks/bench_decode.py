@@ -2,21 +2,22 @@
 
 `v4-flash-slice` with 4 layers (V4-Flash widths: hidden 4096, 64 heads over a 512-d latent, 256
 experts top-6 of inner 2048 + one shared expert, vocab 129280; compress ratios 0, 4, 128, 4),
-W4A4, batch 1, 8 and 32, at a context of 4096 tokens (caches filled with random entries). Reports
+W4A16 (the example's default), batch 1, 8 and 32, at a context of 4096 tokens (caches filled with random entries). Reports
 ms per step, tokens/s, the bytes the step must read (all attention and shared-expert weights, the
 routers, the distinct routed experts the step touched, the lm_head and the KV entries it attends to
 or scores) and the bandwidth achieved over them. Target at batch 1: >= 60 % of the measured copy
 bandwidth; <= 15 kernels per layer (the kernel nodes of the captured step, counted).
 
-    .venv/bin/python benchmarks/bench_decode.py [--mode=w4a16] [--projections-apart]
+    .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart]
 
-``--mode`` picks the activation format of every GEMM (default W4A4); ``--projections-apart`` runs
+``--mode`` picks the activation format of every GEMM (default W4A16); ``--projections-apart`` runs
 each attention projection as its own Linear instead of one concatenated Linear per input
 (`examples/dsv4/model.py` ``FUSE_PROJECTIONS``), to compare the two in one session.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -35,9 +36,9 @@ from fp4kit.ops import elementwise as ew  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes
+    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernels
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes
+    from common import Table, copy_bandwidth, device_name, events_us, graph_kernels
 
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
 
@@ -78,7 +79,7 @@ def breakdown(model, state) -> Table:
 
 
 def main() -> None:
-    mode = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mode=")), "w4a4")
+    mode = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mode=")), "w4a16")
     if mode not in ("w4a4", "w4a16"):
         raise SystemExit(f"--mode: expected w4a4 or w4a16, got {mode!r}")
     model_module.FUSE_PROJECTIONS = "--projections-apart" not in sys.argv
@@ -91,6 +92,7 @@ def main() -> None:
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
                    "kernels in graph", "kernels per layer", "target"])
+    launches = {}  # kernel name -> launches in one step, by batch
     for batch in BATCHES:
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
@@ -99,7 +101,9 @@ def main() -> None:
         touched = runner.experts_touched(model, batch)
         nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
         pct = 100 * nbytes / (ms * 1e-3) / copy
-        kernels = graph_kernel_nodes(dec.decode_graph.graph)
+        names = graph_kernels(dec.decode_graph.graph)
+        kernels = len(names)
+        launches[batch] = dict(collections.Counter(names).most_common())
         per_layer = kernels / LAYERS  # the head, the sampler and the embedding counted in
         goal = {1: 60, 8: 45, 32: 40}.get(batch)
         target = ", ".join(filter(None, [f">= {goal}%: " + ("met" if pct >= goal else "MISSED") if goal else "",
@@ -114,8 +118,12 @@ def main() -> None:
     print(table.markdown())
     print()
     print(parts.markdown())
+    print()
+    print("kernels of one step at batch 1 (launches per step, by name):")
+    for name, count in launches[1].items():
+        print(f"  {count:4d}  {name}")
     meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
-            "copy_bandwidth": copy, "mode": mode, "projections": projections}
+            "copy_bandwidth": copy, "mode": mode, "projections": projections, "kernels_by_name": launches}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
 

@@ -135,6 +135,21 @@ def sweep(table, w_list, x, out, m, n, k):
         wg_tiles = gemm_ops.launch_config(m, n, k, wgmma=True).token_tiles
         wg_rows = (1, 2) if wg_tiles in (4, 8) else (1,)
         variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
+    if cp.cuda.Device().compute_capability == "90" and m > 8:  # wgmma at forced split counts
+        try:
+            gemm_ops.USE_GEMV, gemm_ops.WGMMA_MIN_M = False, 1
+            for splits, clusters in itertools.product((1, 2, 3, 4, 6, 8, 16), (True, False)):
+                gemm_ops.WGMMA_SPLITS, gemm_ops.USE_CLUSTERS = splits, clusters
+                shape = gemm_ops.launch_config(m, n, k, wgmma=True)
+                if shape.splits != splits or (clusters and not shape.cluster):
+                    continue  # K does not split that way, or no cluster kernel for it
+                t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
+                results.append((t, f"{shape.kernel}, {splits} splits (forced)"))
+                table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel,
+                             "blocks/SM": "forced", "splits": shape.splits, "µs": t})
+        finally:
+            gemm_ops.WGMMA_SPLITS, gemm_ops.USE_GEMV = None, saved_gemv[0]
+            gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS = saved[-2], saved[-1]
     try:
         gemm_ops.USE_GEMV = False
         for (engine, r, f, per_sm), clusters in itertools.product(variants, (True, False)):

@@ -6,7 +6,7 @@
 * `torch_graph_us`: the same as `graph_us` for PyTorch baselines (PyTorch can capture cuBLAS).
 * `copy_bandwidth`: the measured device-to-device copy bandwidth (bytes read + written) that
   every row is compared with.
-* `graph_kernel_nodes`: the kernel launches a captured CUDA graph holds.
+* `graph_kernels`, `graph_kernel_nodes`: the kernel launches a captured CUDA graph holds (names, count).
 * `Table`: prints the rows and writes them as JSON for the runner.
 """
 
@@ -141,10 +141,16 @@ def l2_bytes() -> int:
     return cp.cuda.Device().attributes["L2CacheSize"]
 
 
-def graph_kernel_nodes(graph) -> int:
-    """Kernel nodes of a captured `cupy.cuda.graph.Graph` (the driver's ``cuGraphGetNodes`` and
-    ``cuGraphNodeGetType``; ``CU_GRAPH_NODE_TYPE_KERNEL`` is 0): the launches one replay makes."""
+def graph_kernels(graph) -> list[str]:
+    """The kernel launches a captured `cupy.cuda.graph.Graph` holds, by function name, in the
+    driver's node order (``cuGraphGetNodes``; ``cuGraphNodeGetType``, ``CU_GRAPH_NODE_TYPE_KERNEL``
+    is 0; ``cuGraphKernelNodeGetParams_v2`` and ``cuFuncGetName``, CUDA 12.3+): what one replay runs."""
     import ctypes
+
+    class KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+        _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                    ("shared_mem", ctypes.c_uint), ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                    ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
     driver = ctypes.CDLL("libcuda.so.1")
     handle, count = ctypes.c_void_p(graph.graph), ctypes.c_size_t(0)
@@ -156,12 +162,23 @@ def graph_kernel_nodes(graph) -> int:
     check(driver.cuGraphGetNodes(handle, None, ctypes.byref(count)), "cuGraphGetNodes")
     nodes = (ctypes.c_void_p * count.value)()
     check(driver.cuGraphGetNodes(handle, nodes, ctypes.byref(count)), "cuGraphGetNodes")
-    kernels = 0
+    get_params = getattr(driver, "cuGraphKernelNodeGetParams_v2", None) or driver.cuGraphKernelNodeGetParams
+    names = []
     for node in nodes[: count.value]:
         kind = ctypes.c_int(-1)
         check(driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
-        kernels += kind.value == 0
-    return kernels
+        if kind.value != 0:
+            continue
+        params, name = KernelNodeParams(), ctypes.c_char_p()
+        named = (get_params(ctypes.c_void_p(node), ctypes.byref(params)) == 0 and params.func
+                 and driver.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)) == 0)
+        names.append(name.value.decode() if named else "(unnamed)")  # a driver without cuFuncGetName
+    return names
+
+
+def graph_kernel_nodes(graph) -> int:
+    """Kernel nodes of a captured `cupy.cuda.graph.Graph`: the launches one replay makes."""
+    return len(graph_kernels(graph))
 
 
 class Table:

@@ -149,6 +149,25 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
     assert gemm_ops.launch_config(1, 129280, 4096, sms=132).splits == 1  # the lm_head fills the GPU by itself
 
 
+def test_wgmma_split_rule_prefers_cluster_sizes():
+    """Below a row group per SM the wgmma kernels split K into a cluster size (the reduction in
+    distributed shared memory): the smallest giving half a block per SM among those that divide the
+    windows evenly; a weight of many row groups per SM is not split."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    def shape(m, n, k):
+        return gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
+
+    assert (shape(64, 7168, 2048).splits, shape(64, 7168, 2048).cluster) == (2, 2)  # 56 row groups
+    assert (shape(32, 1024, 4096).splits, shape(32, 1024, 4096).cluster) == (8, 8)  # 8 row groups
+    # 2048x7168: 28 windows do not split into 8 even parts (4 each covers them in 7): 4
+    assert (shape(64, 2048, 7168).splits, shape(64, 2048, 7168).cluster) == (4, 4)
+    assert shape(64, 129280, 4096).splits == 1  # 1010 row groups
+    assert shape(64, 18432, 7168).splits == gemm_ops.WGMMA_WIDE_SPLITS  # 144 row groups: the wide split
+    assert gemm_ops.cluster_splits(1, 3, (2, 4, 8), 132) == 2  # 3 windows: 2 + 1 (4 would leave one empty)
+    assert gemm_ops.cluster_splits(1, 1, (2, 4, 8), 132) == 1
+
+
 def gemv_warp_chunks(shape, n, k, block_row, split, warp):
     """gemv.cuh gemv_block: (row tile, first chunk, end chunk) of one warp of a GEMV launch."""
     from fp4kit.formats import tiled_dims

@@ -62,11 +62,22 @@ WGMMA_TOKEN_TILES = (2, 4, 8, 16)
 WGMMA_ROW_TILES_PER_WARP = {2: 1, 4: 1, 8: 1, 16: 1}  # 4x2 and 8x2 exist too
 #: about one block per SM while the row groups are fewer than the SMs (more K splits cost more in
 #: the reduction than they gain); a weight with a row group per SM or more splits K `WGMMA_WIDE_SPLITS`
-#: ways, for more resident blocks (H200: 18432x7168 at 64 rows 75 -> 60 us)
+#: ways, for more resident blocks (H200: 18432x7168 at 64 rows 75 -> 60 us), up to
+#: `WGMMA_WIDE_MAX_GROUPS_PER_SM` row groups per SM (beyond, the row groups fill the SMs unsplit:
+#: the lm_head at 64 rows 207 us in 4 splits, 162 in 1)
 WGMMA_BLOCKS_PER_SM = {2: 1, 4: 1, 8: 1, 16: 1}
 WGMMA_WIDE_SPLITS = 4
 WGMMA_WIDE_MIN_WINDOWS = 4  # ... each keeping at least this many activation windows (32768x1024: none)
+WGMMA_WIDE_MAX_GROUPS_PER_SM = 2
+#: a kernel with cluster sizes (`CLUSTER_SIZES`) and fewer row groups than SMs splits K into the
+#: smallest cluster size that makes this many blocks per SM, or the largest that divides K into whole
+#: windows evenly: a reduction in distributed shared memory costs far less than one through the
+#: global scratch (H200, same run, 64 rows: 7168x2048 17.3 us in 3 splits -> 11.5 in a cluster of
+#: 2, 1024x4096 15.9 in 16 -> 7.6 in a cluster of 8, 2048x7168 18.2 in 7 -> 15.4 in a cluster of 4)
+WGMMA_CLUSTER_MIN_BLOCKS_PER_SM = 0.5
 WGMMA_MIN_M = 17
+#: force the K splits of every wgmma launch (None: the rule below; the benchmark's sweep sets it)
+WGMMA_SPLITS = None
 #: W4A16 on the wgmma kernels up to 64 rows: weights with fewer elements stage the activation in
 #: each block (4-byte copies) instead of reading window images, whose staging launch costs more
 #: than it saves there (H200, 64 rows: 2048x7168 17.0 us in-block vs 19.1 with images; 18432x7168
@@ -342,6 +353,18 @@ def balanced_splits(blocks: int, most: int, sms: int) -> int:
     return best[1]
 
 
+def cluster_splits(groups: int, windows: int, sizes: tuple, sms: int) -> int:
+    """K splits for a cluster kernel of ``groups`` row groups over ``windows`` activation windows:
+    the smallest of the cluster ``sizes`` giving `WGMMA_CLUSTER_MIN_BLOCKS_PER_SM` blocks per SM,
+    among those that split the windows into exactly that many parts; else the largest such (1 if
+    none)."""
+    exact = [c for c in sizes if c <= windows and -(-windows // -(-windows // c)) == c]
+    for c in exact:
+        if groups * c >= WGMMA_CLUSTER_MIN_BLOCKS_PER_SM * sms:
+            return c
+    return exact[-1] if exact else 1
+
+
 def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
@@ -368,8 +391,14 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     windows = -(-chunks // window)
     # split-K scratch rows: each token chunk of a wgmma launch has 8T rows of partials per split
     scratch_rows = token_chunks * 8 * tiles if wgmma else m
-    if wgmma and groups * token_chunks >= sms:
-        target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS)
+    family = f"wgmma_{tiles}x{r}"
+    if wgmma and WGMMA_SPLITS:
+        target = WGMMA_SPLITS
+    elif wgmma and groups * token_chunks >= sms:
+        wide = groups * token_chunks < WGMMA_WIDE_MAX_GROUPS_PER_SM * sms
+        target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS) if wide else 1
+    elif wgmma and USE_CLUSTERS and token_chunks == 1 and family in CLUSTER_SIZES:
+        target = cluster_splits(groups, windows, CLUSTER_SIZES[family], sms)
     elif per_sm == 0:
         target = balanced_splits(groups * token_chunks, windows, sms)
     else:

@@ -73,6 +73,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
 
 // The residual stream step: resid[r] += delta[r] (delta may be null), then
 // y[r] = bf16(resid[r] * rsqrt(mean(resid[r]^2) + eps) * w).
+// A row of up to kRowRegs * kThreads channels is loaded into registers at once (the loads issued
+// together, not one latency per loop trip; the sum in the same order as the loop below).
+constexpr int kRowRegs = 32;
+
 extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
         __nv_bfloat16* __restrict__ y, unsigned D, float eps) {
@@ -80,6 +84,34 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
     const size_t row = blockIdx.x;
     float* r = resid + row * D;
     float ss = 0.0f;
+    if (D <= kRowRegs * kThreads) {
+        float v[kRowRegs], d[kRowRegs];
+#pragma unroll
+        for (int i = 0; i < kRowRegs; ++i) {
+            const unsigned j = threadIdx.x + i * kThreads;
+            v[i] = j < D ? r[j] : 0.0f;
+            d[i] = delta && j < D ? __bfloat162float(delta[row * D + j]) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < kRowRegs; ++i) {
+            const unsigned j = threadIdx.x + i * kThreads;
+            if (j >= D) break;
+            if (delta) {
+                v[i] = __fadd_rn(v[i], d[i]);
+                r[j] = v[i];
+            }
+            ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
+        }
+        const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
+        const float inv = __frsqrt_rn(__fadd_rn(mean, eps));
+#pragma unroll
+        for (int i = 0; i < kRowRegs; ++i) {
+            const unsigned j = threadIdx.x + i * kThreads;
+            if (j >= D) break;
+            y[row * D + j] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(v[i], inv), w[j]));
+        }
+        return;
+    }
     for (unsigned j = threadIdx.x; j < D; j += kThreads) {
         float v = r[j];
         if (delta) {
