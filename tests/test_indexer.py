@@ -156,6 +156,20 @@ def test_one_key_cache_shared_by_every_row_is_the_cache_repeated(rng):
     assert np.array_equal(got[0], want[0]) and got[1].tobytes() == want[1].tobytes()
 
 
+def test_bf16_head_weights_with_a_scale_are_the_fp32_product(rng):
+    """w in bf16 times ``w_scale`` scores as the fp32 weights ``float32(w) * float32(w_scale)`` do
+    (the product the kernel forms; the example's indexer passes its projection's bf16 output)."""
+    q, _, keys = exact_inputs(rng, 3, 16, 64, 90)
+    w16 = rng.standard_normal((3, 16)).astype(BF16)
+    scale = float(np.float32(1 / 32.0**0.5))
+    lengths = np.array([90, 5, 47], np.int32)
+    got = ops.score_topk(q, w16, keys, lengths, 12, w_scale=scale)
+    want = ops.score_topk(q, w16.astype(np.float32) * np.float32(scale), keys, lengths, 12)
+    assert np.array_equal(got[0], want[0]) and got[1].tobytes() == want[1].tobytes()
+    plain = ops.score_topk(q, w16.astype(np.float32), keys, lengths, 12)
+    assert not np.array_equal(got[1], plain[1])  # the scale is applied
+
+
 def test_score_topk_allocates_outputs_and_accepts_an_empty_batch(rng):
     q, w, keys = exact_inputs(rng, 2, 8, 32, 20)
     idx, val = ops.score_topk(q, w, keys, np.array([20, 5], np.int32), 8)
@@ -255,7 +269,9 @@ def _call(**changes):
         (dict(q=np.ones((2, 8, 48), BF16)), ValueError, "q: expected a head dimension that is a multiple of 32"),
         (dict(q=np.ones((2, 8, 256), BF16)), ValueError, "q: expected a head dimension"),
         (dict(q=np.ones((2, 32, 8), BF16).transpose(0, 2, 1)), ValueError, "q: expected a C-contiguous array"),
-        (dict(w=np.ones((2, 8), BF16)), TypeError, "w: expected dtype float32, got bfloat16"),
+        (dict(w=np.ones((2, 8), np.float16)), TypeError, "w: expected dtype float32 or bfloat16, got float16"),
+        (dict(w_scale=float("nan")), ValueError, "w_scale: expected a finite real number, got nan"),
+        (dict(w_scale="2"), ValueError, "w_scale: expected a finite real number, got '2'"),
         (dict(w=np.ones((2, 16), np.float32)), ValueError, r"w: expected shape \(2, 8\) to match q"),
         (dict(w=np.ones(16, np.float32)), ValueError, "w: expected a 2-D array"),
         (dict(w=np.ones((8, 2), np.float32).T), ValueError, "w: expected a C-contiguous array"),

@@ -121,6 +121,19 @@ def test_one_key_cache_shared_by_every_row(rng, k):
     assert fp4kit.read_status() & FLAG == 0
 
 
+def test_bf16_head_weights_with_a_scale(rng):
+    """bf16 head weights times ``w_scale`` in the kernel: bit-equal to the reference on the fp32
+    product (exact data: weights m/16 and a power-of-two scale keep every score exact)."""
+    q, w, keys = exact_inputs(rng, 8, 4096)
+    lengths = mixed_lengths(rng, 512, 4096)
+    w16 = (w * 4).astype(BF16)  # m/4: exact in bf16
+    idx, val = cp.full((8, 512), POISON_INDEX, cp.int32), cp.full((8, 512), np.nan, cp.float32)
+    work = cp.full((8, 4096), np.nan, cp.float32)
+    ops.score_topk(cp.asarray(q), cp.asarray(w16), cp.asarray(keys), cp.asarray(lengths), 512, w_scale=0.25,
+                   out_indices=idx, out_scores=val, workspace=work)
+    assert_exact(q, w16.astype(np.float32) * np.float32(0.25), keys, lengths, 512, (idx.get(), val.get(), work.get()))
+
+
 def rounding_bound(q, w, keys, lengths):
     """|fp32 score - exact score| bound per entry, valid for any summation order (and generous for
     the tensor cores' accumulation): (2(D + H) + 8) u * sum_h |w_h| |q_h| . |k_t|."""

@@ -171,6 +171,7 @@ class Attention:
         self.attn = SparseAttention(cfg.heads, cfg.head_dim, sink=ckpt.extra[f"{p}.sink"])
         self.extra = {k[len(p) + 1:]: v for k, v in ckpt.extra.items() if k.startswith(p + ".")}
         if self.ratio == 4:
+            self.index_w_scale = float(np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5))  # on the head weights
             self.indexer = Indexer(cfg.index_topk, capacity=cfg.max_comp(4), heads=cfg.index_heads,
                                    head_dim=cfg.index_head_dim)
 
@@ -217,8 +218,8 @@ class Attention:
             keys = st["index"]
             keys.append(st["index_kv"], of_h["indexer.compressor.wkv"].reshape(b, 1, -1),
                         of_h["indexer.compressor.wgate"].reshape(b, 1, -1))
-            w = of_h["indexer.weights_proj"].astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
-            indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len)
+            indices = self.indexer.score_topk(iq, of_h["indexer.weights_proj"], keys.comp, keys.comp_len,
+                                              w_scale=self.index_w_scale)
             comp, comp_len = cache.comp, cache.comp_len
         elif self.ratio == 128:
             indices = ew.all_entries(cache.comp_len, st["indices"].shape[1], out=st["indices"])
@@ -259,7 +260,7 @@ class Attention:
             keys = st["index"]
             keys.append(xp.zeros((b, t, cfg.index_head_dim), BF16), of_h["indexer.compressor.wkv"].reshape(b, t, -1),
                         of_h["indexer.compressor.wgate"].reshape(b, t, -1))
-            w = of_h["indexer.weights_proj"].astype(np.float32) * np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5)
+            w = of_h["indexer.weights_proj"]
         elif self.ratio == 128:
             every = ew.all_entries(comp_len, capacity)
         else:
@@ -268,7 +269,8 @@ class Attention:
         for s in range(b):
             rows = slice(s * t, (s + 1) * t)
             if self.ratio == 4:
-                indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys.comp[s:s + 1], lengths=comp_len)
+                indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys.comp[s:s + 1], lengths=comp_len,
+                                                  w_scale=self.index_w_scale)
                 comp = cache.comp[s]
             elif self.ratio == 128:
                 indices, comp = every, cache.comp[s]

@@ -81,9 +81,9 @@ class Indexer:
                              f"got {arrays.describe(keys)}")
         return q, keys
 
-    def score_topk(self, q, w, keys, lengths, *, return_scores: bool = False):
+    def score_topk(self, q, w, keys, lengths, *, w_scale: float = 1.0, return_scores: bool = False):
         """Selected indices int32 ``[B, k]`` (ascending, ``-1`` padded) for q ``[B, H, D]`` bf16,
-        w ``[B, H]`` fp32, keys ``[B, C, D]`` (or ``[1, C, D]``, one cache for every row) bf16 and lengths ``[B]`` int32 (see
+        w ``[B, H]`` fp32 or bf16 (times ``w_scale``), keys ``[B, C, D]`` (or ``[1, C, D]``, one cache for every row) bf16 and lengths ``[B]`` int32 (see
         `fp4kit.ops.indexer.score_topk`).
 
         On the device the result is the layer's buffer for this batch size, overwritten by the
@@ -96,8 +96,9 @@ class Indexer:
 
             with cupy.cuda.Device(q.device.id):
                 buf = self.buffers(q.shape[0])
-            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, out_indices=buf.indices,
-                                                     out_scores=buf.scores, workspace=buf.workspace)
+            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale,
+                                                     out_indices=buf.indices, out_scores=buf.scores,
+                                                     workspace=buf.workspace)
         else:
-            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k)
+            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale)
         return (indices, scores) if return_scores else indices

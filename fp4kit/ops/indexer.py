@@ -64,14 +64,17 @@ def check_inputs(q, w, keys, lengths, k):
     """Validated ``(q, w, keys, lengths, k)``; raises with the argument's name on any mismatch.
 
     q : bf16 ``[B, H, D]``, H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
-    w : fp32 ``[B, H]``
+    w : fp32 or bf16 ``[B, H]``
     keys : bf16 ``[B, C, D]`` or ``[1, C, D]`` (one cache shared by every row), C >= 1
     lengths : int32 ``[B]``
     k : int in [1, 4096]
     All C-contiguous, in one memory (host or one device), device arrays 16-byte aligned.
     """
     q = _intake(q, "q", arrays.BF16, 3)
-    w = _intake(w, "w", np.float32, 2)
+    w = arrays.as_array(w, "w")
+    if w.dtype not in (np.dtype(np.float32), np.dtype(arrays.BF16)):
+        raise TypeError(f"w: expected dtype float32 or bfloat16, got {w.dtype}")
+    w = _intake(w, "w", w.dtype, 2)
     keys = _intake(keys, "keys", arrays.BF16, 3)
     lengths = _intake(lengths, "lengths", np.int32, 1)
     k = check_k(k)
@@ -113,15 +116,16 @@ def _outputs(out_indices, out_scores, workspace, bsz: int, capacity: int, k: int
     return out_indices, out_scores, workspace
 
 
-def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None, workspace=None):
+def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices=None, out_scores=None,
+               workspace=None):
     """Indices and scores of the ``k`` highest-scoring live keys of each sequence.
 
     Parameters
     ----------
     q : bf16 ``[B, H, D]``
         Index queries of the decode token (H a multiple of 8 up to 64, D a multiple of 32 up to 128).
-    w : fp32 ``[B, H]``
-        Per-head weights.
+    w : fp32 or bf16 ``[B, H]``
+        Per-head weights; the scores use ``w * w_scale`` in fp32.
     keys : bf16 ``[B, C, D]``, or ``[1, C, D]``
         The preallocated compressed-key cache; only entries ``t < lengths[b]`` are read. One cache
         ``[1, C, D]`` is scored by every row: the ``B`` query positions of one sequence's prefill,
@@ -131,6 +135,9 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
         device inputs: read by the kernels, never by the host). Clamped to ``[0, C]``; a length
         outside that range is recorded in the status word.
     k : int in [1, 4096]
+    w_scale : float, optional
+        A factor on every head weight (e.g. the 1/sqrt(D H) of DeepSeek-V4), applied in the kernel
+        (no launch of its own); 1 by default.
     out_indices : int32 ``[B, k]``, optional
         Receives the selected indices in **ascending index order**, then ``-1`` in the slots past
         ``min(k, lengths[b])``.
@@ -151,11 +158,14 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
     call compiles the kernels).
     """
     q, w, keys, lengths, k = check_inputs(q, w, keys, lengths, k)
+    if isinstance(w_scale, (bool, np.bool_)) or not isinstance(w_scale, numbers.Real) or not np.isfinite(w_scale):
+        raise ValueError(f"w_scale: expected a finite real number, got {w_scale!r}")
     bsz, capacity = q.shape[0], keys.shape[1]
     shared = keys.shape[0] == 1  # one cache for every row (the same offsets when B = 1)
     out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
     if not arrays.is_device_array(q):
-        s = ref.scores(q, w, np.broadcast_to(keys, (bsz, *keys.shape[1:])), lengths)
+        w32 = w.astype(np.float32) * np.float32(w_scale)  # as the kernel: bf16 -> fp32 exactly, one fp32 product
+        s = ref.scores(q, w32, np.broadcast_to(keys, (bsz, *keys.shape[1:])), lengths)
         n = ref.live_lengths(lengths, capacity)
         for b in range(bsz):
             workspace[b, : n[b]] = s[b, : n[b]]
@@ -170,8 +180,9 @@ def score_topk(q, w, keys, lengths, k: int, *, out_indices=None, out_scores=None
     heads, dim = q.shape[1], q.shape[2]
     scores_kernel = loader.get_kernel(_MODULE, "indexer_scores", block=_SCORE_THREADS)
     grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
-    scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, keys, lengths, workspace, _U32(heads), _U32(dim),
-                                                     _U32(capacity), _U32(shared)))
+    w_bf16 = _I32(w.dtype == arrays.BF16)
+    scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
+                                                     _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
     name = "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
     topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)
     topk_kernel(bsz, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),

@@ -70,9 +70,9 @@ __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f
 // the A registers (a0 | a2) of row g and the B registers (b0 | b1) of head g cover the same
 // element pairs.
 extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
-    const __nv_bfloat16* __restrict__ q, const float* __restrict__ w, const __nv_bfloat16* __restrict__ keys,
-    const int* __restrict__ lengths, float* __restrict__ scores, unsigned H, unsigned D, unsigned C,
-    unsigned shared_keys) {
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ w, int w_bf16, float w_scale,
+    const __nv_bfloat16* __restrict__ keys, const int* __restrict__ lengths, float* __restrict__ scores, unsigned H,
+    unsigned D, unsigned C, unsigned shared_keys) {
     const unsigned b = blockIdx.y;
     const unsigned n = live_length(lengths, b, C);
     const unsigned tile = blockIdx.x * kKeysPerBlock;
@@ -88,7 +88,12 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
         const unsigned d = (tile_id / head_tiles) * 32 + 8 * (lane & 3);
         sq[e] = *reinterpret_cast<const uint4*>(qb + (size_t)h * D + d);
     }
-    for (unsigned h = threadIdx.x; h < H; h += kScoreThreads) sw[h] = w[(size_t)b * H + h];
+    // the head weights w * w_scale in fp32 (w fp32 or bf16): the scale folded in here, not by a launch
+    for (unsigned h = threadIdx.x; h < H; h += kScoreThreads) {
+        const size_t i = (size_t)b * H + h;
+        const float wh = w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i];
+        sw[h] = __fmul_rn(wh, w_scale);
+    }
     __syncthreads();
 
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;

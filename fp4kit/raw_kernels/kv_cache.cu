@@ -58,13 +58,41 @@ __device__ float block_sum(float v, float* scratch) {
     return s;
 }
 
+constexpr unsigned kFastSlots = 8;  // blocks of up to this many slots (ratio 4 with its previous block)
+constexpr unsigned kPooledMax = 1024;  // entries up to this wide keep their pooled channels in shared memory
+
 // Pooled channel d of the block [first, p]: one softmax over its slots (and, for R = 4 after the
 // first block, the previous block's slots on the first half of the channels) of z + ape, weighted
 // sum of c. The state rows are fp32 [slots, width].
-__device__ float pooled_channel(const float* ks, const float* ss, const float* ape, unsigned d, unsigned D,
+__device__ __forceinline__ float pooled_channel(const float* ks, const float* ss, const float* ape, unsigned d, unsigned D,
                                 unsigned cf, unsigned ratio, unsigned slots, unsigned first, unsigned p, bool previous) {
     const unsigned width = cf * D, ch = cf == 2 ? D + d : d;
     const unsigned lo = previous ? first - ratio : first;
+    if (p - lo < kFastSlots) {  // the slots' values loaded at once (ratio 4), the same arithmetic as below
+        float zv[kFastSlots], kv[kFastSlots];
+#pragma unroll
+        for (unsigned j = 0; j < kFastSlots; ++j) {
+            const unsigned q = lo + j, k = q < first ? d : ch;
+            zv[j] = kv[j] = 0.0f;
+            if (q <= p) {
+                zv[j] = ss[(size_t)(q % slots) * width + k] + ape[(q % ratio) * width + k];
+                kv[j] = ks[(size_t)(q % slots) * width + k];
+            }
+        }
+        float m = -3.402823466e+38f;
+#pragma unroll
+        for (unsigned j = 0; j < kFastSlots; ++j)
+            if (lo + j <= p) m = fmaxf(m, zv[j]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (unsigned j = 0; j < kFastSlots; ++j)
+            if (lo + j <= p) {
+                const float e = expf(zv[j] - m);
+                den += e;
+                num = fmaf(e, kv[j], num);
+            }
+        return num / den;
+    }
     float m = -3.402823466e+38f;
     for (unsigned q = lo; q <= p; ++q) {
         const unsigned k = q < first ? d : ch;
@@ -86,6 +114,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
                          unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
                          float theta, unsigned* status) {
     __shared__ float scratch[32];
+    __shared__ float pooled[kPooledMax];
     const unsigned b = blockIdx.x;
     const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
     const unsigned n = token_count(counts, b, Tn, false, status);  // kv_append_swa reports it
@@ -108,18 +137,23 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         }
         const unsigned first = p + 1 - ratio;
         const bool previous = cf == 2 && p + 1 >= 2 * ratio;
-        // RMS of the pooled entry, then each pair recomputed, normalised, rotated and stored
+        // RMS of the pooled entry (its channels kept in shared memory when it fits, else each
+        // recomputed below), then each pair normalised, rotated and stored
+        const bool keep = D <= kPooledMax;
         float sq = 0.0f;
         for (unsigned d = threadIdx.x; d < D; d += blockDim.x) {
             const float v = pooled_channel(ks, ss, ape, d, D, cf, ratio, slots, first, p, previous);
+            if (keep) pooled[d] = v;
             sq = fmaf(v, v, sq);
         }
-        const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)D + eps);
+        const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)D + eps);  // a barrier: pooled complete
+        auto channel = [&](unsigned d) {
+            return keep ? pooled[d] : pooled_channel(ks, ss, ape, d, D, cf, ratio, slots, first, p, previous);
+        };
         __nv_bfloat16* out = comp + ((size_t)b * capacity + len) * D;
         for (unsigned d0 = 2 * threadIdx.x; d0 < D; d0 += 2 * blockDim.x) {
-            float a = pooled_channel(ks, ss, ape, d0, D, cf, ratio, slots, first, p, previous) * inv_rms * norm_weight[d0];
-            float bb = pooled_channel(ks, ss, ape, d0 + 1, D, cf, ratio, slots, first, p, previous) * inv_rms *
-                       norm_weight[d0 + 1];
+            float a = channel(d0) * inv_rms * norm_weight[d0];
+            float bb = channel(d0 + 1) * inv_rms * norm_weight[d0 + 1];
             if (d0 >= D - rope_dim) {  // adjacent pairs, angle = block start * theta^(-2i / rope_dim)
                 // in double: the angle of a late position needs more than fp32's 24 bits
                 const double angle = (double)first * pow((double)theta, -2.0 * (double)((d0 - (D - rope_dim)) / 2) / rope_dim);

@@ -41,6 +41,20 @@ enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
 __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+// Eight consecutive values as fp32 from 16-byte aligned p (one or two 16-byte loads).
+__device__ __forceinline__ void load8_f32(const float* p, float v[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8_f32(const __nv_bfloat16* p, float v[8]) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
 
 // Larger value first; equal values: lower index first.
 __device__ __forceinline__ bool better(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
@@ -97,9 +111,11 @@ __device__ unsigned block_max_bits(unsigned m) {
     return m;
 }
 
-// logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / 8), T), one warp per expert, lanes
-// stride over H, a fixed-order warp reduction. Spread over many blocks so that even one token
-// reads the gate weight at full bandwidth.
+// logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / 8), T), one warp per expert, a
+// fixed-order warp reduction. Spread over many blocks so that even one token reads the gate weight
+// at full bandwidth. With H a multiple of 8 and 16-byte aligned rows each lane takes runs of 8
+// (16-byte loads, several in flight: a lane's 2-byte loads one after another were latency-bound);
+// else lanes stride over H one value at a time.
 template <typename XT, typename WT>
 __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) {
     const unsigned t = blockIdx.y, lane = threadIdx.x & 31;
@@ -108,7 +124,26 @@ __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigne
     const XT* xt = x + (size_t)t * H;
     const WT* we = gate_w + (size_t)e * H;
     float acc = 0.0f;
-    for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
+    if (H % 8 == 0 && (reinterpret_cast<size_t>(xt) | reinterpret_cast<size_t>(we)) % 16 == 0) {
+        constexpr int kRuns = 4;  // runs of 8 loaded before any is multiplied
+        for (unsigned k0 = 8 * lane; k0 < H; k0 += kRuns * 256) {
+            float a[kRuns][8], b[kRuns][8];
+#pragma unroll
+            for (int j = 0; j < kRuns; ++j) {
+                const unsigned k = min(k0 + j * 256, H - 8);  // past H: a valid run, not added
+                load8_f32(xt + k, a[j]);
+                load8_f32(we + k, b[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < kRuns; ++j)
+                if (k0 + j * 256 < H) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc = fmaf(a[j][i], b[j][i], acc);
+                }
+        }
+    } else {
+        for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
     if (lane == 0) logits[(size_t)t * E + e] = acc;
