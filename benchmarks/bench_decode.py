@@ -41,6 +41,7 @@ except ImportError:
     from common import Table, copy_bandwidth, device_name, events_us, graph_kernels
 
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
+PREFILL_TOKENS = 4096
 
 
 def median_ms(launch) -> float:
@@ -58,6 +59,23 @@ def replay_ms(fn) -> float:
     """``fn`` captured alone into a graph (after one eager call), replayed."""
     fn()
     return median_ms(runner.CapturedStep(fn).replay)
+
+
+def prefill_memory(model, tokens: int) -> dict:
+    """A batched prefill of ``tokens`` random tokens on a fresh batch-1 state (after one warm-up on
+    another): its time and the growth of CuPy's memory pool (the peak of what it adds)."""
+    prompt = cp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab, (1, tokens)), np.int32)
+    model.prefill(model.new_state(1, history_rows=1), prompt)  # compile, buffers
+    state = model.new_state(1, history_rows=1)
+    cp.cuda.Device().synchronize()
+    pool = cp.get_default_memory_pool()
+    before = pool.total_bytes()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    model.prefill(state, prompt)
+    end.record()
+    end.synchronize()
+    return {"tokens": tokens, "ms": cp.cuda.get_elapsed_time(start, end), "MB added": (pool.total_bytes() - before) / 1e6}
 
 
 def breakdown(model, state) -> Table:
@@ -91,13 +109,17 @@ def main() -> None:
     table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, {mode.upper()}, projections {projections}, "
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
-                   "kernels in graph", "kernels per layer", "target"])
+                   "kernels in graph", "kernels per layer", "MB added by the step", "target"])
     launches = {}  # kernel name -> launches in one step, by batch
+    pool = cp.get_default_memory_pool()
     for batch in BATCHES:
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
+        cp.cuda.Device().synchronize()
+        before = pool.total_bytes()  # weights, KV caches and what earlier batches left
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
         ms = step_ms(dec)
+        grown = pool.total_bytes() - before  # intermediates and workspaces the step added (peak)
         touched = runner.experts_touched(model, batch)
         nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
         pct = 100 * nbytes / (ms * 1e-3) / copy
@@ -110,12 +132,18 @@ def main() -> None:
                                          "<= 15 kernels/layer: " + ("met" if per_layer <= 15 else "MISSED")]))
         table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
                      "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
-                     "kernels in graph": kernels, "kernels per layer": per_layer, "target": target})
+                     "kernels in graph": kernels, "kernels per layer": per_layer,
+                     "MB added by the step": grown / 1e6, "target": target})
         if batch == 1:
             parts = breakdown(model, state)
         del dec, state
+    prefill = prefill_memory(model, PREFILL_TOKENS)
     print()
     print(table.markdown())
+    print()
+    print(f"batched prefill of {PREFILL_TOKENS} tokens (batch 1): {prefill['ms']:.1f} ms, "
+          f"{PREFILL_TOKENS / prefill['ms'] * 1e3:.0f} tokens/s; device memory added beyond the weights, "
+          f"the KV caches and the decode steps' buffers: {prefill['MB added'] / 1e3:.2f} GB")
     print()
     print(parts.markdown())
     print()
@@ -123,7 +151,8 @@ def main() -> None:
     for name, count in launches[1].items():
         print(f"  {count:4d}  {name}")
     meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
-            "copy_bandwidth": copy, "mode": mode, "projections": projections, "kernels_by_name": launches}
+            "copy_bandwidth": copy, "mode": mode, "projections": projections, "kernels_by_name": launches,
+            "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
 

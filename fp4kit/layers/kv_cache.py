@@ -134,11 +134,12 @@ class KVCache:
             ref.advance(self.pos, t, n)
             return
         kv_ops.append_swa(self.swa, self.pos, kv, counts)
-        if self.ratio:
+        if self.ratio:  # the compressor moves the positions on at its end
             kv_ops.compress(comp_kv, comp_score, counts, self.ape, self.norm_weight, self.kv_state, self.score_state,
                             self.comp, self.comp_len, self.pos, ratio=self.ratio, eps=self.eps,
-                            rope_dim=self.rope_dim, theta=self.rope_theta)
-        kv_ops.advance(self.pos, counts, t)
+                            rope_dim=self.rope_dim, theta=self.rope_theta, advance=True)
+        else:
+            kv_ops.advance(self.pos, counts, t)
 
     def _check(self, name, a, shape, dtypes):
         a = arrays.as_array(a, name)

@@ -12,6 +12,7 @@
 //                   channel a softmax over the block's slots (and the previous block's for R = 4)
 //                   of z + ape, weighted sum of c, RMSNorm, RoPE, stored at comp[b, comp_len[b]]
 //                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_COMP_OVERFLOW instead.
+//                   With `advance` it then moves pos[b] on as kv_advance does (one launch less).
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
 // Every kernel clamps counts[b] to [0, T]; kv_append_swa records one outside it (FP4_STATUS_KV_INPUT).
 #include "common/fp32.cuh"
@@ -110,9 +111,9 @@ __device__ __forceinline__ float pooled_channel(const float* ks, const float* ss
 
 template <typename T>
 __device__ void compress(const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight,
-                         float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, const int* pos,
+                         float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos,
                          unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
-                         float theta, unsigned* status) {
+                         float theta, unsigned* status, int advance) {
     __shared__ float scratch[32];
     __shared__ float pooled[kPooledMax];
     const unsigned b = blockIdx.x;
@@ -169,15 +170,20 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         __syncthreads();
     }
     if (threadIdx.x == 0) comp_len[b] = (int)len;
+    if (advance) {  // the position advance of kv_advance, for this block's sequence, after every read of pos[b]
+        __syncthreads();
+        if (threadIdx.x == 0) pos[b] += (int)n;
+    }
 }
 
 #define FP4_DEFINE_COMPRESS(SUFFIX, T)                                                                    \
     extern "C" __global__ void __launch_bounds__(256) kv_compress_##SUFFIX(                               \
         const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight, float* kv_state, \
-        float* score_state, __nv_bfloat16* comp, int* comp_len, const int* pos, unsigned Tn, unsigned D,   \
-        unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status) {  \
+        float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos, unsigned Tn, unsigned D,         \
+        unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status,    \
+        int advance) {                                                                                    \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
-                    capacity, eps, rope_dim, theta, status);                                              \
+                    capacity, eps, rope_dim, theta, status, advance);                                     \
     }
 
 FP4_DEFINE_COMPRESS(f32, float)
