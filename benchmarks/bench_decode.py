@@ -2,11 +2,15 @@
 
 `v4-flash-slice` with 4 layers (V4-Flash widths: hidden 4096, 64 heads over a 512-d latent, 256
 experts top-6 of inner 2048 + one shared expert, vocab 129280; compress ratios 0, 4, 128, 4),
-W4A16 (the example's default), batch 1, 8 and 32, at a context of 4096 tokens (caches filled with random entries). Reports
-ms per step, tokens/s, the bytes the step must read (all attention and shared-expert weights, the
-routers, the distinct routed experts the step touched, the lm_head and the KV entries it attends to
-or scores) and the bandwidth achieved over them. Target at batch 1: >= 60 % of the measured copy
-bandwidth; <= 15 kernels per layer (the kernel nodes of the captured step, counted).
+W4A16 (the example's default), batch 1, 8 and 32, at a context of 4096 tokens (caches filled with
+random entries). Reports ms per step, tokens/s, the bytes the step must read (all attention and
+shared-expert weights, the routers, the distinct routed experts the step touched, the lm_head and
+the KV entries it attends to or scores), the bandwidth achieved over them and the kernels of the
+captured step (counted, and listed by name for batch 1). Targets: batch 1 >= 60 % of the measured
+copy bandwidth, batch 8 >= 45 %, batch 32 >= 40 %; <= 15 kernels per layer. Then the rate of a
+4096-token batched prefill, the step's parts captured alone, and the peak device memory beyond
+the weights and the KV caches of a decode step per batch and of the prefill (each on a fresh
+model).
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart]
 
@@ -61,21 +65,43 @@ def replay_ms(fn) -> float:
     return median_ms(runner.CapturedStep(fn).replay)
 
 
-def prefill_memory(model, tokens: int) -> dict:
-    """A batched prefill of ``tokens`` random tokens on a fresh batch-1 state (after one warm-up on
-    another): its time and the growth of CuPy's memory pool (the peak of what it adds)."""
+def prefill_rate(model, tokens: int) -> dict:
+    """A batched prefill of ``tokens`` random tokens on a fresh batch-1 state, after one warm-up on
+    another (compilation, buffers): ms and tokens/s."""
     prompt = cp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab, (1, tokens)), np.int32)
-    model.prefill(model.new_state(1, history_rows=1), prompt)  # compile, buffers
+    model.prefill(model.new_state(1, history_rows=1), prompt)
     state = model.new_state(1, history_rows=1)
-    cp.cuda.Device().synchronize()
-    pool = cp.get_default_memory_pool()
-    before = pool.total_bytes()
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record()
     model.prefill(state, prompt)
     end.record()
     end.synchronize()
-    return {"tokens": tokens, "ms": cp.cuda.get_elapsed_time(start, end), "MB added": (pool.total_bytes() - before) / 1e6}
+    ms = cp.cuda.get_elapsed_time(start, end)
+    return {"tokens": tokens, "ms": ms, "tokens/s": tokens / ms * 1e3}
+
+
+def peak_memory(cfg, batch: int, prefill_tokens: int = 0) -> float:
+    """MB of device memory beyond the weights and the KV caches at the peak of one decode step at
+    ``batch`` (eager, then captured and replayed) or of a batched prefill of ``prefill_tokens``: a
+    fresh model (no buffers cached by earlier shapes) and CuPy's pool emptied of free blocks, whose
+    growth then is the peak of what the step allocated (freed blocks stay in the pool)."""
+    model, _ = runner.build(cfg, device=True, seed=0)
+    state = model.new_state(batch, history_rows=64)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()  # the weights and this state's caches
+    if prefill_tokens:
+        model.prefill(state, cp.zeros((batch, prefill_tokens), np.int32))
+    else:
+        dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
+        for _ in range(3):
+            dec.decode_step()
+    cp.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    del model, state
+    pool.free_all_blocks()
+    return grown / 1e6
 
 
 def breakdown(model, state) -> Table:
@@ -109,17 +135,13 @@ def main() -> None:
     table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, {mode.upper()}, projections {projections}, "
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
-                   "kernels in graph", "kernels per layer", "MB added by the step", "target"])
+                   "kernels in graph", "kernels per layer", "target"])
     launches = {}  # kernel name -> launches in one step, by batch
-    pool = cp.get_default_memory_pool()
     for batch in BATCHES:
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
-        cp.cuda.Device().synchronize()
-        before = pool.total_bytes()  # weights, KV caches and what earlier batches left
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
         ms = step_ms(dec)
-        grown = pool.total_bytes() - before  # intermediates and workspaces the step added (peak)
         touched = runner.experts_touched(model, batch)
         nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
         pct = 100 * nbytes / (ms * 1e-3) / copy
@@ -132,18 +154,16 @@ def main() -> None:
                                          "<= 15 kernels/layer: " + ("met" if per_layer <= 15 else "MISSED")]))
         table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
                      "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
-                     "kernels in graph": kernels, "kernels per layer": per_layer,
-                     "MB added by the step": grown / 1e6, "target": target})
+                     "kernels in graph": kernels, "kernels per layer": per_layer, "target": target})
         if batch == 1:
             parts = breakdown(model, state)
         del dec, state
-    prefill = prefill_memory(model, PREFILL_TOKENS)
+    prefill = prefill_rate(model, PREFILL_TOKENS)
     print()
     print(table.markdown())
     print()
     print(f"batched prefill of {PREFILL_TOKENS} tokens (batch 1): {prefill['ms']:.1f} ms, "
-          f"{PREFILL_TOKENS / prefill['ms'] * 1e3:.0f} tokens/s; device memory added beyond the weights, "
-          f"the KV caches and the decode steps' buffers: {prefill['MB added'] / 1e3:.2f} GB")
+          f"{prefill['tokens/s']:.0f} tokens/s")
     print()
     print(parts.markdown())
     print()
@@ -155,6 +175,17 @@ def main() -> None:
             "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
+    # peak memory beyond weights and KV caches, each on a fresh model (after the timings are saved)
+    del model, parts
+    memory = Table(f"Device memory beyond the weights and the KV caches, v4-flash-slice {LAYERS} layers, {mode.upper()} "
+                   f"({device_name()})", ["run", "peak MB"])
+    for batch in BATCHES:
+        memory.add(run=f"decode step, batch {batch}", **{"peak MB": peak_memory(cfg, batch)})
+    memory.add(run=f"batched prefill, {PREFILL_TOKENS} tokens, batch 1",
+               **{"peak MB": peak_memory(cfg, 1, PREFILL_TOKENS)})
+    print()
+    print(memory.markdown())
+    memory.save("decode_memory", meta)
 
 
 if __name__ == "__main__":
