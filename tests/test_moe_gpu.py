@@ -244,6 +244,28 @@ def test_fused_and_unfused_agree_on_device(rng, path):
     assert cp.array_equal(fused(x).view(cp.uint16), unfused(x).view(cp.uint16))
 
 
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_layers_share_the_sorted_paths_intermediates(rng, mode, monkeypatch):
+    """Two layers on the expert-sorted path write their gate|up, SwiGLU and expert outputs into one
+    buffer each (not one per layer and token count); called in turn, each gives what it gives alone,
+    and a larger token count grows the buffer without moving the smaller plan's view."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 0)
+    a, _ = build(rng, 16, 256, 128, V4, mode=mode)
+    b, _ = build(rng, 16, 256, 128, V4, mode=mode)
+    x = cp.asarray(rng.standard_normal((64, 256)).astype(BF16))
+    alone = [a(x).copy(), b(x).copy()]
+    for _ in range(2):
+        for layer, want in zip((a, b), alone):
+            assert cp.array_equal(layer(x).view(cp.uint16), want.view(cp.uint16))
+    plan_a, plan_b = a._plan(x), b._plan(x)
+    assert plan_a.h.data.ptr == plan_b.h.data.ptr and plan_a.y.data.ptr == plan_b.y.data.ptr
+    assert plan_a.out.data.ptr != plan_b.out.data.ptr  # each layer's output stays its own
+    big = cp.asarray(rng.standard_normal((4096, 256)).astype(BF16))
+    b(big)
+    assert a._plan(x).h.data.ptr == plan_a.h.data.ptr  # the small plan's buffer kept alive
+    assert cp.array_equal(a(x).view(cp.uint16), alone[0].view(cp.uint16))
+
+
 def test_layer_in_a_cuda_graph(rng, path, capture_stream):
     e, h, i, t = 64, 512, 256, 16
     shared = SharedExpert.from_float(*(cp.asarray((rng.standard_normal(s) / 16).astype(np.float32))

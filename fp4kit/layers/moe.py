@@ -227,6 +227,17 @@ class _Plan:
     h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
 
 
+
+def _shared_intermediate(name: str, shape: tuple, dtype):
+    """A view of ``shape`` into the expert-sorted path's intermediate ``name`` (gate|up output,
+    SwiGLU output, expert outputs), one buffer for every MoE layer on this device and stream: each
+    is written and read within one call, and at a 4096-token prefill of V4-Flash widths they hold
+    ~0.7 GB, which one buffer per layer and token count would hold per layer. The buffer grows for
+    a larger call and keeps the one it outgrew (`workspace.capturable_buffer`), so a captured
+    graph still points at live memory."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return workspace.capturable_buffer("moe." + name, nbytes)[:nbytes].view(dtype).reshape(shape)
+
 class MoE:
     """DeepSeek MoE layer with NVFP4 routed experts (see the module docstring).
 
@@ -453,12 +464,14 @@ class MoE:
                          h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if in_blocks else None)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
+        if not w4a4:  # the bf16 SwiGLU output, written and read within the call: shared too
+            common["h_act"] = _shared_intermediate("h_act", (pairs, i), arrays.BF16)
         return _Plan(
             **common, tickets=cupy.empty((t, k), np.uint32), offsets=cupy.empty(e + 1, np.uint32),
             active=cupy.empty(e, np.uint32), num_active=cupy.empty(1, np.uint32),
             slot_row=cupy.empty(pairs, np.uint32), row_token=cupy.empty(pairs, np.uint32),
-            row_weight=cupy.empty(pairs, np.float32), h=cupy.empty((pairs, 2 * i), arrays.BF16),
-            y=cupy.empty((pairs, h), np.float32))
+            row_weight=cupy.empty(pairs, np.float32), h=_shared_intermediate("h", (pairs, 2 * i), arrays.BF16),
+            y=_shared_intermediate("y", (pairs, h), np.float32))
 
     def _route_device(self, x, token_ids, plan: _Plan) -> None:
         if plan.tickets is None:  # the small-T path: ids and weights only, one launch
