@@ -8,9 +8,7 @@ shared-expert weights, the routers, the distinct routed experts the step touched
 the KV entries it attends to or scores), the bandwidth achieved over them and the kernels of the
 captured step (counted, and listed by name for batch 1). Targets: batch 1 >= 60 % of the measured
 copy bandwidth, batch 8 >= 45 %, batch 32 >= 40 %; <= 15 kernels per layer. Then the rate of a
-4096-token batched prefill, the step's parts captured alone, and the peak device memory beyond
-the weights and the KV caches of a decode step per batch and of the prefill (each on a fresh
-model).
+4096-token batched prefill and the step's parts captured alone.
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart]
 
@@ -78,30 +76,6 @@ def prefill_rate(model, tokens: int) -> dict:
     end.synchronize()
     ms = cp.cuda.get_elapsed_time(start, end)
     return {"tokens": tokens, "ms": ms, "tokens/s": tokens / ms * 1e3}
-
-
-def peak_memory(cfg, batch: int, prefill_tokens: int = 0) -> float:
-    """MB of device memory beyond the weights and the KV caches at the peak of one decode step at
-    ``batch`` (eager, then captured and replayed) or of a batched prefill of ``prefill_tokens``: a
-    fresh model (no buffers cached by earlier shapes) and CuPy's pool emptied of free blocks, whose
-    growth then is the peak of what the step allocated (freed blocks stay in the pool)."""
-    model, _ = runner.build(cfg, device=True, seed=0)
-    state = model.new_state(batch, history_rows=64)
-    pool = cp.get_default_memory_pool()
-    cp.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()  # the weights and this state's caches
-    if prefill_tokens:
-        model.prefill(state, cp.zeros((batch, prefill_tokens), np.int32))
-    else:
-        dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
-        for _ in range(3):
-            dec.decode_step()
-    cp.cuda.Device().synchronize()
-    grown = pool.total_bytes() - before
-    del model, state
-    pool.free_all_blocks()
-    return grown / 1e6
 
 
 def breakdown(model, state) -> Table:
@@ -175,17 +149,6 @@ def main() -> None:
             "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
-    # peak memory beyond weights and KV caches, each on a fresh model (after the timings are saved)
-    del model, parts
-    memory = Table(f"Device memory beyond the weights and the KV caches, v4-flash-slice {LAYERS} layers, {mode.upper()} "
-                   f"({device_name()})", ["run", "peak MB"])
-    for batch in BATCHES:
-        memory.add(run=f"decode step, batch {batch}", **{"peak MB": peak_memory(cfg, batch)})
-    memory.add(run=f"batched prefill, {PREFILL_TOKENS} tokens, batch 1",
-               **{"peak MB": peak_memory(cfg, 1, PREFILL_TOKENS)})
-    print()
-    print(memory.markdown())
-    memory.save("decode_memory", meta)
 
 
 if __name__ == "__main__":
