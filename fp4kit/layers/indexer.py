@@ -83,8 +83,8 @@ class Indexer:
 
     def score_topk(self, q, w, keys, lengths, *, w_scale: float = 1.0, return_scores: bool = False):
         """Selected indices int32 ``[B, k]`` (ascending, ``-1`` padded) for q ``[B, H, D]`` bf16,
-        w ``[B, H]`` fp32 or bf16 (times ``w_scale``), keys ``[B, C, D]`` (or ``[1, C, D]``, one cache for every row) bf16 and lengths ``[B]`` int32 (see
-        `fp4kit.ops.indexer.score_topk`).
+        w ``[B, H]`` fp32 or bf16 (times ``w_scale``), keys ``[B, C, D]`` (or ``[1, C, D]``, one
+        cache for every row) bf16 and lengths ``[B]`` int32 (see `fp4kit.ops.indexer.score_topk`).
 
         On the device the result is the layer's buffer for this batch size, overwritten by the
         next call with the same batch size; with ``return_scores`` the selected scores buffer is

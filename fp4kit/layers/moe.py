@@ -227,7 +227,6 @@ class _Plan:
     h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
 
 
-
 def _shared_intermediate(name: str, shape: tuple, dtype):
     """A view of ``shape`` into the expert-sorted path's intermediate ``name`` (gate|up output,
     SwiGLU output, expert outputs), one buffer for every MoE layer on this device and stream: each
@@ -237,6 +236,7 @@ def _shared_intermediate(name: str, shape: tuple, dtype):
     graph still points at live memory."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return workspace.capturable_buffer("moe." + name, nbytes)[:nbytes].view(dtype).reshape(shape)
+
 
 class MoE:
     """DeepSeek MoE layer with NVFP4 routed experts (see the module docstring).
