@@ -4,7 +4,7 @@
 //
 // Arguments (row-major, contiguous, 16-byte aligned):
 //   q        bf16  [B, H, D]   index queries; H a multiple of 8 in [8, 64], D a multiple of 32 in [32, 128]
-//   w        fp32  [B, H]      per-head weights
+//   w        fp32  [B, H]      per-head weights (bf16 with w_bf16), each times w_scale in fp32
 //   keys     bf16  [B, C, D]   the compressed-key cache, capacity C; or [1, C, D] with shared_keys:
 //                              one sequence's cache scored by every row (the query positions of a prefill)
 //   lengths  int32 [B]         live entries of each row, read on the device; n_b = clamp(lengths[b], 0, C)
