@@ -127,14 +127,6 @@ def sweep(table, w_list, x, out, m, n, k):
         finally:
             (gemm_ops.USE_GEMV, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM,
              gemm_ops.GEMV_MAX_BLOCKS_PER_SM) = saved_gemv
-    tiles = gemm_ops.token_tiles(m)
-    shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
-    # blocks per SM 0: the balanced split count
-    variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (0, 1, 2, 4, 8))]
-    if cp.cuda.Device().compute_capability == "90":
-        wg_tiles = gemm_ops.launch_config(m, n, k, wgmma=True).token_tiles
-        wg_rows = (1, 2) if wg_tiles in (4, 8) else (1,)
-        variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
     if cp.cuda.Device().compute_capability == "90" and m > 8:  # wgmma at forced split counts
         try:
             gemm_ops.USE_GEMV, gemm_ops.WGMMA_MIN_M = False, 1
@@ -150,6 +142,16 @@ def sweep(table, w_list, x, out, m, n, k):
         finally:
             gemm_ops.WGMMA_SPLITS, gemm_ops.USE_GEMV = None, saved_gemv[0]
             gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS = saved[-2], saved[-1]
+    if m > 64:  # one wgmma launch of up to 128 rows: only its split counts
+        return min(results)
+    tiles = gemm_ops.token_tiles(m)
+    shapes = [(1, 4), (2, 4), (1, 8)] if tiles <= 2 else [(1, 4)]
+    # blocks per SM 0: the balanced split count
+    variants = [("mma.sync", r, f, per_sm) for (r, f), per_sm in itertools.product(shapes, (0, 1, 2, 4, 8))]
+    if cp.cuda.Device().compute_capability == "90":
+        wg_tiles = gemm_ops.launch_config(m, n, k, wgmma=True).token_tiles
+        wg_rows = (1, 2) if wg_tiles in (4, 8) else (1,)
+        variants += [("wgmma", r, 4, per_sm) for r, per_sm in itertools.product(wg_rows, (1, 2, 4, 8))]
     try:
         gemm_ops.USE_GEMV = False
         for (engine, r, f, per_sm), clusters in itertools.product(variants, (True, False)):
@@ -216,10 +218,10 @@ def main() -> None:
             torch.cuda.synchronize()  # the baselines' setup above runs on PyTorch's stream: let it finish first
             cp.cuda.Device().synchronize()
             rows = []
+            if do_sweep and m <= 128:
+                best = sweep(sweep_table, weights, x, out, m, n, k)
+                print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs, {best[1]}", flush=True)
             if m <= 64:
-                if do_sweep:
-                    best = sweep(sweep_table, weights, x, out, m, n, k)
-                    print(f"  best launch shape {n}x{k} M={m}: {best[0]:.1f} µs, {best[1]}", flush=True)
                 t16 = graph_us(lambda i: gemm(x, weights[i % nw], out=out), calls=2 * nw)
                 t4 = graph_us(lambda i: gemm(xq, weights[i % nw], out=out), calls=2 * nw)
                 rows = [("w4a16", t16, t4 / t16), ("w4a4", t4, None)]

@@ -94,7 +94,7 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
     monkeypatch.setattr(gemm_ops, "USE_CLUSTERS", clusters)
     w = weight(rng, n, k)
     wd = tiled(w)
-    for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64):
+    for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64, 128):
         splits = launch_shape(m, n, k, engine).splits
         x = rng.standard_normal((m, k)).astype(BF16)
         expect = ref.gemm(x, w, None, None, np.float64)

@@ -91,7 +91,7 @@ PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: kernels whose K splits can meet in a thread-block cluster (sm_90+), and the cluster sizes built:
 #: the splits of a row group reduce through distributed shared memory instead of a global scratch
 #: (the mma.sync kernels at M <= 16 measured no faster with them)
-CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8)}
+CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8), "wgmma_16x1": (2, 4, 8)}
 USE_CLUSTERS = True
 _WARPS = 8
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:

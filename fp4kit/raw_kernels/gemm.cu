@@ -142,9 +142,9 @@ __device__ __forceinline__ unsigned windows_of(unsigned K, unsigned window_k) { 
                                  FP4_WGMMA_CHUNK_SPLIT(T))                                                    \
     FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R, WgmmaWindow<T>, R, 4, 0, MIN_BLOCKS, , FP4_WGMMA_CHUNK_M0(T),      \
                          FP4_WGMMA_CHUNK_SPLIT(T))
-#define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C)                                                        \
-    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)   \
-    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, 2, FP4_CLUSTER(C), 0, FP4_SPLIT)
+#define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C, MIN_BLOCKS)                                                        \
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, MIN_BLOCKS, FP4_CLUSTER(C), 0, FP4_SPLIT)        \
+    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, MIN_BLOCKS, FP4_CLUSTER(C), 0, FP4_SPLIT)
 
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
@@ -152,12 +152,15 @@ FP4_DEFINE_GEMM_WGMMA(8, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(16, 1, 1)
 FP4_DEFINE_GEMM_WGMMA(4, 2, 1)
 FP4_DEFINE_GEMM_WGMMA(8, 2, 1)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 2)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 4)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 8)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 2)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 4)
-FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 8)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 2, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 4, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 8, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 2, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 4, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 8, 2)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 2, 1)  // 65-128 rows: one block per SM, as gemm_wgmma_16x1
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 4, 1)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 8, 1)
 
 // gemm_stage_<T>_{bf16,nvfp4}: the window images of the wgmma kernels with T token tiles. Block
 // (w, z) stages window w of token chunk z in shared memory exactly as those kernels' mainloop did
