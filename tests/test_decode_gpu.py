@@ -104,10 +104,11 @@ def test_decode_script_on_the_gpu_times_the_warm_up_apart(capsys):
     assert "bit-identical: True" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("b", [1, 5])
+@pytest.mark.parametrize("b", [1, 5, 12])
 def test_grouped_output_projection_equals_one_linear_per_group(b):
-    """The example's ``wo_a`` as one grouped GEMM launch (W4A16, the groups as experts of the MoE's
-    expert GEMM) against one Linear per group, and its buffers reused by a second call."""
+    """The example's ``wo_a`` as one launch (W4A16: `gemm_grouped` up to 8 tokens, the MoE's expert
+    GEMM over a stack view of the concatenated weight above) against one Linear per group, its
+    buffers reused by a second call, and ungrouped again with the same results."""
     import ml_dtypes
 
     from dsv4 import model as model_module
@@ -126,6 +127,10 @@ def test_grouped_output_projection_equals_one_linear_per_group(b):
         got, want = grouped(o), apart(o)
         assert got.shape == want.shape == (b, groups * n) and got.flags.c_contiguous
         assert calc_diff(cp.asnumpy(got).astype(np.float32), cp.asnumpy(want).astype(np.float32)) < 1e-5
+    grouped.ungroup()
+    assert grouped.stack is None and grouped.fused is None and len(grouped.linears) == groups
+    again = grouped(o)
+    assert cp.array_equal(again.view(cp.uint16), apart(o).view(cp.uint16))
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])

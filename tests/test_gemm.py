@@ -165,3 +165,39 @@ def test_concatenate_refuses_parts_it_cannot_join(rng):
         Linear.concatenate([a, Linear.from_float(w, bias=np.zeros(16, np.float32))])
     with pytest.raises(TypeError, match="non-empty list of Linear"):
         Linear.concatenate([])
+
+
+def test_grouped_gemm_is_each_group_against_its_weight(rng):
+    """`gemm_grouped` on numpy: column block g of the output is the activation's column block g
+    through the weight's row block g, against float64 on the dequantized weights, per-row decode
+    factors of a concatenation included."""
+    from fp4kit.formats import fuse_rows
+    from fp4kit.ops.gemm import gemm_grouped
+
+    groups, n_g, k, m = 3, 128, 64, 5
+    parts = [qref.quantize((rng.standard_normal((n_g, k)) * (g + 1)).astype(np.float32)) for g in range(groups)]
+    fused, row_decode = fuse_rows(parts, "concatenated")
+    x = rng.standard_normal((m, groups * k)).astype(BF16)
+    got = gemm_grouped(x, fused, groups, row_decode=row_decode, out_dtype=np.float32)
+    want = np.concatenate([x[:, g * k:(g + 1) * k].astype(np.float64) @ fp4kit.dequantize(parts[g]).astype(np.float64).T
+                           for g in range(groups)], axis=1)
+    assert got.shape == (m, groups * n_g) and got.dtype == np.float32
+    assert ref.calc_diff(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("change, exc, message", [
+    (dict(groups=0), ValueError, "groups: expected a positive int, got 0"),
+    (dict(groups=True), ValueError, "groups: expected a positive int, got True"),
+    (dict(groups=3), ValueError, r"w: expected rows in 3 groups of a multiple of 128 rows, got shape \(256, 64\)"),
+    (dict(n=192, groups=1), ValueError, r"w: expected rows in 1 groups of a multiple of 128 rows"),
+    (dict(dtype=np.float32), TypeError, "a: expected dtype bfloat16 .*, got float32"),
+    (dict(cols=100), ValueError, r"a: expected shape \(M, 128\) for 2 groups of K = 64"),
+])
+def test_grouped_gemm_bad_inputs(rng, change, exc, message):
+    from fp4kit.ops.gemm import gemm_grouped
+
+    n, groups = change.get("n", 256), change.get("groups", 2)
+    w = qref.quantize(rng.standard_normal((n, 64)).astype(np.float32))
+    a = np.zeros((2, change.get("cols", 2 * 64)), change.get("dtype", BF16))
+    with pytest.raises(exc, match=message):
+        gemm_grouped(a, w, groups)

@@ -240,3 +240,21 @@ def test_concatenated_linears_on_the_device(rng, mode):
         for got, host in zip(outs, hosts):
             assert got.flags.c_contiguous
             assert ref.calc_diff(cp.asnumpy(got).astype(np.float32), host(x).astype(np.float32)) < BOUND, (m, mode)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("groups, n_g, k", [(8, 128, 256), (2, 256, 512), (1, 128, 4096)])
+def test_grouped_gemm_equals_one_gemm_per_group(rng, m, groups, n_g, k):
+    """`gemm_grouped` (one GEMV launch, each block reading its group's columns of the activation)
+    against `gemm` on each group's rows and columns, bit for bit, with a decode factor per row."""
+    from fp4kit.formats import fuse_rows
+
+    host = [qref.quantize((rng.standard_normal((n_g, k)) * (g + 1)).astype(np.float32)) for g in range(groups)]
+    parts = [tiled(h) for h in host]  # each with its own global scale
+    fused, row_decode = fuse_rows(host, "concatenated")
+    fused, row_decode = tiled(fused), cp.asarray(row_decode)
+    x = cp.asarray(rng.standard_normal((m, groups * k)).astype(BF16))
+    got = gemm_ops.gemm_grouped(x, fused, groups, row_decode=row_decode, out=cp.full((m, groups * n_g), np.nan, np.float32))
+    for g in range(groups):
+        want = gemm(cp.ascontiguousarray(x[:, g * k:(g + 1) * k]), parts[g], out_dtype=np.float32)
+        assert cp.array_equal(got[:, g * n_g:(g + 1) * n_g].view(cp.uint32), want.view(cp.uint32)), g

@@ -39,6 +39,7 @@ from fp4kit.layers import (ExpertStack, Generator, Indexer, KVCache, Linear, MoE
                            SharedExpert, SparseAttention)
 from fp4kit.layers.linear import split_columns
 from fp4kit.ops import elementwise as ew
+from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
 from fp4kit.runtime import arrays
@@ -79,10 +80,12 @@ class Projections:
             self.parts = [fn(p) for p in self.parts]
 
 
-#: the grouped low-rank output projection (``wo_a``, one weight per group of heads) as one grouped
-#: GEMM launch with the groups as experts (the MoE's expert GEMM) instead of one Linear per group,
-#: with bf16 activations (W4A16; the same arithmetic per group). W4A4 keeps one Linear per group:
-#: each group's activation has its own global scale, and the grouped GEMM takes one
+#: the grouped low-rank output projection (``wo_a``, one weight per group of heads) as one launch
+#: over the groups instead of one Linear per group, with bf16 activations (W4A16; the same arithmetic
+#: per group): up to `gemm.GEMV_MAX_M` tokens the GEMV kernels of `gemm_grouped` on the groups'
+#: weights concatenated (each block reads its group's columns of the attention output, the result
+#: lands in place), above that the MoE's expert GEMM with the groups as experts (a view of the same
+#: weight). W4A4 keeps one Linear per group: each group's activation has its own global scale.
 GROUP_OUTPUT_PROJECTION = True
 
 
@@ -98,19 +101,34 @@ class _GroupRows:
     slot_row: object
 
 
+def _stack_view(fused: Linear, groups: int) -> ExpertStack:
+    """The G groups of a concatenated tiled weight as a tiled expert stack, without a copy: the
+    tiled layout keeps each 16-row tile's bytes together, so equal groups of whole tiles are
+    consecutive equal slices; each row keeps its decode factor."""
+    w, n = fused.weight, fused.out_features // groups
+    scale = w.global_scale.reshape(1).repeat(groups)
+    row_decode = None if fused.row_decode is None else fused.row_decode.reshape(groups, n)
+    return ExpertStack(w.packed.reshape(groups, -1), w.block_scales.reshape(groups, -1), scale,
+                       (1 / scale).astype(np.float32), row_decode, layout="tiled", nk=(n, fused.in_features))
+
+
 class OutputProjection:
     """``wo_a``: group g of the attention output ``[b, G, K_g]`` through its own weight
-    ``[N, K_g]``, the results side by side ``[b, G * N]``: one grouped GEMM launch over the G
-    weights held as one tiled expert stack (``group``, W4A16 on the device), or one Linear per
-    group."""
+    ``[N, K_g]``, the results side by side ``[b, G * N]``: one launch over the G weights held as one
+    concatenated weight (``group``, W4A16 on the device; `gemm_grouped` up to `GEMV_MAX_M` tokens,
+    the expert GEMM over a stack view of it above), or one Linear per group."""
 
     def __init__(self, linears: list[Linear], group: bool):
         self.groups, self.mode = len(linears), linears[0].mode
         self.k, self.n = linears[0].in_features, linears[0].out_features
-        self.linears, self.stack, self._buffers = linears, None, {}
+        self.linears, self.stack, self.fused, self._buffers = linears, None, None, {}
         if group and self.mode == "w4a16" and arrays.is_device_array(linears[0].weight.packed):
-            self.stack = ExpertStack.from_tensors([to_linear(lin.weight) for lin in linears]).to_tiled()
-            self.linears = None  # the stack holds the weights
+            if self.n % 128 == 0:  # the row tiles of a GEMV block stay in one group
+                self.fused = Linear.concatenate(linears)
+                self.stack = _stack_view(self.fused, self.groups)
+            else:
+                self.stack = ExpertStack.from_tensors([to_linear(lin.weight) for lin in linears]).to_tiled()
+            self.linears = None  # the concatenated weight (or the stack) holds the weights
 
     def __call__(self, o):
         """``o [b, G * K_g]`` (C-contiguous) -> ``[b, G * N]`` bf16."""
@@ -118,6 +136,11 @@ class OutputProjection:
         if self.stack is None:
             parts = xp.ascontiguousarray(o.reshape(b, self.groups, self.k).transpose(1, 0, 2))
             return xp.concatenate([self.linears[g](parts[g]) for g in range(self.groups)], axis=1)
+        if self.fused is not None and b <= gemm_ops.GEMV_MAX_M:
+            out = self._buffers.get(("grouped", b))
+            if out is None:
+                out = self._buffers[("grouped", b)] = xp.empty((b, self.groups * self.n), arrays.BF16)
+            return gemm_ops.gemm_grouped(o, self.fused.weight, self.groups, row_decode=self.fused.row_decode, out=out)
         plan, y = self._device_buffers(b)
         rows = o.reshape(b * self.groups, self.k)  # row t * G + g: group g of token t
         moe_ops.grouped_gemm(rows, self.stack, y, plan=plan, gather=True, max_rows=b)
@@ -137,9 +160,10 @@ class OutputProjection:
     def ungroup(self) -> None:
         """One Linear per group again (e.g. before sharding each of them): the same arithmetic."""
         if self.stack is not None:
-            linear = self.stack.to_linear()
-            self.linears = [Linear(linear.expert(g), mode=self.mode) for g in range(self.groups)]
-            self.stack = None
+            linear, rd = self.stack.to_linear(), self.stack.row_decode
+            self.linears = [Linear(linear.expert(g), mode=self.mode, row_decode=None if rd is None else rd[g].copy())
+                            for g in range(self.groups)]
+            self.stack = self.fused = None
 
     def weight_bytes(self) -> int:
         if self.stack is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..formats import BLOCK_SIZE, GROUP_CHUNKS, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims
+from ..formats import BLOCK_SIZE, GROUP_CHUNKS, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims, to_linear
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
 
@@ -265,6 +265,64 @@ def gemm(
     return out
 
 
+def gemm_grouped(a, w: Nvfp4Tensor, groups: int, *, row_decode=None, out=None, out_dtype=arrays.BF16):
+    """A grouped GEMM in one launch: ``y[:, g Ng:(g + 1) Ng] = a[:, g K:(g + 1) K] @ W_g^T`` for the
+    ``groups`` equal row blocks ``W_g`` of ``w [groups * Ng, K]`` (e.g. a low-rank output
+    projection whose head groups each have their own weight, held as one concatenated weight).
+
+    a : bf16 ``[M, groups * K]``, C-contiguous (on the GPU: M <= `GEMV_MAX_M`, the GEMV kernels)
+    w : Nvfp4Tensor ``[groups * Ng, K]`` with Ng a multiple of 128 (a block's row tiles in one group)
+    row_decode : fp32 ``[groups * Ng]``, optional: a decode factor per row replacing ``1 / S_w``
+    out : bf16 or fp32 ``[M, groups * Ng]``, optional
+
+    The arithmetic of `gemm` on each group: numpy runs the reference per group.
+    """
+    _check_weight(w)
+    n, k = w.shape
+    if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise ValueError(f"groups: expected a positive int, got {groups!r}")
+    if n % groups or (n // groups) % 128:
+        raise ValueError(f"w: expected rows in {groups} groups of a multiple of 128 rows, got shape {tuple(w.shape)}")
+    a = arrays.as_array(a, "a")
+    if a.dtype != arrays.BF16:
+        raise TypeError(f"a: expected dtype bfloat16 (a grouped GEMM reads bf16 activations), got {a.dtype}")
+    if a.ndim != 2 or a.shape[1] != groups * k:
+        raise ValueError(f"a: expected shape (M, {groups * k}) for {groups} groups of K = {k}, got {arrays.describe(a)}")
+    arrays.check_contiguous("a", a)
+    arrays.check_same_device(a=a, w=w.packed)
+    row_decode = _vector("row_decode", row_decode, n, (np.float32,), w.packed)
+    m = a.shape[0]
+    out_dtype = np.dtype(out.dtype if out is not None else out_dtype)
+    if out_dtype not in (arrays.BF16, np.dtype(np.float32)):
+        raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
+    if out is not None:
+        arrays.check_out("out", out, (m, n), out_dtype, w.packed)
+    if not arrays.is_device_array(w.packed):
+        ng = n // groups
+        parts = [ref.gemm(np.ascontiguousarray(a[:, g * k:(g + 1) * k]), _host_rows(w, g * ng, (g + 1) * ng), None,
+                          None if row_decode is None else row_decode[g * ng:(g + 1) * ng], out_dtype)
+                 for g in range(groups)]
+        return arrays.host_result(np.concatenate(parts, axis=1), out)
+    if m > GEMV_MAX_M:
+        raise ValueError(f"a: the grouped GEMM runs on the GEMV kernels, at most {GEMV_MAX_M} rows; got {m}")
+    arrays.check_aligned("a", a)
+    import cupy
+
+    out = cupy.empty((m, n), dtype=out_dtype) if out is None else out
+    if m == 0:
+        return out
+    epilogue = (w.global_scale, _ptr(row_decode), 0, _I32(0), out, _I32(out_dtype == np.float32))
+    _launch(w, (a, 0), epilogue, m, n, k, False, grouped=(groups * k, n // groups))
+    return out
+
+
+def _host_rows(w: Nvfp4Tensor, start: int, stop: int) -> Nvfp4Tensor:
+    """Rows [start, stop) of a host NVFP4 weight in the linear layout (the reference's input)."""
+    w = w if w.scale_layout == "linear" else to_linear(w)
+    return Nvfp4Tensor(w.packed[start:stop], w.block_scales[start:stop], w.global_scale, "linear",
+                       (stop - start, w.shape[1]))
+
+
 def predequantizes(m: int, n: int, k: int, wgmma: bool) -> bool:
     """Whether an NVFP4 activation of ``m`` rows is dequantized exactly into bf16 by one launch before
     an ``mma.sync`` engine launch (on weights of `PREDEQUANTIZE_MIN_WEIGHT` elements or more), rather
@@ -461,8 +519,14 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
                        gemv_shared_bytes(m, f), gemv=True)
 
 
-def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool) -> None:
-    shape = (None if wgmma else gemv_launch(m, n, k)) or launch_config(m, n, k, wgmma=wgmma)
+def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,
+            grouped: tuple | None = None) -> None:
+    """One engine launch; ``grouped`` = (activation row stride, weight rows per group) takes the
+    GEMV kernel of a grouped GEMM (`gemm_grouped`)."""
+    if grouped is not None:
+        shape = gemv_config(m, n, k)
+    else:
+        shape = (None if wgmma else gemv_launch(m, n, k)) or launch_config(m, n, k, wgmma=wgmma)
     if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     kind = "nvfp4" if len(act) == 3 else "bf16"
@@ -475,9 +539,12 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
     partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
     counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)
-    kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * _WARPS,
-                  (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
-                   _U32(shape.splits), _U32(shape.chunks_per_split)), shared_mem=shape.shared_bytes)
+    args = (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
+            _U32(shape.splits), _U32(shape.chunks_per_split))
+    if shape.gemv and kind == "bf16":  # the activation's row stride and the rows per weight group
+        args += tuple(_U32(v) for v in (grouped or (0, 0)))
+    kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * _WARPS, args,
+                  shared_mem=shape.shared_bytes)
 
 
 def _stage_image(act: tuple, kind: str, m: int, k: int, shape: LaunchShape):

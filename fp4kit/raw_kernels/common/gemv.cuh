@@ -23,21 +23,27 @@ struct GemvSlot {
     static constexpr int kStride = F * kTileK + 8;
 };
 
-// bf16 activation [M, K]: the F tiles from chunk c of tokens 0 .. M-1 into a slot with 16-byte
-// cp.async copies, zero past the slice (c_end chunks) and past K.
+// bf16 activation [M, K] (row stride `ld`, 0: K): the F tiles from chunk c of tokens 0 .. M-1 into
+// a slot with 16-byte cp.async copies, zero past the slice (c_end chunks) and past K. Grouped
+// (`group_rows` > 0): weight rows [g group_rows, (g + 1) group_rows) read columns [g K, (g + 1) K)
+// of an activation [M, G K] (`for_tile` moves x to the tile's group; a block's row tiles share one).
 template <int F>
 struct WarpActBf16 {
     const __nv_bfloat16* x;
+    unsigned ld = 0, group_rows = 0;
     struct Pending {};
+    __device__ __forceinline__ void for_tile(unsigned tile, unsigned K) {
+        if (group_rows) x += (size_t)(tile * 16 / group_rows) * K;
+    }
     __device__ __forceinline__ void init(unsigned*) {}
     __device__ __forceinline__ void start(Pending&, __nv_bfloat16* slot, unsigned M, unsigned c, unsigned c_end,
                                           unsigned K, unsigned lane) const {
         constexpr unsigned kPerRow = F * kTileK / 8;  // copies per token row
-        const unsigned k_end = min(K, c_end * kTileK);
+        const unsigned k_end = min(K, c_end * kTileK), stride = ld ? ld : K;
         for (unsigned i = lane; i < M * kPerRow; i += 32) {
             const unsigned m = i / kPerRow, col = i % kPerRow * 8, k = c * kTileK + col;
             const bool valid = k < k_end;  // K and k_end are multiples of 16, k of 8: all 8 in or all out
-            cp_async16(slot + m * GemvSlot<F>::kStride + col, valid ? x + (size_t)m * K + k : x, valid);
+            cp_async16(slot + m * GemvSlot<F>::kStride + col, valid ? x + (size_t)m * stride + k : x, valid);
         }
         asm volatile("cp.async.commit_group;");
     }
@@ -56,6 +62,7 @@ struct WarpActNvfp4 {
     const unsigned* table;
     static constexpr int kBlocks = 8 * F * 4 / 32;  // per lane: 8 tokens x 4F blocks of 16
     using Pending = Nvfp4Blocks<kBlocks>;
+    __device__ __forceinline__ void for_tile(unsigned, unsigned) {}  // not grouped
     __device__ __forceinline__ void init(unsigned* shared_table) {
         table = shared_table;
         fill_code_table(shared_table);
@@ -116,6 +123,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
     const unsigned c_end = min(chunks, (s_begin + (slice + 1) * s_count / kSlices) * kGroupChunks);
     const bool works = active && c_begin < c_end;
     const unsigned long long policy = evict_first_policy();
+    act.for_tile(min(tile, row_tiles - 1), K);
 
     const uint4* code_next = w_codes + ((size_t)min(tile, row_tiles - 1) * chunks + c_begin) * 32 + lane;
     const uint2* scale_next = w_scales + ((size_t)min(tile, row_tiles - 1) * groups + c_begin / kGroupChunks) * 32 + lane;
