@@ -103,3 +103,23 @@ def test_all_entries_prompt_tokens_and_log():
 def test_bad_inputs_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_split_columns_on_numpy_are_contiguous_copies(rng):
+    y = rng.standard_normal((3, 40)).astype(BF16)
+    parts = ew.split_columns(y, [8, 24, 8])
+    assert [p.shape for p in parts] == [(3, 8), (3, 24), (3, 8)]
+    assert all(p.flags.c_contiguous for p in parts)
+    assert np.array_equal(np.concatenate(parts, axis=1), y)
+
+
+@pytest.mark.parametrize("y, sizes, message", [
+    (np.zeros((2, 8), np.float32), [8], "y: expected a bfloat16 \\[rows, cols\\] array"),
+    (np.zeros((2, 2, 8), BF16), [8], "y: expected a bfloat16 \\[rows, cols\\] array"),
+    (np.zeros((2, 8), BF16), [4, 5], "sizes: expected 1 to 16 positive widths adding up to y's 8 columns"),
+    (np.zeros((2, 8), BF16), [8, 0], "sizes: expected 1 to 16 positive widths"),
+    (np.zeros((2, 17), BF16), [1] * 17, "sizes: expected 1 to 16 positive widths"),
+])
+def test_split_columns_bad_inputs(y, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        ew.split_columns(y, sizes)

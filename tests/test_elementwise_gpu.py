@@ -75,3 +75,18 @@ def test_all_entries_prompt_tokens_and_log(rng):
         ew.log_tokens(tok, hhist, hstep)
     np.testing.assert_array_equal(cp.asnumpy(hist), hhist)
     assert int(step[0]) == 6
+
+
+@pytest.mark.parametrize("rows, sizes", [(1, [64, 128]), (8, [1024, 512, 1024, 1024, 128, 128, 64]), (5, [3, 8, 5]),
+                                         (32, [4096])])
+def test_split_columns_in_one_launch_equals_slices(rng, rows, sizes):
+    """Every part equals its column block of y, bit for bit, C-contiguous: one row as views, more
+    rows through the one-launch split (16-byte moves when the widths allow, else element by element)."""
+    y = cp.asarray(rng.standard_normal((rows, sum(sizes))).astype(BF16))
+    out = cp.full(y.size, np.nan, BF16) if rows > 1 and len(sizes) > 1 else None
+    parts = ew.split_columns(y, sizes, out=out)
+    at = 0
+    for p, s in zip(parts, sizes):
+        assert p.shape == (rows, s) and p.flags.c_contiguous
+        assert cp.array_equal(p.view(cp.uint16), y[:, at:at + s].view(cp.uint16))
+        at += s

@@ -42,7 +42,7 @@ from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
-from fp4kit.runtime import arrays
+from fp4kit.runtime import arrays, workspace
 from fp4kit.runtime.arrays import BF16
 
 from .config import ModelConfig
@@ -62,11 +62,18 @@ class Projections:
         self.names, self.sizes = names, [p.out_features for p in parts]
         self.fused = Linear.concatenate(parts) if fuse and len(parts) > 1 else None
         self.parts = None if self.fused is not None else parts
+        self._split = workspace.BufferCache()  # the parts of a multi-row output, by shape
 
     def __call__(self, x) -> list:
         if self.fused is None:
             return [p(x) for p in self.parts]
-        return split_columns(self.fused(x), self.sizes)
+        y = self.fused(x)  # a Linear, or its tensor-parallel form
+        out = None
+        if arrays.is_device_array(y) and y.size > y.shape[-1]:  # more than one row: one launch splits
+            import cupy
+
+            out = self._split.get(tuple(y.shape), lambda: cupy.empty(y.size, BF16))
+        return split_columns(y, self.sizes, out=out)
 
     def linears(self) -> list:
         """The layers holding the weights (one when fused)."""

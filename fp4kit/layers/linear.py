@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import Nvfp4Tensor, fuse_rows, to_linear, to_tiled
+from ..ops import elementwise as ew_ops
 from ..ops import gemm as gemm_ops
 from ..ops import quant as quant_ops
 from ..runtime import arrays, workspace
@@ -125,8 +126,15 @@ class Linear:
         return fused
 
     def split(self, y) -> list:
-        """The outputs of the concatenated parts (`concatenate`) in ``y [..., N]`` (`split_columns`)."""
-        return split_columns(y, self.split_sizes)
+        """The outputs of the concatenated parts (`concatenate`) in ``y [..., N]`` (`split_columns`),
+        on the device into this layer's buffer for the shape (one launch; overwritten by the next
+        call with that shape)."""
+        out = None
+        if arrays.is_device_array(y) and len(self.split_sizes) > 1 and y.size > y.shape[-1]:
+            import cupy
+
+            out = self._buffers.get(("split", tuple(y.shape)), lambda: cupy.empty(y.size, arrays.BF16))
+        return split_columns(y, self.split_sizes, out=out)
 
     def _output_buffer(self, lead: tuple):
         import cupy
@@ -164,11 +172,12 @@ class Linear:
         return self.gemm(quant_ops.quantize(x, global_scale=self.input_scale, out=act), out=out)
 
 
-def split_columns(y, sizes) -> list:
-    """``y [..., sum(sizes)]`` as consecutive column blocks of these widths, each C-contiguous: a
-    view where it already is (one row), else a copy."""
+def split_columns(y, sizes, *, out=None) -> list:
+    """``y [..., sum(sizes)]`` (bf16) as consecutive column blocks of these widths, each
+    C-contiguous: views where they already are (one row), else filled by one launch into ``out``
+    (`fp4kit.ops.elementwise.split_columns`; numpy: copies)."""
     if sum(sizes) != y.shape[-1]:
         raise ValueError(f"sizes: expected widths adding up to y's last dimension {y.shape[-1]}, got {list(sizes)}")
-    xp = arrays.array_module(y)
-    bounds = np.cumsum([0, *sizes])
-    return [xp.ascontiguousarray(y[..., a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    lead = tuple(y.shape[:-1])
+    parts = ew_ops.split_columns(y.reshape(-1, y.shape[-1]), sizes, out=out)
+    return [p.reshape(*lead, p.shape[-1]) for p in parts]

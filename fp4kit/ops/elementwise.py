@@ -133,6 +133,51 @@ def all_entries(comp_len, n: int, *, out=None):
     return out
 
 
+MAX_SPLIT_PARTS = 16
+_bounds: dict = {}  # (device, bounds) -> the bounds on the device, made once (a graph keeps pointing at them)
+
+
+def _device_bounds(bounds):
+    import cupy
+
+    key = (cupy.cuda.Device().id, tuple(int(b) for b in bounds))
+    if key not in _bounds:
+        _bounds[key] = cupy.asarray(np.asarray(bounds, np.uint32))
+    return _bounds[key]
+
+
+def split_columns(y, sizes, *, out=None) -> list:
+    """The consecutive column blocks of ``y [rows, sum(sizes)]`` (bf16, C-contiguous) as
+    C-contiguous ``[rows, sizes[p]]`` arrays: views of ``y`` for one row, else views of one buffer
+    (``out``, bf16 of ``y.size`` elements, or allocated) that a single launch fills, part after part.
+    numpy returns copies."""
+    y = arrays.as_array(y, "y")
+    if y.dtype != arrays.BF16 or y.ndim != 2:
+        raise ValueError(f"y: expected a bfloat16 [rows, cols] array, got {arrays.describe(y)}")
+    arrays.check_contiguous("y", y)
+    sizes = [int(s) for s in sizes]
+    if not sizes or min(sizes) < 1 or sum(sizes) != y.shape[1] or len(sizes) > MAX_SPLIT_PARTS:
+        raise ValueError(f"sizes: expected 1 to {MAX_SPLIT_PARTS} positive widths adding up to y's {y.shape[1]} "
+                         f"columns, got {sizes}")
+    rows, bounds = y.shape[0], np.cumsum([0, *sizes])
+    if rows <= 1 or len(sizes) == 1 or not arrays.is_device_array(y):
+        xp = arrays.array_module(y)
+        return [xp.ascontiguousarray(y[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    if out is None:
+        import cupy
+
+        out = cupy.empty(y.size, arrays.BF16)
+    elif out.dtype != arrays.BF16 or out.ndim != 1 or out.size != y.size:
+        raise ValueError(f"out: expected a 1-D bfloat16 array of {y.size} elements, got {arrays.describe(out)}")
+    arrays.check_same_device(y=y, out=out)
+    vec8 = all(int(b) % 8 == 0 for b in bounds) and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
+    items = rows * y.shape[1] // (8 if vec8 else 1)
+    loader.get_kernel(_MODULE, "split_columns_bf16")(
+        (items + _THREADS - 1) // _THREADS, _THREADS,
+        (y, out, _U32(rows), _U32(y.shape[1]), _U32(len(sizes)), _device_bounds(bounds), np.int32(vec8)))
+    return [out[rows * a: rows * b].reshape(rows, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def log_tokens(tokens, history, step) -> None:
     """``history[step % rows] = tokens``, then ``step += 1``: int32 ``tokens [B]``,
     ``history [rows, B]``, ``step [1]`` (all read and written on the device, or in numpy)."""

@@ -1,6 +1,6 @@
 // The small row-wise kernels between the GEMMs of a decode step: RMSNorm (+ RoPE), the residual
 // add fused with the next RMSNorm, the token-embedding gather, the "every compressed entry"
-// selection of ratio-128 layers and the token log. fp4kit/reference/elementwise.py is the
+// selection of ratio-128 layers, the token log and the split of a concatenated GEMM's output. fp4kit/reference/elementwise.py is the
 // specification. Every kernel reads positions, lengths and tokens on the device, so a decode step
 // that uses them can be captured in a CUDA graph.
 //
@@ -139,6 +139,27 @@ extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
     }
     const __nv_bfloat16* src = table + (size_t)t * H;
     for (unsigned j = threadIdx.x; j < H; j += kThreads) resid[b * H + j] = __bfloat162float(src[j]);
+}
+
+// The column blocks [bounds[p], bounds[p + 1]) of y [rows, cols] (bf16), each made a contiguous
+// [rows, width_p] block of out, one after another (part p at out + bounds[p] * rows): the parts of
+// a concatenated projection in one launch instead of one copy each (bounds: parts + 1 ascending
+// column indices, in device memory). With every bound a multiple of 8 and 16-byte aligned rows, one
+// thread moves 8 values (16 bytes).
+extern "C" __global__ void __launch_bounds__(kThreads) split_columns_bf16(
+        const __nv_bfloat16* __restrict__ y, __nv_bfloat16* __restrict__ out, unsigned rows, unsigned cols,
+        unsigned parts, const unsigned* __restrict__ bounds, int vec8) {
+    const unsigned per = vec8 ? 8u : 1u, per_row = cols / per;
+    const size_t i = (size_t)blockIdx.x * kThreads + threadIdx.x;
+    if (i >= (size_t)rows * per_row) return;
+    const unsigned r = (unsigned)(i / per_row), c = (unsigned)(i % per_row) * per;
+    unsigned p = 0;
+    while (p + 1 < parts && c >= bounds[p + 1]) ++p;
+    const unsigned lo = bounds[p], width = bounds[p + 1] - lo;
+    __nv_bfloat16* dst = out + (size_t)lo * rows + (size_t)r * width + (c - lo);
+    const __nv_bfloat16* src = y + (size_t)r * cols + c;
+    if (vec8) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    else *dst = *src;
 }
 
 // indices[b, i] = i < comp_len[b] ? i : -1 for i < n: every live compressed entry, -1 padded.
