@@ -8,7 +8,9 @@ shared-expert weights, the routers, the distinct routed experts the step touched
 the KV entries it attends to or scores), the bandwidth achieved over them and the kernels of the
 captured step (counted, and listed by name for batch 1). Targets: batch 1 >= 60 % of the measured
 copy bandwidth, batch 8 >= 45 %, batch 32 >= 40 %; <= 15 kernels per layer. Then the rate of a
-4096-token batched prefill and the step's parts captured alone.
+4096-token batched prefill, the step's parts captured alone, and the device memory beyond the
+weights and the KV caches that the decode steps of each batch and the prefill add (each in a fresh
+process, through cudaMemGetInfo).
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart]
 
@@ -78,6 +80,37 @@ def prefill_rate(model, tokens: int) -> dict:
     return {"tokens": tokens, "ms": ms, "tokens/s": tokens / ms * 1e3}
 
 
+def memory_probe(mode: str, batch: int, prefill_tokens: int) -> None:
+    """In a fresh process: device memory (`cudaMemGetInfo`) the first decode steps at ``batch`` (eager,
+    then captured and replayed) or a batched prefill of ``prefill_tokens`` add beyond the weights and
+    the KV caches; CuPy's pool keeps the blocks a step freed, so the growth is its peak. Prints
+    ``peak_mb=...``."""
+    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
+    model, ckpt = runner.build(cfg, device=True, seed=0)
+    del ckpt
+    state = model.new_state(batch, history_rows=64)
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()  # the build's temporaries
+    free, total = cp.cuda.runtime.memGetInfo()
+    if prefill_tokens:
+        model.prefill(state, cp.zeros((batch, prefill_tokens), np.int32))
+    else:
+        dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
+        for _ in range(3):
+            dec.decode_step()
+    cp.cuda.Device().synchronize()
+    print(f"peak_mb={(free - cp.cuda.runtime.memGetInfo()[0]) / 1e6:.1f}")
+
+
+def peak_memory_mb(mode: str, batch: int, prefill_tokens: int = 0) -> float:
+    """`memory_probe` in a subprocess (no buffers left by earlier shapes), its ``peak_mb``."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, __file__, f"--mode={mode}", f"--memory-probe={batch},{prefill_tokens}"],
+                         capture_output=True, text=True, check=True)
+    return float(next(line for line in run.stdout.splitlines() if line.startswith("peak_mb="))[len("peak_mb="):])
+
+
 def breakdown(model, state) -> Table:
     """Where a batch's step goes: each part captured and replayed on its own."""
     cfg = model.cfg
@@ -101,6 +134,11 @@ def main() -> None:
     if mode not in ("w4a4", "w4a16"):
         raise SystemExit(f"--mode: expected w4a4 or w4a16, got {mode!r}")
     model_module.FUSE_PROJECTIONS = "--projections-apart" not in sys.argv
+    probe = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--memory-probe=")), None)
+    if probe is not None:
+        batch, tokens = (int(v) for v in probe.split(","))
+        memory_probe(mode, batch, tokens)
+        return
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
     del ckpt
@@ -149,6 +187,17 @@ def main() -> None:
             "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
+    del model, parts
+    cp.get_default_memory_pool().free_all_blocks()  # room for the probes' models
+    memory = Table(f"Device memory beyond the weights and the KV caches, v4-flash-slice {LAYERS} layers, "
+                   f"{mode.upper()} ({device_name()}; each run in a fresh process)", ["run", "peak MB"])
+    for batch in BATCHES:
+        memory.add(run=f"decode steps, batch {batch}", **{"peak MB": peak_memory_mb(mode, batch)})
+    memory.add(run=f"batched prefill, {PREFILL_TOKENS} tokens, batch 1",
+               **{"peak MB": peak_memory_mb(mode, 1, PREFILL_TOKENS)})
+    print()
+    print(memory.markdown())
+    memory.save("decode_memory", meta)
 
 
 if __name__ == "__main__":
