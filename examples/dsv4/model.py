@@ -227,30 +227,38 @@ class Attention:
             state["comp_len"] = xp.zeros(batch, np.int32)
         return state
 
-    def __call__(self, h, st: dict):
-        cfg, xp, cache = self.cfg, self.xp, st["kv"]
-        b = h.shape[0]
-        pos = cache.pos  # this token's position (read on the device before the append below)
+    def _project_in(self, h, st: dict, positions, b: int, t: int):
+        """The queries and latents of the ``b * t`` tokens of ``h`` (sequence-major, ``positions``
+        int32 per token, read on the device): returns ``q [b * t, heads, D]``, ``kv [b, t, D]``, and
+        on ratio-4 layers the indexer's query and head weights (else None, None), after appending the latents and the
+        compressors' inputs to the caches (``t`` tokens per sequence). Every RoPE is launched before
+        the appends, which move the positions on."""
+        cfg, cache = self.cfg, st["kv"]
+        rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         of_h = dict(zip(self.of_h.names, self.of_h(h)))
         qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
-        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b, cfg.heads, cfg.head_dim), None, pos, eps=cfg.eps,
-                            rope_dim=cfg.rope_dim, theta=self.theta)
-        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, pos, eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
-        if self.ratio == 4:  # the indexer's query, rotated at the same position
-            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b, cfg.index_heads, cfg.index_head_dim), None, pos,
-                                 normalize=False, rope_dim=cfg.rope_dim, theta=self.theta)
-        if self.ratio:
-            cache.append(kv.reshape(b, 1, -1), of_h["compressor.wkv"].reshape(b, 1, -1),
-                         of_h["compressor.wgate"].reshape(b, 1, -1))
-        else:
-            cache.append(kv.reshape(b, 1, -1))
+        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim), None, positions, **rope)
+        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, positions, **rope).reshape(b, t, cfg.head_dim)
+        iq = w = None
+        if self.ratio == 4:  # the indexer's query, rotated at the same positions
+            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim), None,
+                                 positions, normalize=False, **rope)
+        compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
+        cache.append(kv, *compressor)
+        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window rows are never read)
+            window = st["index_kv"] if t == 1 else self.xp.zeros((b, t, cfg.index_head_dim), BF16)
+            st["index"].append(window, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
+            w = of_h["indexer.weights_proj"]
+        return q, kv, iq, w
+
+    def __call__(self, h, st: dict):
+        cfg, cache = self.cfg, st["kv"]
+        b = h.shape[0]
+        q, _, iq, w = self._project_in(h, st, cache.pos, b, 1)  # cache.pos: this token's position, before the append
         if self.ratio == 4:
             keys = st["index"]
-            keys.append(st["index_kv"], of_h["indexer.compressor.wkv"].reshape(b, 1, -1),
-                        of_h["indexer.compressor.wgate"].reshape(b, 1, -1))
-            indices = self.indexer.score_topk(iq, of_h["indexer.weights_proj"], keys.comp, keys.comp_len,
-                                              w_scale=self.index_w_scale)
+            indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)
             comp, comp_len = cache.comp, cache.comp_len
         elif self.ratio == 128:
             indices = ew.all_entries(cache.comp_len, st["indices"].shape[1], out=st["indices"])
@@ -270,37 +278,22 @@ class Attention:
         all of them to the caches, as ``t`` decode steps would, and returns the attention output
         ``[b * t, hidden]``: each token over its causal window and the entries complete at it."""
         cfg, xp, cache = self.cfg, self.xp, st["kv"]
-        rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
-        of_h = dict(zip(self.of_h.names, self.of_h(h)))
-        qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
-        of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
-        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim), None, positions, **rope)
-        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, positions, **rope).reshape(b, t, cfg.head_dim)
-        if self.ratio:
-            cache.append(kv, of_h["compressor.wkv"].reshape(b, t, -1), of_h["compressor.wgate"].reshape(b, t, -1))
-        else:
-            cache.append(kv)
+        q, kv, iq, w = self._project_in(h, st, positions, b, t)
         # entries complete at each position (the compressor emits one every `ratio` tokens)
         capacity = cache.comp.shape[1] if self.ratio else 1
         visible = np.minimum((np.arange(t) + 1) // self.ratio, capacity) if self.ratio else np.zeros(t)
         comp_len = xp.asarray(visible.astype(np.int32))
         start = xp.zeros(1, np.int32)
-        if self.ratio == 4:
-            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim), None, positions,
-                                 normalize=False, **rope)
-            keys = st["index"]
-            keys.append(xp.zeros((b, t, cfg.index_head_dim), BF16), of_h["indexer.compressor.wkv"].reshape(b, t, -1),
-                        of_h["indexer.compressor.wgate"].reshape(b, t, -1))
-            w = of_h["indexer.weights_proj"]
-        elif self.ratio == 128:
+        if self.ratio == 128:
             every = ew.all_entries(comp_len, capacity)
-        else:
+        elif not self.ratio:
             none, no_entries = xp.full((t, 1), -1, np.int32), xp.zeros((1, cfg.head_dim), BF16)
         o = xp.empty((b * t, cfg.heads, cfg.head_dim), BF16)
         for s in range(b):
             rows = slice(s * t, (s + 1) * t)
             if self.ratio == 4:
-                indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys.comp[s:s + 1], lengths=comp_len,
+                keys = st["index"].comp[s:s + 1]
+                indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys, lengths=comp_len,
                                                   w_scale=self.index_w_scale)
                 comp = cache.comp[s]
             elif self.ratio == 128:

@@ -49,10 +49,12 @@ def check_k(k) -> int:
     return int(k)
 
 
-def _intake(x, name: str, dtype, ndim: int):
+def _intake(x, name: str, dtypes, ndim: int):
+    """``x`` as an array of one of ``dtypes`` (a dtype or a tuple of them) and ``ndim`` dimensions."""
     x = arrays.as_array(x, name)
-    if x.dtype != np.dtype(dtype):
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype}")
+    allowed = [np.dtype(d) for d in (dtypes if isinstance(dtypes, tuple) else (dtypes,))]
+    if x.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(d.name for d in allowed)}, got {x.dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got {arrays.describe(x)}")
     arrays.check_contiguous(name, x)
@@ -71,10 +73,7 @@ def check_inputs(q, w, keys, lengths, k):
     All C-contiguous, in one memory (host or one device), device arrays 16-byte aligned.
     """
     q = _intake(q, "q", arrays.BF16, 3)
-    w = arrays.as_array(w, "w")
-    if w.dtype not in (np.dtype(np.float32), np.dtype(arrays.BF16)):
-        raise TypeError(f"w: expected dtype float32 or bfloat16, got {w.dtype}")
-    w = _intake(w, "w", w.dtype, 2)
+    w = _intake(w, "w", (np.float32, arrays.BF16), 2)
     keys = _intake(keys, "keys", arrays.BF16, 3)
     lengths = _intake(lengths, "lengths", np.int32, 1)
     k = check_k(k)
@@ -158,8 +157,10 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     call compiles the kernels).
     """
     q, w, keys, lengths, k = check_inputs(q, w, keys, lengths, k)
-    if isinstance(w_scale, (bool, np.bool_)) or not isinstance(w_scale, numbers.Real) or not np.isfinite(w_scale):
-        raise ValueError(f"w_scale: expected a finite real number, got {w_scale!r}")
+    if isinstance(w_scale, (bool, np.bool_)) or not isinstance(w_scale, numbers.Real):
+        raise TypeError(f"w_scale: expected a real number, got {type(w_scale).__name__}")
+    if not np.isfinite(w_scale):
+        raise ValueError(f"w_scale: expected a finite number, got {w_scale!r}")
     bsz, capacity = q.shape[0], keys.shape[1]
     shared = keys.shape[0] == 1  # one cache for every row (the same offsets when B = 1)
     out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
