@@ -206,6 +206,18 @@ def run_indexer(be: Backend, rng) -> None:
     # near-ties may order differently in fp32: compare the selected sets of the full row
     if len(set(got[1]) ^ set(want[1])) > 2:
         raise AssertionError("Indexer: device and numpy selections differ beyond a near-tie")
+    # a capacity that selects in a thread-block cluster (distributed shared memory, cluster barriers)
+    from fp4kit.ops import indexer as indexer_ops
+
+    capacity = indexer_ops.CLUSTER_MIN_CAPACITY
+    idx = Indexer(64, capacity=capacity, heads=8, head_dim=32)
+    keys = rng.standard_normal((2, capacity, 32)).astype(BF16)
+    lengths = np.array([capacity - 3, 4097], np.int32)
+    got = be.host(idx.score_topk(be.to(q), be.to(w), be.to(keys), be.to(lengths)))
+    want = idx.score_topk(q, w, keys, lengths)
+    for b in range(2):
+        if len(set(got[b]) ^ set(want[b])) > 2:
+            raise AssertionError("Indexer (cluster select): device and numpy selections differ beyond a near-tie")
 
 
 def run_attention(be: Backend, rng) -> None:

@@ -3,6 +3,8 @@ below, at and above k, -1 padding, NaN, infinities and signed zeros), the op and
 against it, the status word, and every bad input getting a clear error before anything runs.
 (The kernels compile for sm_90a and sm_100a in tests/test_compile.py.)"""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from fp4kit.layers.indexer import Indexer
 from fp4kit.ops import indexer as ops
 from fp4kit.reference import indexer as ref
-from fp4kit.runtime import status
+from fp4kit.runtime import loader, status
 
 BF16 = ml_dtypes.bfloat16
 INF = np.float32(np.inf)
@@ -199,6 +201,33 @@ def test_status_word_records_nan_scores_and_bad_lengths(rng):
 
 
 # ---- the layer
+
+
+def test_the_top_k_kernel_rule(monkeypatch):
+    """The cluster select for long caches while the clusters fit in one wave (sm_90+), one block
+    per row otherwise; the knob forces a path, and refuses the cluster where it cannot run."""
+    pick = ops.select_kernel
+    assert pick(1, 32768, 132) == pick(16, ops.CLUSTER_MIN_CAPACITY, 132) == "indexer_topk_cluster"
+    assert pick(1, 131072, 132) == "indexer_topk_cluster"
+    assert pick(1, ops.CLUSTER_MIN_CAPACITY - 1, 132) == "indexer_topk_registers"
+    assert pick(17, 32768, 132) == "indexer_topk_registers"  # 136 blocks: more than one wave
+    assert pick(17, 65536, 132) == "indexer_topk_global"
+    assert pick(1, 131073, 132) == "indexer_topk_global"  # beyond the cluster's registers
+    assert pick(1, 32768, 132, compute_capability=80) == "indexer_topk_registers"
+    monkeypatch.setattr(ops, "TOPK_SELECT", "block")
+    assert pick(1, 32768, 132) == "indexer_topk_registers" and pick(1, 40000, 132) == "indexer_topk_global"
+    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster")
+    assert pick(64, 100, 132) == "indexer_topk_cluster"
+    with pytest.raises(ValueError, match="capacity up to 131072"):
+        pick(1, 131073, 132)
+    with pytest.raises(ValueError, match="compute capability 80"):
+        pick(1, 4096, 132, compute_capability=80)
+    monkeypatch.setattr(ops, "TOPK_SELECT", "fast")
+    with pytest.raises(ValueError, match="TOPK_SELECT"):
+        pick(1, 4096, 132)
+    source = loader.kernel_source("indexer")
+    for name in ("indexer_topk_cluster", "indexer_topk_registers", "indexer_topk_global"):
+        assert re.search(rf'extern "C" __global__ void [^;{{]*\b{name}\(', source), name
 
 
 def test_layer_matches_reference(rng):

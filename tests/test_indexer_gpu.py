@@ -10,7 +10,9 @@ Two kinds of data:
   may differ from the reference's only by entries within that bound of the boundary.
 
 Outputs are poisoned before every launch; lengths stay on the device (a graph replay after
-changing them on the device gives the new result).
+changing them on the device gives the new result). The top-k has two paths, one block per row and
+a cluster of 8 blocks per row (`ops.TOPK_SELECT` forces either): the `select_path` tests run both at
+the same shapes, each against the reference.
 """
 
 import ml_dtypes
@@ -31,6 +33,14 @@ C = 32768
 H, D = 64, 128
 POISON_INDEX = -7
 FLAG = status.INDEXER_INPUT
+
+
+@pytest.fixture(params=["block", "cluster"])
+def select_path(request, monkeypatch):
+    """Runs the test with the top-k forced onto one path (the rule in `ops.select_kernel` picks the
+    cluster for the long caches of most tests here, one block for short ones)."""
+    monkeypatch.setattr(ops, "TOPK_SELECT", request.param)
+    return request.param
 
 
 def exact_inputs(rng, bsz, capacity, heads=H, dim=D):
@@ -91,7 +101,7 @@ def mixed_lengths(rng, k, capacity, bsz=8):
 
 
 @pytest.mark.parametrize("k", [512, 2048])
-def test_exact_batch1_lengths_below_at_above_k(rng, k):
+def test_exact_batch1_lengths_below_at_above_k(select_path, rng, k):
     fp4kit.clear_status()
     q, w, keys = exact_inputs(rng, 1, C)
     for n in [0, 1, k - 1, k, k + 1, int(rng.integers(k + 2, C)), C - 1, C]:
@@ -101,7 +111,7 @@ def test_exact_batch1_lengths_below_at_above_k(rng, k):
 
 
 @pytest.mark.parametrize("k", [512, 2048])
-def test_exact_batch8_mixed_lengths(rng, k):
+def test_exact_batch8_mixed_lengths(select_path, rng, k):
     fp4kit.clear_status()
     q, w, keys = exact_inputs(rng, 8, C)
     lengths = mixed_lengths(rng, k, C)
@@ -147,7 +157,7 @@ def rounding_bound(q, w, keys, lengths):
 
 
 @pytest.mark.parametrize("k", [512, 2048])
-def test_random_data_scores_and_top_k_sets(rng, k):
+def test_random_data_scores_and_top_k_sets(select_path, rng, k):
     fp4kit.clear_status()
     q, w, keys = float_inputs(rng, 8, C)
     lengths = mixed_lengths(rng, k, C)
@@ -188,7 +198,7 @@ def _pool_rows_by_score(rng, q, w, count=4):
 
 
 @pytest.mark.parametrize("k", [512, 2048])
-def test_ties_at_the_boundary_take_the_lowest_indices(rng, k):
+def test_ties_at_the_boundary_take_the_lowest_indices(select_path, rng, k):
     q, w, _ = exact_inputs(rng, 2, 1)
     keys = np.empty((2, C, D), BF16)
     lengths = np.array([C, 20000], np.int32)
@@ -215,7 +225,7 @@ def test_ties_at_the_boundary_take_the_lowest_indices(rng, k):
     assert_exact(q, w, keys, lengths, k, got)
 
 
-def test_nan_scores_and_bad_lengths_set_the_status_word(rng):
+def test_nan_scores_and_bad_lengths_set_the_status_word(select_path, rng):
     k, capacity = 512, 4096
     q, w, keys = exact_inputs(rng, 3, capacity)
     keys[0, 7, 3] = np.nan  # row 0: length 300 < k, the NaN entry is selected with score -inf
@@ -251,7 +261,8 @@ def test_deterministic_across_runs(rng):
         assert x.tobytes() == y.tobytes()
 
 
-def test_capacity_above_the_register_path(rng):
+def test_capacity_above_the_register_path(rng, monkeypatch):
+    monkeypatch.setattr(ops, "TOPK_SELECT", "block")
     capacity, k = 40000, 2048  # indexer_topk_global
     q, w, keys = exact_inputs(rng, 2, capacity)
     for lengths in ([capacity, 33001], [1500, capacity - 1], [k, k + 1]):
@@ -261,7 +272,7 @@ def test_capacity_above_the_register_path(rng):
 
 @pytest.mark.parametrize("heads, dim, capacity, k", [(8, 32, 1001, 100), (16, 64, 1003, 512), (24, 96, 130, 1),
                                                      (64, 128, 129, 4096), (56, 128, 4099, 2048)])
-def test_odd_shapes(rng, heads, dim, capacity, k):
+def test_odd_shapes(select_path, rng, heads, dim, capacity, k):
     q, w, keys = exact_inputs(rng, 3, capacity, heads, dim)
     lengths = np.array([capacity, capacity // 2, 7], np.int32)
     assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
@@ -271,7 +282,7 @@ def test_odd_shapes(rng, heads, dim, capacity, k):
     assert np.array_equal(idx, own_i) and val.tobytes() == own_v.tobytes()
 
 
-def test_graph_replay_follows_lengths_and_keys_on_the_device(rng, capture_stream):
+def test_graph_replay_follows_lengths_and_keys_on_the_device(select_path, rng, capture_stream):
     bsz, k = 4, 2048
     layer = Indexer(k, capacity=C, heads=H, head_dim=D)
     q, w, keys = exact_inputs(rng, bsz, C)
@@ -302,6 +313,140 @@ def test_graph_replay_follows_lengths_and_keys_on_the_device(rng, capture_stream
         want_i, want_v = ref.score_topk(q, w, keys, lengths + step, k)
         assert np.array_equal(out.get(), want_i), f"step {step}"
         assert layer.buffers(bsz).scores.get().tobytes() == want_v.tobytes()
+
+
+# ---- the cluster select (indexer_topk_cluster) on long rows, against the one-block kernels and the reference
+
+
+def test_the_rule_picks_the_cluster_for_long_rows_at_small_batch():
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert ops.select_kernel(1, C, sms) == "indexer_topk_cluster"
+    assert ops.select_kernel(8, C, sms) == "indexer_topk_cluster"
+    assert ops.select_kernel(1, 1024, sms) == "indexer_topk_registers"
+
+
+LONG = 65536  # above the one-block register kernel: its global-memory twin runs on the block path
+
+
+@pytest.mark.parametrize("capacity", [C, LONG])
+@pytest.mark.parametrize("k", [1, 512, 2048])
+def test_long_rows_exact_batch1(select_path, rng, capacity, k):
+    """Lengths across the cluster's block boundaries (4096 entries per block at 32768): just past
+    one block's share, whole, odd and full rows."""
+    fp4kit.clear_status()
+    q, w, keys = exact_inputs(rng, 1, capacity)
+    for n in [0, 1, k - 1, k, k + 1, 4095, 4097, 8193, 32767, 32768, 40001, capacity - 1, capacity]:
+        if not 0 <= n <= capacity:
+            continue
+        lengths = np.array([n], np.int32)
+        assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+
+
+@pytest.mark.parametrize("capacity", [C, LONG])
+@pytest.mark.parametrize("k", [1, 512, 2048])
+def test_long_rows_exact_batch8(select_path, rng, capacity, k):
+    fp4kit.clear_status()
+    q, w, keys = exact_inputs(rng, 8, capacity)
+    lengths = np.array([capacity, 4097, 32768, 0, k, k + 1, int(rng.integers(k + 2, capacity)), capacity - 3],
+                       np.int32)
+    rng.shuffle(lengths)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+
+
+def test_k_equal_to_the_live_length(select_path, rng):
+    """k = n (everything taken, no radix pass) and k = n - 1 (one entry dropped) at the largest k."""
+    k = ops.MAX_K
+    q, w, keys = exact_inputs(rng, 4, C)
+    lengths = np.array([k, k - 1, k + 1, C], np.int32)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+
+
+def test_the_two_paths_agree_bit_for_bit_on_random_data(rng, monkeypatch):
+    """Random normal data (the realistic case, few ties): the cluster and the one-block kernel
+    select from the same scores, so indices and values are identical, and equal to the reference
+    top-k of those scores."""
+    q, w, keys = float_inputs(rng, 8, LONG)
+    lengths = np.array([LONG, 32768, 4097, 2049, 2048, 60001, 1, 0], np.int32)
+    got = {}
+    for path in ("block", "cluster"):
+        monkeypatch.setattr(ops, "TOPK_SELECT", path)
+        got[path] = run(q, w, keys, lengths, 2048)
+    for x, y in zip(got["block"], got["cluster"]):
+        assert x.tobytes() == y.tobytes()
+    own_i, own_v = ref.topk(got["cluster"][2], lengths, 2048)
+    assert np.array_equal(got["cluster"][0], own_i) and got["cluster"][1].tobytes() == own_v.tobytes()
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_long_rows_ties_straddle_the_blocks(select_path, rng, k):
+    """Two best scores spread over the whole row: the boundary's ties lie in every block of the
+    cluster, and the lowest indices must win across block boundaries."""
+    q, w, _ = exact_inputs(rng, 2, 1)
+    keys = np.empty((2, LONG, D), BF16)
+    lengths = np.array([LONG, 50001], np.int32)
+    expected = []
+    for b in range(2):
+        pool = _pool_rows_by_score(rng, q[b], w[b])
+        choice = rng.integers(2, 4, LONG)
+        pos = rng.permutation(lengths[b])  # among the live entries
+        choice[pos[: k // 2 + 11]] = 0
+        choice[pos[k // 2 + 11: k // 2 + 20011]] = 1
+        keys[b] = pool[choice]
+        live = choice[: lengths[b]]
+        top, second = np.nonzero(live == 0)[0], np.nonzero(live == 1)[0]
+        assert top.size < k < top.size + second.size
+        expected.append(np.sort(np.concatenate([top, second[: k - top.size]])))
+    got = run(q, w, keys, lengths, k)
+    for b in range(2):
+        assert np.array_equal(got[0][b], expected[b])
+    assert_exact(q, w, keys, lengths, k, got)
+    keys[:] = keys[:, :1]  # every score equal: the first k indices
+    got = run(q, w, keys, lengths, k)
+    assert np.array_equal(got[0], np.broadcast_to(np.arange(k, dtype=np.int32), (2, k)))
+    assert_exact(q, w, keys, lengths, k, got)
+
+
+def test_long_rows_nan_scores_rank_last_and_set_the_status_word(select_path, rng):
+    """NaN scores are -inf: in a row where they must fill the selection they are taken in index
+    order across the blocks; elsewhere they are never taken; both record the status bit."""
+    k = 2048
+    q, w, keys = exact_inputs(rng, 3, C)
+    nan_rows = rng.permutation(4097)[:3000]
+    keys[0, nan_rows] = np.nan  # 1097 finite entries, then the first 951 NaN ones (as -inf)
+    keys[1, [5, 4100, 20000, 32767]] = np.nan  # one NaN in several blocks' shares, never selected
+    lengths = np.array([4097, C, 9000], np.int32)
+    fp4kit.clear_status()
+    got = run(q, w, keys, lengths, k)
+    assert fp4kit.read_status() & FLAG
+    assert_exact(q, w, keys, lengths, k, got)
+    taken_nan = np.isin(got[0][0], nan_rows)
+    assert taken_nan.sum() == k - (4097 - 3000) and np.isneginf(got[1][0][taken_nan]).all()
+    assert not np.isin(got[0][1], [5, 4100, 20000, 32767]).any()
+    fp4kit.clear_status()  # NaN keys past the live length are never read
+    lengths = np.array([0, 5, 9000], np.int32)
+    assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+    assert fp4kit.read_status() & FLAG == 0
+    for bad in ([-5, 10, 10], [10, C + 100, 10]):  # clamped and recorded
+        fp4kit.clear_status()
+        lengths = np.array(bad, np.int32)
+        q2, w2, keys2 = exact_inputs(rng, 3, C)
+        got = run(q2, w2, keys2, lengths, k)
+        assert fp4kit.read_status() & FLAG
+        assert_exact(q2, w2, keys2, lengths, k, got)
+    fp4kit.clear_status()
+
+
+def test_cluster_deterministic_across_runs(rng, monkeypatch):
+    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster")
+    for bsz in (1, 8):
+        q, w, keys = float_inputs(rng, bsz, C)
+        lengths = np.full(bsz, C, np.int32)
+        lengths[::2] = rng.integers(2049, C, lengths[::2].size)
+        a, b = run(q, w, keys, lengths, 2048), run(q, w, keys, lengths, 2048)
+        for x, y in zip(a, b):
+            assert x.tobytes() == y.tobytes()
 
 
 def test_layer_reuses_its_buffers(rng):

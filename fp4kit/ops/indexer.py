@@ -7,7 +7,9 @@
 
 numpy inputs run the reference; CuPy (or CUDA DLPack) inputs run two kernels on CuPy's current
 stream: the tensor-core scoring kernel (grid sized for the capacity, blocks past the live length
-exit at once) and the radix-select top-k (one block per sequence). ``lengths`` stays on the device
+exit at once) and the radix-select top-k: one block per sequence for short caches or large batches,
+a thread-block cluster of 8 blocks per sequence for long caches (`select_kernel`, `TOPK_SELECT`;
+both give the same result bit for bit). ``lengths`` stays on the device
 and is never read by the host, so the call can be captured in a CUDA graph and replayed while the
 lengths grow; with ``out_indices``, ``out_scores`` and ``workspace`` given nothing is allocated.
 
@@ -30,6 +32,23 @@ _SCORE_THREADS = 128
 _KEYS_PER_BLOCK = 128
 _TOPK_THREADS = 1024
 _REGISTER_CAPACITY = 32 * _TOPK_THREADS  # indexer_topk_registers holds up to 32 scores per thread
+_CLUSTER_BLOCKS = 8  # indexer_topk_cluster: blocks per sequence (one thread-block cluster)
+_CLUSTER_CAPACITY = 16 * _TOPK_THREADS * _CLUSTER_BLOCKS  # ... holding up to 16 scores per thread
+
+#: capacities from this one select in a cluster of 8 blocks per sequence: the one-block select
+#: reads the row with one SM and builds its histograms with 1024 threads, which at 32768 entries is
+#: ~17 µs (H200, decode-step profile); the cluster gives each SM an eighth and costs one cluster
+#: barrier per radix pass (4 at most) plus one for the output positions. Below this one block
+#: holds at most 8 scores per thread, and the barriers are expected to cost about what the split
+#: saves (an estimate, to be replaced by a measured crossover). The capacity, not the live length,
+#: decides: lengths stay on the device.
+CLUSTER_MIN_CAPACITY = 8192
+#: and only while the clusters of all rows fit in one wave (8 * B blocks <= SMs): when the rows alone
+#: fill the GPU, spreading each over 8 SMs only adds barriers and blocks
+CLUSTER_MAX_WAVES = 1
+#: "auto" (the rule above), "block" or "cluster": a knob to force either path (tests, benchmarks);
+#: "cluster" is refused above the capacity the cluster kernel holds in registers
+TOPK_SELECT = "auto"
 _U32 = np.uint32
 _I32 = np.int32
 
@@ -115,6 +134,24 @@ def _outputs(out_indices, out_scores, workspace, bsz: int, capacity: int, k: int
     return out_indices, out_scores, workspace
 
 
+def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 90) -> str:
+    """The top-k kernel for ``bsz`` rows of ``capacity`` entries on a GPU of ``sms`` SMs: the
+    cluster select (sm_90+) for long rows while the clusters fit in one wave, else one block per row
+    (registers up to 32768 entries, global memory beyond). `TOPK_SELECT` forces a path."""
+    if TOPK_SELECT not in ("auto", "block", "cluster"):
+        raise ValueError(f"TOPK_SELECT: expected 'auto', 'block' or 'cluster', got {TOPK_SELECT!r}")
+    fits = capacity <= _CLUSTER_CAPACITY and compute_capability >= 90
+    if TOPK_SELECT == "cluster":
+        if not fits:
+            raise ValueError(f"TOPK_SELECT='cluster': the cluster select needs sm_90+ and a capacity up to "
+                             f"{_CLUSTER_CAPACITY}, got capacity {capacity} on compute capability {compute_capability}")
+        return "indexer_topk_cluster"
+    if (TOPK_SELECT == "auto" and fits and capacity >= CLUSTER_MIN_CAPACITY
+            and bsz * _CLUSTER_BLOCKS <= CLUSTER_MAX_WAVES * sms):
+        return "indexer_topk_cluster"
+    return "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
+
+
 def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices=None, out_scores=None,
                workspace=None):
     """Indices and scores of the ``k`` highest-scoring live keys of each sequence.
@@ -184,8 +221,10 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     w_bf16 = _I32(w.dtype == arrays.BF16)
     scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
                                                      _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
-    name = "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
+    device = arrays.device_id(q)
+    name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
     topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)
-    topk_kernel(bsz, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
-                                     out_indices, out_scores, status.device_word()))
+    blocks = bsz * _CLUSTER_BLOCKS if name == "indexer_topk_cluster" else bsz  # clusters: blocks 8b .. 8b+7
+    topk_kernel(blocks, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
+                                        out_indices, out_scores, status.device_word()))
     return out_indices, out_scores

@@ -30,6 +30,17 @@
 //   (greater, equal) counts then gives every thread its output position: entries above T, and the
 //   first ones equal to T in index order (the tie rule: larger score first, equal scores lower
 //   index first), are written in ascending index order. No sort, one read of the scores (registers).
+// indexer_topk_cluster (C <= 131072): grid 8B, 1024 threads, one thread-block cluster of 8 blocks
+//   per row (blocks 8b .. 8b+7, cluster rank r). The same select spread over 8 SMs: thread
+//   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
+//   r-th eighth and the output positions are a block scan plus the counts of the lower ranks.
+//   Digits of 8 bits (4 passes at most, stopping early as above): each block builds the
+//   histogram of its share (256 bins in shared memory, equal bins of a warp added as one atomic),
+//   a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
+//   memory and finds the threshold bin; every block computes the same integer sums, so all take
+//   the same decisions without another barrier. Each pass has its own histogram (zeroed once),
+//   so a block never clears one a peer may still read. Same selection, order and values as the
+//   one-block kernels.
 #include <cuda_bf16.h>
 
 #include "common/block_scan.cuh"
@@ -47,6 +58,12 @@ constexpr int kMaxChunks = 4;     // 128 dims, 32 per chunk
 constexpr int kTopkThreads = 1024;
 constexpr int kRegisterItems = 32;  // scores per thread in registers: C <= 32 * 1024
 constexpr unsigned kBins = 2048;
+
+constexpr int kClusterBlocks = 8;  // the portable maximum cluster size
+constexpr int kClusterThreads = kClusterBlocks * kTopkThreads;
+constexpr int kClusterItems = 16;  // scores per thread in registers: C <= 16 * 8192 (32 would spill at 64 registers)
+constexpr unsigned kRadixBins = 256;  // 8-bit digits: 8 histograms are 8 KB, one warp sums them
+constexpr int kRadixPasses = 4;
 
 __device__ __forceinline__ unsigned live_length(const int* lengths, unsigned b, unsigned C) {
     const int len = lengths[b];
@@ -187,9 +204,10 @@ struct RegisterKeys {
     unsigned begin, count;
 
     // Returns true if a live score is NaN.
-    __device__ __forceinline__ bool load(const float* row, unsigned n, bool vec4) {
-        const unsigned per = ((n + kTopkThreads - 1) / kTopkThreads + 3u) & ~3u;  // <= kItems for n <= 32768
-        begin = threadIdx.x * per;
+    // thread `t` of the `threads` that share the row
+    __device__ __forceinline__ bool load(const float* row, unsigned n, bool vec4, unsigned t, unsigned threads) {
+        const unsigned per = ((n + threads - 1) / threads + 3u) & ~3u;  // <= kItems for n <= kItems * threads
+        begin = t * per;
         count = begin < n ? min(per, n - begin) : 0u;
         bool nan = false;
 #pragma unroll
@@ -227,10 +245,10 @@ struct GlobalKeys {
     const float* row;
     unsigned begin, count;
 
-    __device__ __forceinline__ bool load(const float* r, unsigned n, bool) {
+    __device__ __forceinline__ bool load(const float* r, unsigned n, bool, unsigned t, unsigned threads) {
         row = r;
-        const unsigned per = (n + kTopkThreads - 1) / kTopkThreads;
-        begin = threadIdx.x * per;
+        const unsigned per = (n + threads - 1) / threads;
+        begin = t * per;
         count = begin < n ? min(per, n - begin) : 0u;
         bool nan = false;
         for (unsigned i = 0; i < count; ++i) nan |= isnan(row[begin + i]);
@@ -255,7 +273,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
     const unsigned b = blockIdx.x, tid = threadIdx.x;
     const unsigned n = live_length(lengths, b, C);
     Keys keys;
-    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0);
+    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, tid, kTopkThreads);
     if (tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
@@ -331,4 +349,164 @@ extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_globa
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
     int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
     topk_row<GlobalKeys>(scores, lengths, C, k, vec4, indices, values, status);
+}
+
+// ---------------------------------------------------------------------------------------------
+// top-k in a thread-block cluster (sm_90)
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// barrier.cluster in two halves: arrive (release: this block's shared writes become visible to
+// the peers) and wait (acquire); a block may not exit while a peer can still read its memory.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
+
+// The address of `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank) {
+    unsigned remote;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(remote) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ uint4 load_cluster_u4(unsigned address) {
+    uint4 v;
+    asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long load_cluster_u64(unsigned address) {
+    unsigned long long v;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(address) : "memory");
+    return v;
+}
+
+extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
+    indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
+                         int vec4, int* __restrict__ indices, float* __restrict__ values,
+                         unsigned* __restrict__ status) {
+    __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];
+    __shared__ unsigned long long scan64[32];
+    __shared__ unsigned long long s_total, s_base;
+    __shared__ unsigned s_digit, s_need, s_count;
+
+    const unsigned rank = cluster_rank(), b = blockIdx.x / kClusterBlocks, tid = threadIdx.x;
+    const unsigned lane = tid & 31, warp = tid >> 5;
+    const unsigned n = live_length(lengths, b, C);
+    for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kTopkThreads) (&hist[0][0])[i] = 0u;
+    RegisterKeys<kClusterItems> keys;
+    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kTopkThreads + tid, kClusterThreads);
+    if (rank == 0 && tid == 0) {
+        const int len = lengths[b];
+        flag |= len < 0 || (unsigned)len > C;
+    }
+    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);
+
+    // As in topk_row: the top bits under resolved_mask equal resolved_bits at the threshold.
+    unsigned resolved_mask = 0u, resolved_bits = 0u, need = k;
+    if (n > k) {
+        const unsigned warp_items = __reduce_max_sync(0xFFFFFFFFu, keys.count);  // the warp runs converged
+#pragma unroll 1
+        for (int pass = 0; pass < kRadixPasses; ++pass) {
+            const int shift = 24 - 8 * pass;
+            unsigned* h = hist[pass];
+            // Scores bunch into few bins (the top digit is sign and exponent): lanes with the same
+            // bin add their count with one atomic instead of queueing on one address.
+#pragma unroll
+            for (int i = 0; i < kClusterItems; ++i) {
+                if ((unsigned)i >= warp_items) break;
+                const unsigned key = keys.key[i];
+                const bool in = (unsigned)i < keys.count && (key & resolved_mask) == resolved_bits;
+                const unsigned bin = in ? (key >> shift) & (kRadixBins - 1) : kRadixBins;
+                const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
+                if (in && lane == (unsigned)__ffs(peers) - 1u) atomicAdd(&h[bin], (unsigned)__popc(peers));
+            }
+            cluster_sync();  // every block's histogram of this pass is complete
+            if (warp == 0) {
+                // lane l sums bins 255 - 8l down to 248 - 8l over the 8 blocks; a warp scan counts
+                // the entries in larger bins
+                const unsigned low = kRadixBins - 8u * (lane + 1u);
+                unsigned c[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};  // c[j]: bin low + 7 - j
+#pragma unroll
+                for (int r = 0; r < kClusterBlocks; ++r) {
+                    const unsigned at = cluster_address(h + low, (unsigned)r);
+                    const uint4 lo = load_cluster_u4(at), hi = load_cluster_u4(at + 16u);
+                    c[0] += hi.w, c[1] += hi.z, c[2] += hi.y, c[3] += hi.x;
+                    c[4] += lo.w, c[5] += lo.z, c[6] += lo.y, c[7] += lo.x;
+                }
+                unsigned total = 0u;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) total += c[j];
+                unsigned above = total;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    const unsigned x = __shfl_up_sync(0xFFFFFFFFu, above, off);
+                    if (lane >= (unsigned)off) above += x;
+                }
+                above -= total;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (above < need && need <= above + c[j])
+                        s_digit = low + 7u - j, s_need = need - above, s_count = c[j];
+                    above += c[j];
+                }
+            }
+            __syncthreads();
+            resolved_bits |= s_digit << shift;
+            resolved_mask |= (kRadixBins - 1u) << shift;
+            const unsigned in_bin = s_count;
+            need = s_need;
+            if (in_bin == need) break;  // the threshold bin is taken whole: no tie left to resolve
+        }
+    }
+
+    unsigned greater = 0u, equal = 0u;
+    keys.for_each([&](unsigned, unsigned key) {
+        const unsigned top = key & resolved_mask;
+        greater += top > resolved_bits;
+        equal += top == resolved_bits;
+    });
+    const unsigned long long mine = greater | ((unsigned long long)equal << 32);
+    const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
+    if (tid == kTopkThreads - 1) s_total = inclusive;
+    cluster_sync();  // every block's (greater, equal) totals are complete
+    if (warp == 0) {  // the counts of the lower ranks, which hold the earlier indices
+        unsigned long long x = lane < rank ? load_cluster_u64(cluster_address(&s_total, lane)) : 0ull;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, off);
+        if (lane == 0) s_base = x;
+    }
+    __syncthreads();
+    cluster_arrive();  // no more reads of the peers' shared memory
+
+    const unsigned long long before = s_base + inclusive - mine;
+    unsigned eq_rank = (unsigned)(before >> 32);
+    unsigned pos = (unsigned)before + min(eq_rank, need);
+    int* out_idx = indices + (size_t)b * k;
+    float* out_val = values + (size_t)b * k;
+    keys.for_each([&](unsigned i, unsigned key) {
+        const unsigned top = key & resolved_mask;
+        const bool take = top > resolved_bits || (top == resolved_bits && eq_rank++ < need);
+        if (take) {
+            out_idx[pos] = (int)i;
+            out_val[pos] = key_score(key);
+            ++pos;
+        }
+    });
+    for (unsigned j = min(n, k) + rank * kTopkThreads + tid; j < k; j += kClusterThreads) {
+        out_idx[j] = -1;
+        out_val[j] = IDX_NEG_INF;
+    }
+    cluster_wait();  // the peers are done with this block's shared memory
 }
