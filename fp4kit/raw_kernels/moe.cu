@@ -630,7 +630,9 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     gemv.policy = gemm::evict_first_policy();
     gemv.prime();
     if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
+#ifdef FP4_PDL_EARLY_RELEASE
     pdl::release_next();
+#endif
     stage.prepare(table);
     __syncthreads();
     stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
