@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fp4kit.runtime import launch as launch_module
 from fp4kit.runtime import loader
 
 # CuPy stays an optional dependency (the numpy backend, the checkpoint tools and the CPU half of
@@ -151,3 +152,64 @@ def test_once_cache_builds_once_under_concurrent_first_use():
     for t in threads:
         t.join()
     assert len(calls) == 1 and len({id(r) for r in results}) == 1
+
+
+def _cuobjdump() -> str | None:
+    import glob
+    import shutil
+    import sysconfig
+
+    found = shutil.which("cuobjdump")
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        found = found or next(iter(glob.glob(f"{base}/nvidia/*/bin/cuobjdump")), None)
+    return found
+
+
+def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[str, str]]]:
+    """{kernel: [(opcode, full instruction text)]} in address order, from ``cuobjdump -sass``."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin + b"\0")  # CuPy's NVRTC path strips the ELF's last byte
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    kernels, current = {}, None
+    for line in text.splitlines():
+        name = re.search(r"Function : (\S+)", line)
+        if name:
+            current = kernels.setdefault(name.group(1), [])
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);", line)
+        if ins and current is not None:
+            current.append((ins.group(1), ins.group(1) + ins.group(2) + " " + ins.group(3)))
+    return kernels
+
+
+# global memory instructions (loads, stores, atomics, reductions, async and bulk copies)
+_GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "LD",
+               "ST"}
+# kernels that issue their first weight loads (non-coherent, read-only) before they wait
+_PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_)")
+
+
+@needs_cupy
+@pytest.mark.parametrize("name", sorted(launch_module.PDL_MODULES))
+def test_pdl_kernels_wait_before_touching_memory(name):
+    """Every kernel of a module launched with programmatic dependent launch keeps the contract of
+    common/pdl.cuh, read off its SASS: it waits (ACQBULK, griddepcontrol.wait) and releases the next
+    kernel (PREEXIT) only after waiting; before the first wait it neither writes global memory nor
+    reads it, except the weight-streaming kernels' read-only (.CONSTANT) loads."""
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    kernels = _sass_by_kernel(_cubin(name, "sm_90a"))
+    assert kernels, f"{name}.cu: no kernels in the SASS"
+    for kernel, code in kernels.items():
+        ops = [op for op, _ in code]
+        assert "ACQBULK" in ops, f"{name}.cu {kernel}: never waits for the kernel before it (pdl::wait_prior)"
+        first_wait = ops.index("ACQBULK")
+        assert "PREEXIT" not in ops[:first_wait], f"{kernel}: releases the next kernel before it waits"
+        early = [text for op, text in code[:first_wait] if op in _GLOBAL_OPS]
+        if _PREFETCHING.match(kernel):
+            early = [text for text in early if not (text.startswith("LDG") and ".CONSTANT" in text)]
+        assert not early, f"{name}.cu {kernel}: global memory touched before the wait: {early[:4]}"

@@ -298,9 +298,9 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
                                    _I32(indices.shape[1]), _I32(chunk), scale_log2, out_f32, status.device_word(),
                                    0 if start is None else start, _I32(kv_rows)), shared_mem=shared)
     if splits > 1:
-        combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS).function
-        combine((heads, batch), (_COMBINE_THREADS,), (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
-                                                      _I32(splits), out_f32))
+        combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS)
+        combine.launch((heads, batch), _COMBINE_THREADS, (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
+                                                          _I32(splits), out_f32))
     return out
 
 

@@ -128,8 +128,8 @@ def all_entries(comp_len, n: int, *, out=None):
         return arrays.host_result(ref.all_entries(comp_len, n), out)
     out = _out(out, (comp_len.shape[0], n), np.int32, comp_len)
     if comp_len.shape[0]:
-        loader.get_kernel(_MODULE, "all_entries").function(
-            ((n + _THREADS - 1) // _THREADS, comp_len.shape[0]), (_THREADS,), (comp_len, out, _U32(n)))
+        loader.get_kernel(_MODULE, "all_entries").launch(
+            ((n + _THREADS - 1) // _THREADS, comp_len.shape[0]), _THREADS, (comp_len, out, _U32(n)))
     return out
 
 

@@ -219,8 +219,8 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     scores_kernel = loader.get_kernel(_MODULE, "indexer_scores", block=_SCORE_THREADS)
     grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
     w_bf16 = _I32(w.dtype == arrays.BF16)
-    scores_kernel.function(grid, (_SCORE_THREADS,), (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
-                                                     _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
+    scores_kernel.launch(grid, _SCORE_THREADS, (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
+                                               _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
     device = arrays.device_id(q)
     name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
     topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)

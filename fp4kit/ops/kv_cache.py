@@ -13,8 +13,8 @@ _U32 = np.uint32
 
 def append_swa(swa, pos, kv, counts) -> None:
     b, t, d = kv.shape
-    loader.get_kernel(_MODULE, "kv_append_swa", block=64).function(
-        (t, b), (64,), (kv, 0 if counts is None else counts, swa, pos, _U32(t), _U32(swa.shape[1]), _U32(d),
+    loader.get_kernel(_MODULE, "kv_append_swa", block=64).launch(
+        (t, b), 64, (kv, 0 if counts is None else counts, swa, pos, _U32(t), _U32(swa.shape[1]), _U32(d),
                         status.device_word()))
 
 

@@ -35,7 +35,7 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     name = f"moe_router_logits_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
-    loader.get_kernel(_MODULE, name).function((-(-e // 8), t), (256,), (x, gate_weight, _U32(e), _U32(h), logits))
+    loader.get_kernel(_MODULE, name).launch((-(-e // 8), t), 256, (x, gate_weight, _U32(e), _U32(h), logits))
     loader.get_kernel(_MODULE, "moe_router")(
         t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
                  status.device_word(), _U32(e), _U32(cfg.top_k),

@@ -17,6 +17,7 @@
 // Every kernel clamps counts[b] to [0, T]; kv_append_swa records one outside it (FP4_STATUS_KV_INPUT).
 #include "common/fp32.cuh"
 #include "common/status.cuh"
+#include "common/pdl.cuh"
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -35,6 +36,7 @@ __device__ __forceinline__ unsigned token_count(const int* counts, unsigned b, u
 extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat16* kv, const int* counts,
                                                               __nv_bfloat16* swa, const int* pos, unsigned T,
                                                               unsigned W, unsigned D, unsigned* status) {
+    pdl::enter();
     const unsigned i = blockIdx.x, b = blockIdx.y;
     const unsigned n = token_count(counts, b, T, i == 0 && threadIdx.x == 0, status);
     if (i >= n || i + W < n) return;  // not this sequence's token, or overwritten later in this call
@@ -45,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat
 }
 
 extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T, unsigned* status) {
+    pdl::enter();
     for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += (int)token_count(counts, b, T, false, status);
 }
 
@@ -182,6 +185,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos, unsigned Tn, unsigned D,         \
         unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status,    \
         int advance) {                                                                                    \
+        pdl::enter();                                                                                     \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
                     capacity, eps, rope_dim, theta, status, advance);                                     \
     }

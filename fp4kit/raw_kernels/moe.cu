@@ -36,6 +36,7 @@ constexpr int kMaxTopK = 16;
 #define FP4_INF __int_as_float(0x7F800000)
 #include "common/status.cuh"
 #include "common/nvfp4.cuh"
+#include "common/pdl.cuh"
 
 enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
@@ -243,6 +244,7 @@ __device__ void router(const float* logits, const float* bias, const int* token_
 #define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
     extern "C" __global__ void __launch_bounds__(kRouterThreads)                                          \
         moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) { \
+        pdl::enter();                                                                                     \
         router_logits<XT, WT>(x, gate_w, E, H, logits);                                                   \
     }
 
@@ -255,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,
     unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
     float* weights, unsigned* counts, unsigned* tickets) {
+    pdl::enter();
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
            ids, weights, counts, tickets, blockIdx.x);
 }
@@ -294,6 +297,7 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
         const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
         int* ids, float* weights) {                                                                       \
+        pdl::enter();                                                                                     \
         route_fused<XT, WT>(x, gate_w, E, H, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
                             score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
     }
@@ -308,6 +312,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
                                                                unsigned top_k, unsigned* offsets, unsigned* active,
                                                                unsigned* num_active, unsigned* slot_row,
                                                                unsigned* row_token, float* row_weight) {
+    pdl::enter();
     const unsigned e = threadIdx.x;
     const unsigned c = e < E ? counts[e] : 0u;
     unsigned total, n_active;
@@ -340,6 +345,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
                          unsigned out_ld, unsigned out_col, const unsigned* offsets, const unsigned* active,
                          const unsigned* num_active, unsigned N, unsigned K) {
+    pdl::enter();  // the dispatch's counts choose the expert
     if (blockIdx.y >= *num_active) return;  // block-uniform: no barrier is skipped by part of a block
     const unsigned e = active[blockIdx.y];
     const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
@@ -390,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
                                                               const float* weights, int weighted,
                                                               const __nv_bfloat16* shared, __nv_bfloat16* out,
                                                               unsigned H, unsigned top_k) {
+    pdl::enter();
     const unsigned t = blockIdx.x;
     for (unsigned c = threadIdx.x; c < H; c += blockDim.x) {
         float acc = 0.0f;
@@ -604,6 +611,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     const StackRows gate = shared ? s_gate : r_gate, up = shared ? s_up : r_up;
     // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
     const unsigned ks = kWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
+    if (!shared) pdl::wait_prior();  // a routed block's expert is the router's output (common/pdl.cuh)
     const unsigned e = shared ? 0u : ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
     const unsigned per_warp = (groups + ks - 1) / ks * gemm::kGroupChunks;
@@ -621,6 +629,10 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     gemv.c1 = min(chunks, gemv.c0 + per_warp);
     gemv.policy = gemm::evict_first_policy();
     gemv.prime();
+    if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
+#ifdef FP4_PDL_EARLY_RELEASE
+    pdl::release_next();
+#endif
     stage.prepare(table);
     __syncthreads();
     stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
@@ -693,7 +705,14 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
         gemv.codes[0] = (sh ? s_w.codes : w.codes) + tile * chunks * 32;
         gemv.scales[0] = (sh ? s_w.scales : w.scales) + tile * groups * 32;
     };
-    if (warp < slots) {
+    // the shared expert's warp prefetches its weights first; the routed experts are the router's output
+    const bool prefetch = has_shared && warp == top_k;
+    if (prefetch) {
+        point(warp);
+        gemv.prime();
+    }
+    pdl::enter();
+    if (warp < slots && !prefetch) {
         point(warp);
         gemv.prime();
     }

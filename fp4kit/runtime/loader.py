@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import launch
+
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "raw_kernels"
 BASE_OPTIONS = ("-std=c++17",)
 OFFLINE_TARGETS = ("sm_90a", "sm_100a")
@@ -67,7 +69,7 @@ def target_arch(compute_capability: str) -> str:
 
 def compile_options(arch: str) -> tuple[str, ...]:
     """The options fp4kit passes to NVRTC (CuPy adds ``-ftz=true`` and its include paths)."""
-    return (*BASE_OPTIONS, f"-arch={arch}")
+    return (*BASE_OPTIONS, *launch.compile_defines(), f"-arch={arch}")
 
 
 @functools.cache
@@ -124,9 +126,10 @@ class Kernel:
     function: object  # cupy.RawKernel
     cooperative: bool
     max_blocks: int  # co-resident blocks for the default block size (cooperative grids)
+    pdl: bool = False  # keeps the contract of common/pdl.cuh: launched with PDL (runtime/launch.py)
 
     def __call__(self, grid: int, block: int, args: tuple) -> None:
-        self.function((int(grid),), (int(block),), args)
+        self.launch((grid,), block, args)
 
     def launch(self, grid: tuple, block: int, args: tuple, shared_mem: int = 0) -> None:
         """Launch on a 1- to 3-D grid with ``shared_mem`` bytes of dynamic shared memory, raising the
@@ -134,7 +137,14 @@ class Kernel:
         fine under graph capture)."""
         if shared_mem and self.function.max_dynamic_shared_size_bytes < shared_mem:
             self.function.max_dynamic_shared_size_bytes = shared_mem
-        self.function(tuple(int(g) for g in grid), (int(block),), args, shared_mem=shared_mem)
+        grid = tuple(int(g) for g in grid)
+        if self.pdl and launch.enabled():
+            import cupy
+
+            launch.launch(self.function.kernel.ptr, grid, (int(block),), args, shared_mem,
+                          cupy.cuda.get_current_stream().ptr)
+        else:
+            self.function(grid, (int(block),), args, shared_mem=shared_mem)
 
 
 @functools.cache
@@ -181,7 +191,8 @@ def get_kernel(module: str, function: str, *, cooperative: bool = False, block: 
     def build():
         raw = get_module(module, cooperative=cooperative).get_function(function)
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, block, 0)
-        return Kernel(raw, cooperative, max(1, per_sm) * sm_count(device.id))
+        return Kernel(raw, cooperative, max(1, per_sm) * sm_count(device.id),
+                      pdl=module in launch.PDL_MODULES and not cooperative)
 
     return _kernels.get((device.id, module, function, cooperative, block), build)
 

@@ -22,6 +22,7 @@
 #pragma once
 
 #include "nvfp4.cuh"
+#include "pdl.cuh"
 
 namespace gemm {
 
@@ -553,7 +554,9 @@ __device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilo
 // w_scales point at one [N, K] weight. Dynamic shared memory: two activation buffers
 // (2 * Act::Win::kBytes). With a wgmma window (Act::Win::kWarpgroup) each warpgroup (4 warps) issues
 // R warpgroup MMAs per step, one per row tile of each warp; otherwise each warp issues R * T mma.sync.
-template <int R, int F, int kCluster = 0, class Act>
+// kPdl: the kernel's first global reads are these weights, so it waits for the kernel before it
+// (common/pdl.cuh) only after issuing the first group's loads; without it, the caller waits.
+template <int R, int F, int kCluster = 0, bool kPdl = false, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     using Win = typename Act::Win;
@@ -677,6 +680,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     // the next group's weights and the next window's activations are in flight.
     WeightGroup<R, F> first, second;
     if (active && c_begin < c_end) fetch(c_begin, first);
+    if constexpr (kPdl) pdl::enter();  // the activation, the split-K scratch and the output are read or written below
     // activation buffer `slot` (0 or 1); arithmetic rather than an array, which would live in local memory
     auto act_buf = [&](unsigned slot) { return act_s + slot * (Win::kBytes / 2); };
     typename Act::Pending pending;
