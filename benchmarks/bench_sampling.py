@@ -1,6 +1,7 @@
 """Benchmark: token sampling, graph-replayed, vocab 129280, batch 1, 8, 64.
 
-Modes: greedy, temperature 1.0, top-k 50, top-p 0.9. Target <= 15 µs per call at batch <= 8.
+Modes: greedy, temperature 1.0, top-k 50, top-p 0.9. Targets per call: <= 10 µs at batch 1 and
+<= 15 µs at batch 8, in every mode.
 Baseline, measured in the same run: top-p written in PyTorch (sort, cumsum, mask, then the
 exponential race argmax(p / Exp(1)), which is capturable), graph-replayed.
 
@@ -52,7 +53,8 @@ def main() -> None:
         for mode, params in MODES.items():
             sampler = Sampler(Generator(1), **params)
             us = graph_us(lambda i: sampler(logits))
-            target = ("<= 15 µs " + ("met" if us <= 15 else "MISSED")) if b <= 8 else ""
+            bound = {1: 10, 8: 15}.get(b)
+            target = f"<= {bound} µs " + ("met" if us <= bound else "MISSED") if bound else ""
             row = {"mode": mode, "batch": b, "µs": us, "target": target}
             if mode == "top-p 0.9" and tt is not None:
                 row.update({"PyTorch top-p µs": tt, "speedup": tt / us})
