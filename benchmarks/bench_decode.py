@@ -22,6 +22,7 @@ each attention projection as its own Linear instead of one concatenated Linear p
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def memory_probe(mode: str, batch: int, prefill_tokens: int) -> None:
     del ckpt
     state = model.new_state(batch, history_rows=64)
     cp.cuda.Device().synchronize()
+    gc.collect()  # arrays of the build held in reference cycles: freed now, not into the pool mid-run
     cp.get_default_memory_pool().free_all_blocks()  # the build's temporaries
     free, total = cp.cuda.runtime.memGetInfo()
     if prefill_tokens:

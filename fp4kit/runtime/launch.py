@@ -4,11 +4,12 @@ A kernel launched with the programmatic-serialization attribute may be scheduled
 before it in the stream is still running; it waits for that kernel's results inside
 (``griddepcontrol.wait``, ``raw_kernels/common/pdl.cuh``). At decode sizes a step is a chain of
 short kernels, so each one's launch latency, and the first weight loads of the GEMMs, overlap the
-kernel before instead of following it. Under stream capture the dependency becomes a programmatic
-edge of the CUDA graph.
+kernel before instead of following it. fp4kit uses it while a stream is being captured (the
+dependency becomes a programmatic edge of the CUDA graph); eager launches go through CuPy, whose
+launcher costs the host less than the packing here.
 
 Only kernels that keep the contract of ``pdl.cuh`` may be launched this way: those of the modules
-in `PDL_MODULES` (tests/test_pdl.py checks every one of their kernels in the SASS). ``FP4KIT_PDL=0``
+in `PDL_MODULES` (tests/test_compile.py checks every one of their kernels in the SASS). ``FP4KIT_PDL=0``
 launches everything through CuPy as before.
 
 CuPy has no ``cuLaunchKernelEx``, so the arguments are packed here as CuPy packs them: a

@@ -141,10 +141,13 @@ class Kernel:
         if self.pdl and launch.enabled():
             import cupy
 
-            launch.launch(self.function.kernel.ptr, grid, (int(block),), args, shared_mem,
-                          cupy.cuda.get_current_stream().ptr)
-        else:
-            self.function(grid, (int(block),), args, shared_mem=shared_mem)
+            stream = cupy.cuda.get_current_stream()
+            # PDL in captured graphs only: eager launches stay on CuPy's launcher, which costs the
+            # host less per launch (eager dequantize + cuBLAS calls were host-bound: 76 -> 94 µs)
+            if stream.is_capturing():
+                launch.launch(self.function.kernel.ptr, grid, (int(block),), args, shared_mem, stream.ptr)
+                return
+        self.function(grid, (int(block),), args, shared_mem=shared_mem)
 
 
 @functools.cache

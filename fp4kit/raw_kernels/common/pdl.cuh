@@ -3,7 +3,7 @@
 // be scheduled while the kernel before it in the stream is still running: its launch latency and
 // whatever it does before `wait_prior` (reading its own constant weights) overlap that kernel.
 //
-// The contract every kernel of a PDL-ready module keeps (tests/test_pdl.py checks the SASS):
+// The contract every kernel of a PDL-ready module keeps (tests/test_compile.py checks the SASS):
 //   * nothing is read that an earlier kernel may write, and nothing is written, before
 //     `wait_prior()` returns (it returns once the earlier grids have completed and their memory
 //     is visible, which also orders every kernel before those);
@@ -12,7 +12,7 @@
 //     next kernel's waiting blocks took the SM slots that a multi-wave kernel's later blocks needed
 //     (V4-Flash MoE at T = 1: 56 -> 60 µs). FP4_PDL_EARLY_RELEASE (FP4KIT_PDL=early) releases
 //     right after the wait, for measurement.
-// Launched without the attribute (eagerly through CuPy, or FP4KIT_PDL=0), both are no-ops.
+// Launched without the attribute (eager launches, or FP4KIT_PDL=0), both are no-ops.
 #pragma once
 
 namespace pdl {
