@@ -71,6 +71,7 @@ def disassemble(arch: str) -> str:
 
 
 def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
+    """{function: [(address, opcode, modifiers and operands)]} of ``cuobjdump -sass`` output."""
     functions, current = {}, None
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
@@ -79,7 +80,7 @@ def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
             continue
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);", line)
         if m and current is not None:
-            current.append((int(m.group(1), 16), m.group(2), m.group(4)))
+            current.append((int(m.group(1), 16), m.group(2), f"{m.group(3)} {m.group(4)}"))
     return functions
 
 

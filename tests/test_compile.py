@@ -165,25 +165,20 @@ def _cuobjdump() -> str | None:
     return found
 
 
-def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[str, str]]]:
-    """{kernel: [(opcode, full instruction text)]} in address order, from ``cuobjdump -sass``."""
+def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
+    """{kernel: [(address, opcode, modifiers and operands)]} in address order (scripts/gemm_sass.py's parser)."""
     import subprocess
+    import sys
     import tempfile
+
+    sys.path.insert(0, str(PACKAGE.parent / "scripts"))
+    import gemm_sass
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin + b"\0")  # CuPy's NVRTC path strips the ELF's last byte
         f.flush()
         text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    kernels, current = {}, None
-    for line in text.splitlines():
-        name = re.search(r"Function : (\S+)", line)
-        if name:
-            current = kernels.setdefault(name.group(1), [])
-            continue
-        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);", line)
-        if ins and current is not None:
-            current.append((ins.group(1), ins.group(1) + ins.group(2) + " " + ins.group(3)))
-    return kernels
+    return gemm_sass.parse(text)
 
 
 # global memory instructions (loads, stores, atomics, reductions, async and bulk copies)
@@ -205,11 +200,11 @@ def test_pdl_kernels_wait_before_touching_memory(name):
     kernels = _sass_by_kernel(_cubin(name, "sm_90a"))
     assert kernels, f"{name}.cu: no kernels in the SASS"
     for kernel, code in kernels.items():
-        ops = [op for op, _ in code]
+        ops = [op for _, op, _ in code]
         assert "ACQBULK" in ops, f"{name}.cu {kernel}: never waits for the kernel before it (pdl::wait_prior)"
         first_wait = ops.index("ACQBULK")
         assert "PREEXIT" not in ops[:first_wait], f"{kernel}: releases the next kernel before it waits"
-        early = [text for op, text in code[:first_wait] if op in _GLOBAL_OPS]
+        early = [(op, rest) for _, op, rest in code[:first_wait] if op in _GLOBAL_OPS]
         if _PREFETCHING.match(kernel):
-            early = [text for text in early if not (text.startswith("LDG") and ".CONSTANT" in text)]
+            early = [(op, rest) for op, rest in early if not (op == "LDG" and ".CONSTANT" in rest)]
         assert not early, f"{name}.cu {kernel}: global memory touched before the wait: {early[:4]}"
