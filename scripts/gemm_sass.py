@@ -45,26 +45,36 @@ def body_weights(tiles: int, fetch8: bool) -> int:
     return (16 if fetch8 else 8) * 32
 
 
-def _tool(name: str) -> str:
+def find_tool(name: str) -> str | None:
+    """``cuobjdump`` or ``nvdisasm`` from the PATH or from the pip packages, or None."""
     exe = shutil.which(name)
     if exe:
         return exe
     for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
         for path in glob.glob(os.path.join(base, "nvidia", "*", "bin", name)):
             return path
-    sys.exit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (no GPU needed)")
+    return None
 
 
-def disassemble(arch: str) -> str:
-    from fp4kit.runtime import loader
+def _tool(name: str) -> str:
+    return find_tool(name) or sys.exit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm "
+                                       "(no GPU needed)")
 
-    cubin = loader.compile_offline("gemm", arch)
+
+def sass_of(cubin: bytes) -> subprocess.CompletedProcess:
+    """``cuobjdump -sass`` of a cubin from `loader.compile_offline` (which calls ``nvdisasm``)."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin + b"\0")  # CuPy's compile path drops the ELF's last byte
         f.flush()
-        result = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, env=env)
+        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, env=env)
+
+
+def disassemble(arch: str) -> str:
+    from fp4kit.runtime import loader
+
+    result = sass_of(loader.compile_offline("gemm", arch))
     if result.returncode:
         sys.exit(result.stderr.strip())
     return result.stdout

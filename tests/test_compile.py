@@ -154,31 +154,20 @@ def test_once_cache_builds_once_under_concurrent_first_use():
     assert len(calls) == 1 and len({id(r) for r in results}) == 1
 
 
-def _cuobjdump() -> str | None:
-    import glob
-    import shutil
-    import sysconfig
-
-    found = shutil.which("cuobjdump")
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        found = found or next(iter(glob.glob(f"{base}/nvidia/*/bin/cuobjdump")), None)
-    return found
-
-
-def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
-    """{kernel: [(address, opcode, modifiers and operands)]} in address order (scripts/gemm_sass.py's parser)."""
-    import subprocess
+def _gemm_sass():
     import sys
-    import tempfile
 
     sys.path.insert(0, str(PACKAGE.parent / "scripts"))
     import gemm_sass
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin + b"\0")  # CuPy's NVRTC path strips the ELF's last byte
-        f.flush()
-        text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return gemm_sass.parse(text)
+    return gemm_sass
+
+
+def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
+    """{kernel: [(address, opcode, modifiers and operands)]} in address order (scripts/gemm_sass.py)."""
+    result = _gemm_sass().sass_of(cubin)
+    assert result.returncode == 0, result.stderr
+    return _gemm_sass().parse(result.stdout)
 
 
 # global memory instructions (loads, stores, atomics, reductions, async and bulk copies)
@@ -195,8 +184,8 @@ def test_pdl_kernels_wait_before_touching_memory(name):
     common/pdl.cuh, read off its SASS: it waits (ACQBULK, griddepcontrol.wait) and releases the next
     kernel (PREEXIT) only after waiting; before the first wait it neither writes global memory nor
     reads it, except the weight-streaming kernels' read-only (.CONSTANT) loads."""
-    if _cuobjdump() is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
+        pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     kernels = _sass_by_kernel(_cubin(name, "sm_90a"))
     assert kernels, f"{name}.cu: no kernels in the SASS"
     for kernel, code in kernels.items():
