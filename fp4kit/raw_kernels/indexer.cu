@@ -263,6 +263,43 @@ struct GlobalKeys {
     }
 };
 
+// The threshold found by the radix passes: key bits under `mask` (the top bits) equal `bits`.
+// Entries whose top bits are larger are all taken; of those equal, the first `need` in index order.
+// This thread's (greater, equal) counts, packed for one 64-bit scan.
+template <class Keys>
+__device__ __forceinline__ unsigned long long threshold_counts(const Keys& keys, unsigned mask, unsigned bits) {
+    unsigned greater = 0u, equal = 0u;
+    keys.for_each([&](unsigned, unsigned key) {
+        const unsigned top = key & mask;
+        greater += top > bits;
+        equal += top == bits;
+    });
+    return greater | ((unsigned long long)equal << 32);
+}
+
+// This thread's selected entries in index order from `before` (the packed counts of every entry
+// before its own), then the -1 / -inf padding of slots min(n, k) + first, + stride, ... below k.
+template <class Keys>
+__device__ __forceinline__ void write_selection(const Keys& keys, unsigned mask, unsigned bits, unsigned need,
+                                                unsigned long long before, unsigned n, unsigned k, unsigned first,
+                                                unsigned stride, int* out_idx, float* out_val) {
+    unsigned eq_rank = (unsigned)(before >> 32);
+    unsigned pos = (unsigned)before + min(eq_rank, need);
+    keys.for_each([&](unsigned i, unsigned key) {
+        const unsigned top = key & mask;
+        const bool take = top > bits || (top == bits && eq_rank++ < need);
+        if (take) {
+            out_idx[pos] = (int)i;
+            out_val[pos] = key_score(key);
+            ++pos;
+        }
+    });
+    for (unsigned j = min(n, k) + first; j < k; j += stride) {
+        out_idx[j] = -1;
+        out_val[j] = IDX_NEG_INF;
+    }
+}
+
 template <class Keys>
 __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const int* __restrict__ lengths,
                                          unsigned C, unsigned k, int vec4, int* __restrict__ indices,
@@ -314,31 +351,10 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
         }
     }
 
-    unsigned greater = 0u, equal = 0u;
-    keys.for_each([&](unsigned, unsigned key) {
-        const unsigned top = key & resolved_mask;
-        greater += top > resolved_bits;
-        equal += top == resolved_bits;
-    });
-    const unsigned long long mine = greater | ((unsigned long long)equal << 32);
+    const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long before = block_inclusive_scan(mine, scan64) - mine;
-    unsigned eq_rank = (unsigned)(before >> 32);
-    unsigned pos = (unsigned)before + min(eq_rank, need);
-    int* out_idx = indices + (size_t)b * k;
-    float* out_val = values + (size_t)b * k;
-    keys.for_each([&](unsigned i, unsigned key) {
-        const unsigned top = key & resolved_mask;
-        const bool take = top > resolved_bits || (top == resolved_bits && eq_rank++ < need);
-        if (take) {
-            out_idx[pos] = (int)i;
-            out_val[pos] = key_score(key);
-            ++pos;
-        }
-    });
-    for (unsigned j = min(n, k) + tid; j < k; j += kTopkThreads) {
-        out_idx[j] = -1;
-        out_val[j] = IDX_NEG_INF;
-    }
+    write_selection(keys, resolved_mask, resolved_bits, need, before, n, k, tid, kTopkThreads, indices + (size_t)b * k,
+                    values + (size_t)b * k);
 }
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_registers(
@@ -476,13 +492,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
         }
     }
 
-    unsigned greater = 0u, equal = 0u;
-    keys.for_each([&](unsigned, unsigned key) {
-        const unsigned top = key & resolved_mask;
-        greater += top > resolved_bits;
-        equal += top == resolved_bits;
-    });
-    const unsigned long long mine = greater | ((unsigned long long)equal << 32);
+    const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
     if (tid == kTopkThreads - 1) s_total = inclusive;
     cluster_sync();  // every block's (greater, equal) totals are complete
@@ -495,23 +505,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     __syncthreads();
     cluster_arrive();  // no more reads of the peers' shared memory
 
-    const unsigned long long before = s_base + inclusive - mine;
-    unsigned eq_rank = (unsigned)(before >> 32);
-    unsigned pos = (unsigned)before + min(eq_rank, need);
-    int* out_idx = indices + (size_t)b * k;
-    float* out_val = values + (size_t)b * k;
-    keys.for_each([&](unsigned i, unsigned key) {
-        const unsigned top = key & resolved_mask;
-        const bool take = top > resolved_bits || (top == resolved_bits && eq_rank++ < need);
-        if (take) {
-            out_idx[pos] = (int)i;
-            out_val[pos] = key_score(key);
-            ++pos;
-        }
-    });
-    for (unsigned j = min(n, k) + rank * kTopkThreads + tid; j < k; j += kClusterThreads) {
-        out_idx[j] = -1;
-        out_val[j] = IDX_NEG_INF;
-    }
+    write_selection(keys, resolved_mask, resolved_bits, need, s_base + inclusive - mine, n, k, rank * kTopkThreads + tid,
+                    kClusterThreads, indices + (size_t)b * k, values + (size_t)b * k);
     cluster_wait();  // the peers are done with this block's shared memory
 }
