@@ -140,7 +140,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
                         float scale_log2, int out_f32, unsigned* __restrict__ status,
                         const int* __restrict__ start, int kv_rows) {
-    pdl::enter();
+    pdl::wait_prior();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
     __nv_bfloat16* stages = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -382,7 +382,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
 extern "C" __global__ void __launch_bounds__(kCombineThreads)
 sparse_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                       const float* __restrict__ sink, void* __restrict__ out, int Hq, int D, int splits, int out_f32) {
-    pdl::enter();
+    pdl::wait_prior();
     const int h = blockIdx.x, b = blockIdx.y;
     const size_t split_stride = (size_t)Hq;  // rows of [B, S, Hq, *] between consecutive splits
     const size_t first = (size_t)b * splits * Hq + h;

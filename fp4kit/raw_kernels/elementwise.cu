@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
         __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
         float theta) {
-    pdl::enter();
+    pdl::wait_prior();
     __shared__ float smem[kWarps];
     const size_t row = blockIdx.x;
     const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * D);
@@ -82,7 +82,7 @@ constexpr int kRowRegs = 32;
 extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
         __nv_bfloat16* __restrict__ y, unsigned D, float eps) {
-    pdl::enter();
+    pdl::wait_prior();
     __shared__ float smem[kWarps];
     const size_t row = blockIdx.x;
     float* r = resid + row * D;
@@ -134,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
 extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
         const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
         unsigned H, unsigned vocab, unsigned* status) {
-    pdl::enter();
+    pdl::wait_prior();
     const size_t b = blockIdx.x;
     int t = tokens[b];
     if (t < 0 || (unsigned)t >= vocab) {
@@ -153,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
 extern "C" __global__ void __launch_bounds__(kThreads) split_columns_bf16(
         const __nv_bfloat16* __restrict__ y, __nv_bfloat16* __restrict__ out, unsigned rows, unsigned cols,
         unsigned parts, const unsigned* __restrict__ bounds, int vec8) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned per = vec8 ? 8u : 1u, per_row = cols / per;
     const size_t i = (size_t)blockIdx.x * kThreads + threadIdx.x;
     if (i >= (size_t)rows * per_row) return;
@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) split_columns_bf16(
 // indices[b, i] = i < comp_len[b] ? i : -1 for i < n: every live compressed entry, -1 padded.
 extern "C" __global__ void __launch_bounds__(kThreads) all_entries(
         const int* __restrict__ comp_len, int* __restrict__ indices, unsigned n) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned i = blockIdx.x * kThreads + threadIdx.x;
     const unsigned b = blockIdx.y;
     if (i < n) indices[(size_t)b * n + i] = (int)i < comp_len[b] ? (int)i : -1;
@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) all_entries(
 extern "C" __global__ void __launch_bounds__(kThreads) log_tokens(
         const int* __restrict__ tokens, int* __restrict__ history, int* __restrict__ step, unsigned B,
         unsigned rows) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned s = (unsigned)step[0] % rows;
     for (unsigned b = threadIdx.x; b < B; b += kThreads) history[(size_t)s * B + b] = tokens[b];
     __syncthreads();  // every thread has read step[0]
@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) log_tokens(
 extern "C" __global__ void __launch_bounds__(kThreads) prompt_tokens(
         const int* __restrict__ prompt, const int* __restrict__ pos, int* __restrict__ tokens, unsigned B,
         unsigned P) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned b = blockIdx.x * kThreads + threadIdx.x;
     if (b < B) tokens[b] = prompt[(size_t)b * P + min((unsigned)max(pos[b], 0), P - 1)];
 }

@@ -190,14 +190,14 @@ __device__ __forceinline__ void stage_image(Act act, __nv_bfloat16* image, unsig
 #define FP4_DEFINE_GEMM_STAGE(T)                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_bf16(                            \
         const __nv_bfloat16* act, __nv_bfloat16* image, unsigned M, unsigned K) {                             \
-        pdl::enter();                                                                                         \
+        pdl::wait_prior();                                                                                         \
         const unsigned m0 = blockIdx.y * 8u * T;                                                              \
         stage_image(ActBf16<WgmmaWindow<T>>{act, RowMap{nullptr, m0}}, image, min(M - m0, 8u * T), K);       \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_nvfp4(                           \
         const unsigned char* act_packed, const unsigned char* act_scales, __nv_bfloat16* image, unsigned M,   \
         unsigned K) {                                                                                         \
-        pdl::enter();                                                                                         \
+        pdl::wait_prior();                                                                                         \
         const unsigned m0 = blockIdx.y * 8u * T;                                                              \
         stage_image(ActNvfp4<WgmmaWindow<T>>{act_packed, act_scales, RowMap{nullptr, m0}}, image,             \
                     min(M - m0, 8u * T), K);                                                                  \
@@ -217,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(256) dequantize_tiled_unscaled_bf16
                                                                                  const uint2* scales,
                                                                                  __nv_bfloat16* out, unsigned N,
                                                                                  unsigned K) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + kTileK - 1) / kTileK;
     const unsigned groups = (chunks + kGroupChunks - 1) / kGroupChunks, units = row_tiles * chunks;
     const unsigned lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -265,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const
                                                                            const unsigned char* scales,
                                                                            __nv_bfloat16* out, unsigned rows,
                                                                            unsigned kblocks) {
-    pdl::enter();
+    pdl::wait_prior();
     const size_t nblocks = (size_t)rows * kblocks;
     for (size_t b = (size_t)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += (size_t)gridDim.x * blockDim.x) {
         const uint2 codes = reinterpret_cast<const uint2*>(packed)[b];
@@ -281,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const
 // out[m, n] = acc[m, n] * alpha(n) (+ bias[n]), acc fp32 [M, N] from cuBLAS.
 extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc, const float* act_global,
                                                                 FP4_GEMM_EPILOGUE_ARGS) {
-    pdl::enter();
+    pdl::wait_prior();
     Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};
     ep.init();
     const size_t total = (size_t)M * N;
@@ -292,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc
 // alpha_beta[0] = alpha (row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a
 // cuBLAS call in device pointer mode, so no host ever reads the global scales.
 extern "C" __global__ void gemm_alpha(const float* w_global, const float* act_global, float* alpha_beta) {
-    pdl::enter();
+    pdl::wait_prior();
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         Epilogue ep{w_global, nullptr, act_global, nullptr, 0, nullptr, 0};
         ep.init();

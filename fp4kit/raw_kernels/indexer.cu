@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ w, int w_bf16, float w_scale,
     const __nv_bfloat16* __restrict__ keys, const int* __restrict__ lengths, float* __restrict__ scores, unsigned H,
     unsigned D, unsigned C, unsigned shared_keys) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned b = blockIdx.y;
     const unsigned n = live_length(lengths, b, C);
     const unsigned tile = blockIdx.x * kKeysPerBlock;
@@ -360,14 +360,14 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_registers(
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
     int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
-    pdl::enter();
+    pdl::wait_prior();
     topk_row<RegisterKeys<kRegisterItems>>(scores, lengths, C, k, vec4, indices, values, status);
 }
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_global(
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
     int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
-    pdl::enter();
+    pdl::wait_prior();
     topk_row<GlobalKeys>(scores, lengths, C, k, vec4, indices, values, status);
 }
 
@@ -416,7 +416,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
                          int vec4, int* __restrict__ indices, float* __restrict__ values,
                          unsigned* __restrict__ status) {
-    pdl::enter();
+    pdl::wait_prior();
     __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];
     __shared__ unsigned long long scan64[32];
     __shared__ unsigned long long s_total, s_base;

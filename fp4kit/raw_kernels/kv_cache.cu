@@ -36,7 +36,7 @@ __device__ __forceinline__ unsigned token_count(const int* counts, unsigned b, u
 extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat16* kv, const int* counts,
                                                               __nv_bfloat16* swa, const int* pos, unsigned T,
                                                               unsigned W, unsigned D, unsigned* status) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned i = blockIdx.x, b = blockIdx.y;
     const unsigned n = token_count(counts, b, T, i == 0 && threadIdx.x == 0, status);
     if (i >= n || i + W < n) return;  // not this sequence's token, or overwritten later in this call
@@ -47,7 +47,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat
 }
 
 extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T, unsigned* status) {
-    pdl::enter();
+    pdl::wait_prior();
     for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += (int)token_count(counts, b, T, false, status);
 }
 
@@ -185,7 +185,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos, unsigned Tn, unsigned D,         \
         unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status,    \
         int advance) {                                                                                    \
-        pdl::enter();                                                                                     \
+        pdl::wait_prior();                                                                                     \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
                     capacity, eps, rope_dim, theta, status, advance);                                     \
     }

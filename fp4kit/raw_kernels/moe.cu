@@ -244,7 +244,7 @@ __device__ void router(const float* logits, const float* bias, const int* token_
 #define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
     extern "C" __global__ void __launch_bounds__(kRouterThreads)                                          \
         moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) { \
-        pdl::enter();                                                                                     \
+        pdl::wait_prior();                                                                                     \
         router_logits<XT, WT>(x, gate_w, E, H, logits);                                                   \
     }
 
@@ -257,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,
     unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
     float* weights, unsigned* counts, unsigned* tickets) {
-    pdl::enter();
+    pdl::wait_prior();
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
            ids, weights, counts, tickets, blockIdx.x);
 }
@@ -297,7 +297,7 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
         const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
         int* ids, float* weights) {                                                                       \
-        pdl::enter();                                                                                     \
+        pdl::wait_prior();                                                                                     \
         route_fused<XT, WT>(x, gate_w, E, H, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
                             score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
     }
@@ -312,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
                                                                unsigned top_k, unsigned* offsets, unsigned* active,
                                                                unsigned* num_active, unsigned* slot_row,
                                                                unsigned* row_token, float* row_weight) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned e = threadIdx.x;
     const unsigned c = e < E ? counts[e] : 0u;
     unsigned total, n_active;
@@ -345,7 +345,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
                          unsigned out_ld, unsigned out_col, const unsigned* offsets, const unsigned* active,
                          const unsigned* num_active, unsigned N, unsigned K) {
-    pdl::enter();  // the dispatch's counts choose the expert
+    pdl::wait_prior();  // the dispatch's counts choose the expert
     if (blockIdx.y >= *num_active) return;  // block-uniform: no barrier is skipped by part of a block
     const unsigned e = active[blockIdx.y];
     const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
@@ -396,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
                                                               const float* weights, int weighted,
                                                               const __nv_bfloat16* shared, __nv_bfloat16* out,
                                                               unsigned H, unsigned top_k) {
-    pdl::enter();
+    pdl::wait_prior();
     const unsigned t = blockIdx.x;
     for (unsigned c = threadIdx.x; c < H; c += blockDim.x) {
         float acc = 0.0f;
@@ -630,9 +630,6 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     gemv.policy = gemm::evict_first_policy();
     gemv.prime();
     if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
-#ifdef FP4_PDL_EARLY_RELEASE
-    pdl::release_next();
-#endif
     stage.prepare(table);
     __syncthreads();
     stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
@@ -711,7 +708,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
         point(warp);
         gemv.prime();
     }
-    pdl::enter();
+    pdl::wait_prior();
     if (warp < slots && !prefetch) {
         point(warp);
         gemv.prime();

@@ -40,22 +40,13 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
                 ("num_attrs", ctypes.c_uint)]
 
 
-def _setting() -> str:
-    value = os.environ.get("FP4KIT_PDL", "1")
-    if value not in ("0", "1", "early"):
-        raise ValueError(f"FP4KIT_PDL: expected 0, 1 or early, got {value!r}")
-    return value
-
-
 def enabled() -> bool:
-    """Whether PDL-ready kernels are launched with PDL (``FP4KIT_PDL``: 1, the default, or early)."""
-    return _setting() != "0"
-
-
-def compile_defines() -> tuple[str, ...]:
-    """NVRTC options of the PDL setting: ``early`` releases the next kernel right after the wait
-    (common/pdl.cuh), which is part of the compiled code and of its cache key."""
-    return ("-DFP4_PDL_EARLY_RELEASE",) if _setting() == "early" else ()
+    """Whether PDL-ready kernels are launched with PDL in captured graphs (``FP4KIT_PDL``: 1, the
+    default, or 0)."""
+    value = os.environ.get("FP4KIT_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FP4KIT_PDL: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @functools.cache

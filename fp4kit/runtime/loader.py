@@ -69,7 +69,7 @@ def target_arch(compute_capability: str) -> str:
 
 def compile_options(arch: str) -> tuple[str, ...]:
     """The options fp4kit passes to NVRTC (CuPy adds ``-ftz=true`` and its include paths)."""
-    return (*BASE_OPTIONS, *launch.compile_defines(), f"-arch={arch}")
+    return (*BASE_OPTIONS, f"-arch={arch}")
 
 
 @functools.cache

@@ -680,7 +680,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
     // the next group's weights and the next window's activations are in flight.
     WeightGroup<R, F> first, second;
     if (active && c_begin < c_end) fetch(c_begin, first);
-    if constexpr (kPdl) pdl::enter();  // the activation, the split-K scratch and the output are read or written below
+    if constexpr (kPdl) pdl::wait_prior();  // the activation, the split-K scratch and the output are read or written below
     // activation buffer `slot` (0 or 1); arithmetic rather than an array, which would live in local memory
     auto act_buf = [&](unsigned slot) { return act_s + slot * (Win::kBytes / 2); };
     typename Act::Pending pending;

@@ -172,7 +172,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         fetch(c_begin, first);
         if (c_begin + F < c_end) fetch(c_begin + F, second);
     }
-    pdl::enter();  // the weights are in flight; everything below may depend on the kernel before
+    pdl::wait_prior();  // the weights are in flight; everything below may depend on the kernel before
     typename Act::Pending pending;
     act.init(code_table);
     __syncthreads();  // the decode table

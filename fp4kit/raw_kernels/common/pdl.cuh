@@ -7,12 +7,11 @@
 //   * nothing is read that an earlier kernel may write, and nothing is written, before
 //     `wait_prior()` returns (it returns once the earlier grids have completed and their memory
 //     is visible, which also orders every kernel before those);
-//   * the next kernel is released only after `wait_prior()`, so at most one kernel waits ahead
-//     of the running one. By default a block releases it when it exits: released at the start, the
-//     next kernel's waiting blocks took the SM slots that a multi-wave kernel's later blocks needed
-//     (V4-Flash MoE at T = 1: 56 -> 60 µs). FP4_PDL_EARLY_RELEASE (FP4KIT_PDL=early) releases
-//     right after the wait, for measurement.
-// Launched without the attribute (eager launches, or FP4KIT_PDL=0), both are no-ops.
+//   * the next kernel is released when a block exits (no griddepcontrol.launch_dependents):
+//     released right after the wait, its waiting blocks took the SM slots that a multi-wave
+//     kernel's later blocks needed (measured: V4-Flash MoE at T = 1, 56 -> 60 µs).
+// A kernel that reads nothing ahead of its inputs waits as its first statement. Launched without
+// the attribute (eager launches, or FP4KIT_PDL=0), the wait is a no-op.
 #pragma once
 
 namespace pdl {
@@ -20,20 +19,6 @@ namespace pdl {
 __device__ __forceinline__ void wait_prior() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void release_next() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Where a kernel has waited: the first statement of one that reads nothing ahead of its inputs.
-__device__ __forceinline__ void enter() {
-    wait_prior();
-#ifdef FP4_PDL_EARLY_RELEASE
-    release_next();
 #endif
 }
 
