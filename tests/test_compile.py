@@ -67,6 +67,21 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)
 
 
+@needs_cupy
+def test_every_small_moe_variant_exists():
+    """The small-T MoE launchers build kernel names from their variant knobs: the first launch's
+    variant and every down variant they list name a compiled kernel for every activation kind."""
+    from fp4kit.ops import moe as moe_ops
+
+    cubin = _cubin("moe", "sm_90a")
+    names = [f"moe_small_gate_up_{kind}_{moe_ops.SMALL_GATE_UP_VARIANT}"
+             for kind in ("bf16", "nvfp4", "quant_bf16", "quant_f32")]
+    names += [f"moe_small_down_{kind}_{v}" for v in moe_ops.SMALL_DOWN_VARIANTS for kind in ("bf16", "nvfp4", "quant")]
+    missing = [name for name in names if name.encode() + b"\0" not in cubin]
+    assert not missing, f"moe.cu does not define {missing}"
+    assert moe_ops.SMALL_DOWN_VARIANT in moe_ops.SMALL_DOWN_VARIANTS
+
+
 def _launchers() -> dict[str, list[str]]:
     """For each Python module that launches kernels: the kernel file it names (``_MODULE``) and
     the kernels it launches by a literal name."""

@@ -294,3 +294,16 @@ def test_w4a4_quantizes_in_the_small_launches_by_the_measured_rule(monkeypatch, 
     assert not layer._quantizes_in_blocks(limit + 1)
     layer.mode = "w4a16"
     assert not layer._quantizes_in_blocks(1)
+
+
+def test_small_pairs_per_block_rule():
+    """The small-T first launch: one wave of two blocks per SM where the pair groups allow it (the
+    fewest pairs per block that fit), else the most pairs that leave two blocks per SM."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert moe_ops.small_pairs_per_block(2048, 7, 132) == 4  # V4-Flash T = 1 (shared folded): 224 blocks
+    assert moe_ops.small_pairs_per_block(2048, 8, 132) == 4  # V3 T = 1 (shared apart): 256 blocks
+    assert moe_ops.small_pairs_per_block(2048, 14, 132) == 8  # T = 2: 224 blocks
+    assert moe_ops.small_pairs_per_block(256, 2, 132) == 1  # few pairs: one pair per block
+    assert moe_ops.small_pairs_per_block(2048, 56, 132) == 8  # T = 8: no single wave; 896 blocks
+    assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132) == 8

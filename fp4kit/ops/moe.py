@@ -98,13 +98,20 @@ SMALL_PAIRS_PER_BLOCK = None
 #: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
 SMALL_GATE_UP_VARIANT = "d2c1"
 SMALL_DOWN_VARIANT = "d1c2b4"
+#: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
+SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 
 
 def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
-    """The most pairs per block (1, 2, 4 or 8: longer weight streams per warp) that still leave two
-    blocks per multiprocessor."""
+    """Pairs per block (1, 2, 4 or 8): the fewest that fit the launch in one wave of two blocks per
+    multiprocessor (V4-Flash at T = 1: 4 pairs, 224 blocks, measured 3-6 % faster than 448 blocks in
+    1.7 waves), else the most that still leave two blocks per multiprocessor (longer weight streams
+    per warp)."""
     if SMALL_PAIRS_PER_BLOCK is not None:
         return SMALL_PAIRS_PER_BLOCK
+    for pp in (1, 2, 4, 8):
+        if -(-inner // (16 * pp)) * assignments <= 2 * sms:
+            return pp
     pp = 1
     while pp < 8 and -(-inner // (16 * 2 * pp)) * assignments >= 2 * sms:
         pp *= 2

@@ -428,12 +428,16 @@ namespace small {
 
 constexpr int kWarps = 8;
 
-// One token row (K a multiple of 16) into shared memory as bf16, zero up to Kp (whole tiles).
+// One token row (K a multiple of 16) into shared memory as bf16, zero up to Kp (whole tiles), by
+// asynchronous copies: a block stages all its rows with one L2 round trip (a plain load + store per
+// element waited for each before the next: one round trip per row), then `settle()`s them.
 __device__ __forceinline__ void stage_row(const __nv_bfloat16* x, unsigned K, unsigned Kp, __nv_bfloat16* dst,
                                           unsigned thread, unsigned threads) {
-    for (unsigned i = thread * 8; i < Kp; i += threads * 8)
-        *reinterpret_cast<uint4*>(dst + i) = i < K ? *reinterpret_cast<const uint4*>(x + i) : make_uint4(0u, 0u, 0u, 0u);
+    for (unsigned i = thread * 8; i < Kp; i += threads * 8) gemm::cp_async16(dst + i, i < K ? x + i : x, i < K);
 }
+
+// The staging copies issued by this thread have landed (before the block barrier that publishes them).
+__device__ __forceinline__ void settle() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
     return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) | ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
@@ -633,6 +637,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     stage.prepare(table);
     __syncthreads();
     stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
+    settle();
     __syncthreads();
     float acc[2][4] = {};
     gemv.run(act_s, acc);
@@ -716,6 +721,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
     stage.prepare(table);
     __syncthreads();
     for (unsigned j = 0; j < slots; ++j) stage.row(j == top_k ? routed + t : t * top_k + j, act_s + (size_t)j * kp, kp, table);
+    settle();
     __syncthreads();
     for (unsigned j = warp; j < slots; j += kWarps) {
         if (j != warp) {
@@ -925,3 +931,8 @@ struct StageQuantizeRows {
 // 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash against 4 groups, one chain)
 FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2)
 FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4)
+// down candidates with more weight groups in flight per warp, measured against d1c2b4 once the
+// activation staging no longer serialised the prologue (ops/moe.py SMALL_DOWN_VARIANTS)
+FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2)
+FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2)
+FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2)
