@@ -15,8 +15,11 @@ buffers (or use `fp4kit.layers.attention.SparseAttention`, which owns them).
 Launch plan. Blocks own 16 query heads and a contiguous split of the ``W + N`` candidates. When
 the batch alone does not fill the GPU (e.g. batch 1: 4 blocks of 16 heads for 64 heads), the
 candidates are cut into ``num_splits`` splits whose partial results (fp32, in ``workspace``) a
-second small kernel merges with the sink; with one split the first kernel writes the output
-itself. `default_num_splits` picks the count from the shapes and the SM count. Results are
+second step merges with the sink; with one split the first kernel writes the output itself. With
+`FUSED_COMBINE` (the default) that merge is done by the last block of each (row, head group) to
+finish, inside the attention kernel, counting arrivals in a per-stream counter buffer that is
+zeroed once when it is made and that the merging block puts back to zero; otherwise a second
+kernel (``sparse_decode_combine``) merges. Both paths give the same bits. `default_num_splits` picks the count from the shapes and the SM count. Results are
 deterministic for a given count; different counts differ by rounding only (fp32 sums, bf16
 probabilities).
 """
@@ -48,6 +51,12 @@ MAX_CANDIDATES_PER_SPLIT = 2048
 MIN_CANDIDATES_PER_SPLIT = 64
 _MAX_BATCH = 65535  # gridDim.z
 _I32_MAX = 2**31 - 1
+#: merge the splits inside the attention kernel (one launch) instead of in sparse_decode_combine
+#: (two launches); the same arithmetic in the same order, so the same bits. Read at each launch.
+FUSED_COMBINE = True
+#: arrival counters per stream, one per (query row, head group); a call needing more uses the
+#: separate combine kernel
+MAX_FUSED_GROUPS = 1 << 16
 _I32 = np.int32
 _F32 = np.float32
 OUT_DTYPES = (arrays.BF16, np.dtype(np.float32))
@@ -293,11 +302,13 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
     out_f32 = _I32(dtype == np.float32)
     scale_log2 = _F32(scale * math.log2(math.e))
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
+    fused = splits > 1 and FUSED_COMBINE and batch * grid[1] <= MAX_FUSED_GROUPS
+    counters = _arrival_counters() if fused else 0
     kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len, indices, sink, out, part_o,
                                    part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
                                    _I32(indices.shape[1]), _I32(chunk), scale_log2, out_f32, status.device_word(),
-                                   0 if start is None else start, _I32(kv_rows)), shared_mem=shared)
-    if splits > 1:
+                                   0 if start is None else start, _I32(kv_rows), counters), shared_mem=shared)
+    if splits > 1 and not fused:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS)
         combine.launch((heads, batch), _COMBINE_THREADS, (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
                                                           _I32(splits), out_f32))
@@ -371,6 +382,12 @@ def sparse_prefill_attention(q, kv, start, window: int, comp, comp_len, indices,
         return arrays.host_result(result.astype(dtype), out)
     return _launch(q, kv, None, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace,
                    window=window, capacity=comp.shape[0], start=start, kv_rows=kv.shape[0])
+
+
+def _arrival_counters():
+    """The fused combine's counters for the current device and stream: zeroed once when made
+    (outside any capture), then zero between launches, each merging block resetting its own."""
+    return scratch.stream_buffer("sparse_decode_attention.counters", MAX_FUSED_GROUPS, np.uint32, zeroed=True)
 
 
 def _shared_workspace(elements: int):
