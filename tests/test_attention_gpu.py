@@ -482,3 +482,47 @@ def test_fused_combine_in_prefill_is_bit_identical(rng, monkeypatch, t, splits):
         ops.sparse_prefill_attention(q, kv, first, window, comp, comp_len, indices, sink, out=out, num_splits=splits)
         got.append(_bits(out))
     assert np.array_equal(got[0], got[1]) and _counters_zero()
+
+
+# ---- indices=None: every live compressed entry, without an index list
+
+
+@pytest.mark.parametrize("b, w, c, splits", [(1, 128, 32, None), (3, 128, 1024, 10), (2, 16, 300, 1), (4, 0, 70, 3)])
+def test_indices_none_equals_every_index(rng, b, w, c, splits):
+    """``indices=None`` gives the bits of the list ``all_entries`` builds (0 .. comp_len-1, then
+    -1) and of the list 0 .. C-1 (lengths below, at and beyond the capacity), through the op, the
+    layer and prefill, and matches the reference."""
+    from fp4kit.ops import elementwise as ew
+
+    args = inputs(rng, b, w=w, c=c, n=c)
+    args["comp_len"][:] = rng.integers(0, c + 5, b)
+    args["comp_len"][0] = 0
+    dev = to_device(args)
+    listed = {"all_entries": ew.all_entries(dev["comp_len"], c),
+              "every slot": cp.asarray(np.broadcast_to(np.arange(c, dtype=np.int32), (b, c)).copy())}
+    for dtype in (BF16, np.float32):
+        got = sparse_decode_attention(**dict(dev, indices=None), out=poisoned((b, H, D), dtype), num_splits=splits)
+        for name, indices in listed.items():
+            want = sparse_decode_attention(**dict(dev, indices=indices), out=poisoned((b, H, D), dtype),
+                                           num_splits=splits)
+            assert np.array_equal(_bits(got), _bits(want)), name
+    check(got, dict(args, indices=None))
+    sink = dev.pop("sink")
+    layer = SparseAttention(H, D, sink=sink)
+    got = cp.array(layer(**dict(dev, indices=None)))
+    assert np.array_equal(_bits(got), _bits(layer(**dict(dev, indices=listed["all_entries"]))))
+
+
+def test_prefill_indices_none_equals_every_index(rng):
+    from fp4kit.ops import elementwise as ew
+
+    t, heads, d, cap, window, start = 150, 64, 512, 96, 128, 30
+    q = cp.asarray((rng.standard_normal((t, heads, d)) * 0.1).astype(BF16))
+    kv = cp.asarray(rng.standard_normal((start + t, d)).astype(BF16))
+    comp = cp.asarray(rng.standard_normal((cap, d)).astype(BF16))
+    comp_len = cp.asarray(np.minimum((start + np.arange(t) + 1) // 4, cap).astype(np.int32))
+    sink = cp.asarray(rng.standard_normal(heads).astype(np.float32))
+    first = cp.asarray(np.array([start], np.int32))
+    got = [ops.sparse_prefill_attention(q, kv, first, window, comp, comp_len, i, sink, out_dtype=np.float32)
+           for i in (None, ew.all_entries(comp_len, cap))]
+    assert np.array_equal(_bits(got[0]), _bits(got[1]))

@@ -219,9 +219,7 @@ class Attention:
                                      ape=e["indexer.compressor.ape"], norm_weight=e["indexer.compressor.norm"],
                                      rope_dim=cfg.rope_dim, **{**common, "window": 1})
             state["index_kv"] = xp.zeros((batch, 1, cfg.index_head_dim), BF16)  # its (unused) window row
-        elif self.ratio == 128:
-            state["indices"] = xp.full((batch, cfg.max_comp(128)), -1, np.int32)
-        else:
+        elif not self.ratio:
             state["indices"] = xp.full((batch, 1), -1, np.int32)
             state["comp"] = xp.zeros((batch, 1, cfg.head_dim), BF16)  # no compressed entries
             state["comp_len"] = xp.zeros(batch, np.int32)
@@ -260,9 +258,8 @@ class Attention:
             keys = st["index"]
             indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)
             comp, comp_len = cache.comp, cache.comp_len
-        elif self.ratio == 128:
-            indices = ew.all_entries(cache.comp_len, st["indices"].shape[1], out=st["indices"])
-            comp, comp_len = cache.comp, cache.comp_len
+        elif self.ratio == 128:  # every live entry: the kernel walks them, no index list is built
+            indices, comp, comp_len = None, cache.comp, cache.comp_len
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
@@ -284,9 +281,7 @@ class Attention:
         visible = np.minimum((np.arange(t) + 1) // self.ratio, capacity) if self.ratio else np.zeros(t)
         comp_len = xp.asarray(visible.astype(np.int32))
         start = xp.zeros(1, np.int32)
-        if self.ratio == 128:
-            every = ew.all_entries(comp_len, capacity)
-        elif not self.ratio:
+        if not self.ratio:
             none, no_entries = xp.full((t, 1), -1, np.int32), xp.zeros((1, cfg.head_dim), BF16)
         o = xp.empty((b * t, cfg.heads, cfg.head_dim), BF16)
         for s in range(b):
@@ -296,8 +291,8 @@ class Attention:
                 indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys, lengths=comp_len,
                                                   w_scale=self.index_w_scale)
                 comp = cache.comp[s]
-            elif self.ratio == 128:
-                indices, comp = every, cache.comp[s]
+            elif self.ratio == 128:  # every entry complete at each query
+                indices, comp = None, cache.comp[s]
             else:
                 indices, comp = none, no_entries
             self.attn.prefill(q[rows], kv[s], start, cfg.window, comp, comp_len, indices, out=o[rows])

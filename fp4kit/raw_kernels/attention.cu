@@ -9,7 +9,8 @@
 //   pos       int32 [B]          tokens written; valid slots are 0 .. min(max(pos, 0), W) - 1
 //   comp      bf16  [B, C, D]    compressed cache, capacity C
 //   comp_len  int32 [B]          live compressed length; entry i is valid iff 0 <= i < min(comp_len, C)
-//   indices   int32 [B, N]       selected entries; -1 / out of range ignored, duplicates count twice
+//   indices   int32 [B, N]       selected entries; -1 / out of range ignored, duplicates count twice;
+//                                null: every entry, N = C (what an index list 0 .. C-1 would select)
 //   sink      fp32  [Hq]         attention-sink logit per head (-inf: no sink)
 //   out       bf16 or fp32 [B, Hq, D] (out_f32 selects)
 //   part_o    fp32  [B, S, Hq, D]  unnormalised partial outputs of the S candidate splits (S > 1)
@@ -231,7 +232,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                 valid = c < window_live;
                 code = c;
             } else {
-                const int entry = indices[(size_t)b * N + (c - W)];
+                const int entry = indices ? indices[(size_t)b * N + (c - W)] : c - W;
                 valid = entry >= 0 && entry < comp_live;
                 code = ~entry;
             }
