@@ -218,7 +218,6 @@ class Attention:
             state["index"] = KVCache(batch, head_dim=cfg.index_head_dim, ratio=4, max_comp=cfg.max_comp(4),
                                      ape=e["indexer.compressor.ape"], norm_weight=e["indexer.compressor.norm"],
                                      rope_dim=cfg.rope_dim, **{**common, "window": 1})
-            state["index_kv"] = xp.zeros((batch, 1, cfg.index_head_dim), BF16)  # its (unused) window row
         elif not self.ratio:
             state["indices"] = xp.full((batch, 1), -1, np.int32)
             state["comp"] = xp.zeros((batch, 1, cfg.head_dim), BF16)  # no compressed entries
@@ -244,9 +243,8 @@ class Attention:
                                  positions, normalize=False, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         cache.append(kv, *compressor)
-        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window rows are never read)
-            window = st["index_kv"] if t == 1 else self.xp.zeros((b, t, cfg.index_head_dim), BF16)
-            st["index"].append(window, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
+        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window is never read: no append)
+            st["index"].append(None, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
             w = of_h["indexer.weights_proj"]
         return q, kv, iq, w
 
