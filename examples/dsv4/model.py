@@ -233,14 +233,21 @@ class Attention:
         cfg, cache = self.cfg, st["kv"]
         rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         of_h = dict(zip(self.of_h.names, self.of_h(h)))
-        qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
+        # the norms (and RoPE) of the parts of one projection's output in one launch each
+        qr, kv = ew.rmsnorm_rope_pair(ew.NormRope(of_h["wq_a"], self.q_norm),
+                                      ew.NormRope(of_h["wkv"], self.kv_norm, rope_dim=cfg.rope_dim), positions,
+                                      eps=cfg.eps, theta=self.theta)
+        kv = kv.reshape(b, t, cfg.head_dim)
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
-        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim), None, positions, **rope)
-        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, positions, **rope).reshape(b, t, cfg.head_dim)
+        wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
         iq = w = None
         if self.ratio == 4:  # the indexer's query, rotated at the same positions
-            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim), None,
-                                 positions, normalize=False, **rope)
+            iq = of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim)
+            q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
+                                         ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
+                                         eps=cfg.eps, theta=self.theta)
+        else:
+            q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         cache.append(kv, *compressor)
         if self.ratio == 4:  # the indexer's key cache: its compressor only (its window is never read: no append)
