@@ -412,7 +412,7 @@ class Model:
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.
         Launches only (no host sync): capturable in a CUDA graph after one eager call."""
         logits = self.forward(st)
-        st.tokens[...] = self.sampler(logits)
+        self.sampler(logits, out=st.tokens)  # the samples land in the state's tokens: no copy
         ew.log_tokens(st.tokens, st.history, st.step)
         return st.tokens
 
