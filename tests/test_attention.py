@@ -202,6 +202,26 @@ def test_layer_on_the_numpy_backend(rng):
         layer.sink = np.zeros(5, np.float32)
 
 
+def test_indices_none_is_every_live_entry(rng):
+    """``indices=None``: every live compressed entry, as the list 0 .. C-1 selects them (decode, the
+    layer and prefill; N = C in the launch plan)."""
+    args = case(rng, b=3, hq=4, d=32, w=4, c=9)
+    args["comp_len"][:] = [0, 5, 20]  # none, some, beyond the capacity (clamped)
+    every = np.broadcast_to(np.arange(9, dtype=np.int32), (3, 9)).copy()
+    want = sparse_decode_attention(**dict(args, indices=every), out_dtype=np.float32)
+    assert np.array_equal(sparse_decode_attention(**dict(args, indices=None), out_dtype=np.float32), want)
+    sink = args.pop("sink")
+    layer = SparseAttention(4, 32, sink=sink)
+    assert np.array_equal(layer(**dict(args, indices=None)), layer(**dict(args, indices=every)))
+    with pytest.raises(ValueError, match=r"num_splits: expected 1 <= num_splits <= 13 for W \+ N = 13 candidates"):
+        sparse_decode_attention(**dict(args, indices=None, sink=sink), num_splits=14)
+    a = _prefill_inputs(rng)
+    every = np.broadcast_to(np.arange(8, dtype=np.int32), (23, 8)).copy()
+    got, want = (ops.sparse_prefill_attention(a["q"], a["kv"], a["start"], 4, a["comp"], a["comp_len"], i, a["sink"],
+                                              out_dtype=np.float32) for i in (None, every))
+    assert np.array_equal(got, want)
+
+
 def _good(**over):
     rng = np.random.default_rng(0)
     args = case(rng, b=2, hq=3, d=16, w=4, c=8, n=5)

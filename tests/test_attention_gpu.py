@@ -356,3 +356,173 @@ def test_prefill_past_the_rows_is_clamped_and_recorded(rng):
     assert status.read() & status.KV_INPUT
     assert cp.isfinite(out.astype(cp.float32)).all()
     status.clear()
+
+
+# ---- the splits merged inside the attention kernel (ops.FUSED_COMBINE) against the combine kernel
+
+
+def _kernel_names(fn, capture_stream):
+    """The kernels one call of ``fn`` launches, read off a captured graph."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import graph_kernels
+
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+    return graph_kernels(graph)
+
+
+def _counters_zero():
+    return not cp.asnumpy(ops._arrival_counters()).any()
+
+
+def _bits(x):
+    return cp.asnumpy(x).view(np.uint32 if x.dtype == np.float32 else np.uint16)
+
+
+@pytest.mark.parametrize("b, hq, d, w, n, c, splits", [
+    (1, 64, 512, 128, 512, 1024, 10),  # the decode step's shape and split count
+    (3, 64, 512, 128, 512, 1024, 7),
+    (2, 20, 80, 5, 3, 7, 4),  # a partial head group, D not a multiple of 64
+    (5, 17, 48, 40, 33, 50, 13),
+    (2, 64, 512, 128, 4000, 8192, 3),
+    (1, 128, 512, 128, 1024, 2048, 20),
+])
+def test_fused_combine_is_bit_identical_to_the_combine_kernel(rng, monkeypatch, b, hq, d, w, n, c, splits):
+    """The last block of each (row, head group) merging the splits gives the bits of
+    sparse_decode_combine (bf16 and fp32 outputs, empty rows and a -inf sink included), every
+    output element written (NaN poison), the counters back at zero after each launch, and a
+    second launch (counters reused) the same bits."""
+    args = inputs(rng, b, hq=hq, d=d, w=w, n=n, c=c)
+    args["pos"][0], args["comp_len"][0] = 0, 0  # row 0 empty: 0 (or the sink alone gives 0 too)
+    args["sink"][0] = -np.inf
+    dev = to_device(args)
+    got = {}
+    for fused in (False, True, True):
+        monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
+        for dtype in (BF16, np.float32):
+            ws = cp.full(ops.workspace_size(b, hq, d, splits), np.nan, cp.float32)
+            out = sparse_decode_attention(**dev, out=poisoned((b, hq, d), dtype), num_splits=splits, workspace=ws)
+            assert _counters_zero()
+            got.setdefault((fused, np.dtype(dtype).name), []).append(_bits(out))
+    for dtype in ("bfloat16", "float32"):
+        apart, fused_runs = got[(False, dtype)][0], got[(True, dtype)]
+        assert all(np.array_equal(apart, f) for f in fused_runs), dtype
+    check(sparse_decode_attention(**dev, out=poisoned((b, hq, d)), num_splits=splits), args)
+
+
+def test_fused_combine_launches_one_kernel_and_the_knob_brings_the_combine_back(rng, monkeypatch, capture_stream):
+    dev = to_device(inputs(rng, 1))
+    out = poisoned((1, H, D))
+    call = lambda: sparse_decode_attention(**dev, out=out, num_splits=10)  # noqa: E731
+    call()
+    assert _kernel_names(call, capture_stream) == ["sparse_decode_attention"]
+    monkeypatch.setattr(ops, "FUSED_COMBINE", False)
+    assert sorted(_kernel_names(call, capture_stream)) == ["sparse_decode_attention", "sparse_decode_combine"]
+    monkeypatch.setattr(ops, "FUSED_COMBINE", True)
+    monkeypatch.setattr(ops, "MAX_FUSED_GROUPS", 3)  # more (row, head group)s than counters: the combine kernel
+    assert sorted(_kernel_names(call, capture_stream)) == ["sparse_decode_attention", "sparse_decode_combine"]
+
+
+def test_fused_combine_graph_replays_reset_their_counters(rng, monkeypatch, capture_stream):
+    """A captured step of two split attention launches on one stream (they share the counters),
+    replayed 20 times with changing positions: each replay equals the combine kernel's eager bits,
+    and the counters are zero after every replay."""
+    b, splits = 3, 10
+    host = inputs(rng, b, scenario="short")
+    dev = to_device(host)
+    outs = [poisoned((b, H, D)), poisoned((b, H, D), np.float32)]
+    ws = cp.full(ops.workspace_size(b, H, D, splits), np.nan, cp.float32)
+
+    def step():
+        for out in outs:
+            sparse_decode_attention(**dev, out=out, num_splits=splits, workspace=ws)
+
+    step()
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    for i in range(20):
+        with stream:
+            dev["pos"] += cp.int32(7)
+            for out in outs:
+                out.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        with stream:
+            assert _counters_zero()
+        monkeypatch.setattr(ops, "FUSED_COMBINE", False)
+        for out in outs:
+            want = sparse_decode_attention(**dev, out=cp.empty_like(out), num_splits=splits)
+            assert np.array_equal(_bits(out), _bits(want)), i
+        monkeypatch.setattr(ops, "FUSED_COMBINE", True)
+
+
+@pytest.mark.parametrize("t, splits", [(200, 3), (23, 5)])
+def test_fused_combine_in_prefill_is_bit_identical(rng, monkeypatch, t, splits):
+    heads, d, cap, n, window, start = 64, 512, 96, 64, 128, 40
+    q = cp.asarray((rng.standard_normal((t, heads, d)) * 0.1).astype(BF16))
+    kv = cp.asarray(rng.standard_normal((start + t, d)).astype(BF16))
+    comp = cp.asarray(rng.standard_normal((cap, d)).astype(BF16))
+    comp_len = cp.asarray(np.minimum((start + np.arange(t) + 1) // 4, cap).astype(np.int32))
+    indices = cp.asarray(rng.integers(-1, cap, (t, n)).astype(np.int32))
+    sink = cp.asarray(rng.standard_normal(heads).astype(np.float32))
+    first = cp.asarray(np.array([start], np.int32))
+    got = []
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
+        out = cp.full((t, heads, d), np.nan, np.float32)
+        ops.sparse_prefill_attention(q, kv, first, window, comp, comp_len, indices, sink, out=out, num_splits=splits)
+        got.append(_bits(out))
+    assert np.array_equal(got[0], got[1]) and _counters_zero()
+
+
+# ---- indices=None: every live compressed entry, without an index list
+
+
+@pytest.mark.parametrize("b, w, c, splits", [(1, 128, 32, None), (3, 128, 1024, 10), (2, 16, 300, 1), (4, 0, 70, 3)])
+def test_indices_none_equals_every_index(rng, b, w, c, splits):
+    """``indices=None`` gives the bits of the list ``all_entries`` builds (0 .. comp_len-1, then
+    -1) and of the list 0 .. C-1 (lengths below, at and beyond the capacity), through the op, the
+    layer and prefill, and matches the reference."""
+    from fp4kit.ops import elementwise as ew
+
+    args = inputs(rng, b, w=w, c=c, n=c)
+    args["comp_len"][:] = rng.integers(0, c + 5, b)
+    args["comp_len"][0] = 0
+    dev = to_device(args)
+    listed = {"all_entries": ew.all_entries(dev["comp_len"], c),
+              "every slot": cp.asarray(np.broadcast_to(np.arange(c, dtype=np.int32), (b, c)).copy())}
+    for dtype in (BF16, np.float32):
+        got = sparse_decode_attention(**dict(dev, indices=None), out=poisoned((b, H, D), dtype), num_splits=splits)
+        for name, indices in listed.items():
+            want = sparse_decode_attention(**dict(dev, indices=indices), out=poisoned((b, H, D), dtype),
+                                           num_splits=splits)
+            assert np.array_equal(_bits(got), _bits(want)), name
+    check(got, dict(args, indices=None))
+    sink = dev.pop("sink")
+    layer = SparseAttention(H, D, sink=sink)
+    got = cp.array(layer(**dict(dev, indices=None)))
+    assert np.array_equal(_bits(got), _bits(layer(**dict(dev, indices=listed["all_entries"]))))
+
+
+def test_prefill_indices_none_equals_every_index(rng):
+    from fp4kit.ops import elementwise as ew
+
+    t, heads, d, cap, window, start = 150, 64, 512, 96, 128, 30
+    q = cp.asarray((rng.standard_normal((t, heads, d)) * 0.1).astype(BF16))
+    kv = cp.asarray(rng.standard_normal((start + t, d)).astype(BF16))
+    comp = cp.asarray(rng.standard_normal((cap, d)).astype(BF16))
+    comp_len = cp.asarray(np.minimum((start + np.arange(t) + 1) // 4, cap).astype(np.int32))
+    sink = cp.asarray(rng.standard_normal(heads).astype(np.float32))
+    first = cp.asarray(np.array([start], np.int32))
+    got = [ops.sparse_prefill_attention(q, kv, first, window, comp, comp_len, i, sink, out_dtype=np.float32)
+           for i in (None, ew.all_entries(comp_len, cap))]
+    assert np.array_equal(_bits(got[0]), _bits(got[1]))

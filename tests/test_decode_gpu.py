@@ -1,7 +1,8 @@
 """The example decoder on the GPU: graph-replayed decoding equals eager decoding (identical tokens
 and logits), the tiny model agrees with its numpy run (logits, and sublayer by sublayer), a 2-layer v4-flash-slice captures and
-matches eager, and 1000 replayed steps allocate nothing."""
+matches eager, 1000 replayed steps allocate nothing, and the captured step's kernels by name."""
 
+import collections
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from dsv4 import config as configs  # noqa: E402
 from dsv4 import runner  # noqa: E402
@@ -160,3 +162,47 @@ def test_batched_prefill_on_the_gpu_matches_token_by_token(mode):
     rel = np.sqrt(((a - b) ** 2).mean(axis=1) / (b**2).mean(axis=1))
     print(mode, rel)
     assert (rel <= runner.NUMPY_TOLERANCE[mode]["max"]).all(), rel
+
+
+def test_decode_graph_kernels_fused_combine_no_index_lists_no_unread_window():
+    """The 4-layer v4-flash-slice step at batch 1 (layers of ratio 0, 4, 128, 4), captured with the
+    attention's splits merged in its kernel and with the separate combine kernel
+    (`ops.attention.FUSED_COMBINE`): the same tokens and the same logits bit for bit; counted off
+    the graph (`benchmarks/common.graph_kernels`, what bench_decode.py counts): one attention launch
+    per layer and no combine, no `all_entries` (ratio 128 passes indices=None), one window append
+    per layer (the indexer's key caches append none), the norms and RoPE of each projection's
+    parts two at a time (two launches per layer), no copy of the sampled tokens, one launch per
+    layer fewer than the separate combine, and at most 81 - 14 kernels (81: the step before these
+    changes)."""
+    from common import graph_kernels
+
+    from fp4kit.ops import attention as attention_ops
+
+    cfg = configs.v4_flash_slice(4, max_context=1024)
+    model, ckpt = runner.build(cfg, device=True, seed=4)
+    del ckpt
+    prompt = runner.random_prompt(1, 6, cfg.vocab, seed=6)
+    runs = {}
+    try:
+        for fused in (False, True):
+            attention_ops.FUSED_COMBINE = fused
+            model.generator.set_state(11, 0)
+            tokens, logits, dec = runner.run(model, prompt, 5, keep_logits=True)
+            runs[fused] = (tokens, np.stack(logits), collections.Counter(graph_kernels(dec.decode_graph.graph)))
+            del dec
+    finally:
+        attention_ops.FUSED_COMBINE = True
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    assert np.array_equal(runs[True][1].view(np.uint32), runs[False][1].view(np.uint32))
+    fused, apart = runs[True][2], runs[False][2]
+    print(sum(fused.values()), dict(fused.most_common()))
+    layers = cfg.layers
+    assert fused["sparse_decode_attention"] == layers and fused["sparse_decode_combine"] == 0
+    assert apart["sparse_decode_combine"] == layers  # every layer splits at batch 1
+    assert fused["all_entries"] == 0 and apart["all_entries"] == 0
+    assert fused["kv_append_swa"] == layers
+    ratio4 = sum(r == 4 for r in cfg.compress_ratios)
+    assert fused["rmsnorm_rope2_bf16"] == layers + ratio4 and fused["rmsnorm_rope_bf16"] == layers - ratio4
+    assert not [name for name in fused if name.startswith("cupy_copy")]  # the sampler writes st.tokens
+    assert sum(apart.values()) - sum(fused.values()) == layers
+    assert sum(fused.values()) <= 81 - 14

@@ -87,6 +87,41 @@ def test_all_entries_prompt_tokens_and_log():
     np.testing.assert_array_equal(history, [[3, 13], [1, 11], [2, 12]])  # a ring of rows
 
 
+def test_rmsnorm_rope_pair_is_two_single_calls(rng):
+    """Two parts in one call: each what `rmsnorm_rope` gives it (a weighted norm without RoPE beside
+    a rotated one; rotated query heads beside RoPE-only heads), written into ``outs`` when given."""
+    pos = rng.integers(0, 5000, 3).astype(np.int32)
+    a, b = (rng.standard_normal((3, 48)) * 2).astype(BF16), rng.standard_normal((3, 32)).astype(BF16)
+    wa, wb = rng.uniform(0.5, 2, 48).astype(np.float32), rng.uniform(0.5, 2, 32).astype(np.float32)
+    ya, yb = ew.rmsnorm_rope_pair(ew.NormRope(a, wa), ew.NormRope(b, wb, rope_dim=8), pos, eps=1e-5, theta=50.0)
+    assert np.array_equal(ya.view(np.uint16), ew.rmsnorm_rope(a, wa, eps=1e-5).view(np.uint16))
+    assert np.array_equal(yb.view(np.uint16), ew.rmsnorm_rope(b, wb, pos, eps=1e-5, rope_dim=8, theta=50.0).view(np.uint16))
+    q, iq = rng.standard_normal((3, 4, 32)).astype(BF16), rng.standard_normal((3, 2, 16)).astype(BF16)
+    outs = (np.empty_like(q), np.empty_like(iq))
+    got = ew.rmsnorm_rope_pair(ew.NormRope(q, rope_dim=8), ew.NormRope(iq, normalize=False, rope_dim=8), pos, outs=outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    assert np.array_equal(got[0].view(np.uint16), ew.rmsnorm_rope(q, None, pos, rope_dim=8).view(np.uint16))
+    assert np.array_equal(got[1].view(np.uint16), ew.rmsnorm_rope(iq, None, pos, normalize=False, rope_dim=8).view(np.uint16))
+
+
+_X8 = np.zeros((2, 8), BF16)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ew.rmsnorm_rope_pair((_X8,), ew.NormRope(_X8)), r"first: expected an elementwise.NormRope"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8.astype(np.float32))), "second.x: expected bfloat16"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8, np.ones(4, np.float32)), ew.NormRope(_X8)), r"first.weight: expected float32 \[8\]"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8, rope_dim=4)), r"positions: RoPE \(second.rope_dim > 0\)"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8, rope_dim=3), np.zeros(2, np.int32)), "second.rope_dim: expected an even"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8, rope_dim=2), ew.NormRope(np.zeros((3, 8), BF16), rope_dim=2), np.zeros(2, np.int32)),
+     r"positions: expected int32 \[3\] \(the tokens of second.x\)"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), outs=[_X8]), "outs: expected two arrays"),
+])
+def test_rmsnorm_rope_pair_bad_inputs_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: ew.rmsnorm_rope(np.zeros((2, 8), np.float32)), "x: expected bfloat16"),
     (lambda: ew.rmsnorm_rope(np.zeros((2, 8), BF16), np.ones(4, np.float32)), r"weight: expected float32 \[8\]"),

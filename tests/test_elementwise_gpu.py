@@ -33,6 +33,41 @@ def test_rmsnorm_rope(rng, shape, rope_dim, weight, normalize):
     close_bf16(dev, host)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rmsnorm_rope_pair_is_bit_identical_to_two_launches(rng, rows, capture_stream):
+    """The two-part launch gives the bits of two `rmsnorm_rope` launches (the decode step's pairs:
+    the query's low rank normed beside the latent normed and rotated; the query heads beside the
+    indexer's rotated heads), and is one kernel in a captured graph."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import graph_kernels
+
+    pos = cp.asarray(rng.integers(0, 100000, rows).astype(np.int32))
+    d = {k: cp.asarray((rng.standard_normal(shape) * 3).astype(BF16)) for k, shape in
+         [("qr", (rows, 1024)), ("kv", (rows, 512)), ("q", (rows, 64, 512)), ("iq", (rows, 64, 128))]}
+    wq, wkv = (cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32)) for n in (1024, 512))
+    kw = dict(eps=1e-6, theta=10000.0)
+    pairs = [((ew.NormRope(d["qr"], wq), ew.NormRope(d["kv"], wkv, rope_dim=64)),
+              (ew.rmsnorm_rope(d["qr"], wq, eps=1e-6), ew.rmsnorm_rope(d["kv"], wkv, pos, rope_dim=64, **kw))),
+             ((ew.NormRope(d["q"], rope_dim=64), ew.NormRope(d["iq"], normalize=False, rope_dim=64)),
+              (ew.rmsnorm_rope(d["q"], None, pos, rope_dim=64, **kw),
+               ew.rmsnorm_rope(d["iq"], None, pos, normalize=False, rope_dim=64, **kw)))]
+    for (first, second), want in pairs:
+        outs = (cp.full(first.x.shape, np.nan, BF16), cp.full(second.x.shape, np.nan, BF16))
+        got = ew.rmsnorm_rope_pair(first, second, pos, outs=outs, **kw)
+        assert got[0] is outs[0] and got[1] is outs[1]
+        for g, w in zip(got, want):
+            assert cp.array_equal(g.view(cp.uint16), w.view(cp.uint16))
+        stream = capture_stream()
+        with stream:
+            stream.begin_capture()
+            ew.rmsnorm_rope_pair(first, second, pos, outs=outs, **kw)
+            graph = stream.end_capture()
+        assert graph_kernels(graph) == ["rmsnorm_rope2_bf16"]
+
+
 def test_add_rmsnorm(rng):
     resid = rng.standard_normal((4, 4096)).astype(np.float32)
     delta = rng.standard_normal((4, 4096)).astype(BF16)

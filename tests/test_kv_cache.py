@@ -98,6 +98,32 @@ def test_counts_reset_and_overflow(rng):
     fp4kit.clear_status()
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_append_without_window_rows_leaves_the_window(rng, ratio):
+    """``append(None, comp_kv, comp_score)``: the compressed entries, lengths, compressor state and
+    positions of an append with window rows, the window untouched; a count out of range is still
+    recorded."""
+    d, b = 32, 2
+    caches = [KVCache(b, window=8, head_dim=d, ratio=ratio, max_comp=16, rope_dim=8, device=False) for _ in range(2)]
+    window = rng.standard_normal((b, 8, d)).astype(BF16)
+    caches[1].swa[...] = window
+    for t in (1, 5, 130):
+        kv = rng.standard_normal((b, t, d)).astype(BF16)
+        c = rng.standard_normal((b, t, caches[0].compress_width)).astype(np.float32)
+        caches[0].append(kv, comp_kv=c, comp_score=c)
+        caches[1].append(None, comp_kv=c, comp_score=c)
+    for name in ("pos", "comp", "comp_len", "kv_state", "score_state"):
+        assert np.array_equal(getattr(caches[0], name), getattr(caches[1], name)), name
+    assert np.array_equal(caches[1].swa.view(np.uint16), window.view(np.uint16))
+    fp4kit.clear_status()
+    c = np.ascontiguousarray(c[:, :2])
+    caches[1].append(None, comp_kv=c, comp_score=c, counts=np.array([3, 1], np.int32))
+    from fp4kit.runtime import status
+
+    assert status.read() & status.KV_INPUT
+    fp4kit.clear_status()
+
+
 def test_window_slots():
     cache = KVCache(2, window=4, head_dim=16, rope_dim=0, device=False)
     cache.pos[:] = [2, 7]
@@ -118,6 +144,10 @@ def test_window_slots():
         (dict(ratio=4), lambda c: c.append(np.zeros((1, 2, 32), BF16), comp_kv=np.zeros((1, 1, 64), np.float32), comp_score=np.zeros((1, 1, 64), np.float32)), ValueError, r"comp_kv: expected shape \(1, 2, 64\)"),
         (dict(), lambda c: c.append(np.zeros((1, 1, 32), BF16), counts=np.zeros(1, np.int64)), TypeError, "counts: expected dtype int32"),
         (dict(), lambda c: c.reset(3), IndexError, "seq: expected 0..0"),
+        (dict(), lambda c: c.append(None), ValueError, "kv: None .no window rows. is for a compressing cache"),
+        (dict(ratio=4), lambda c: c.append(None), ValueError, "comp_kv, comp_score: a compressing cache"),
+        (dict(ratio=4), lambda c: c.append(None, comp_kv=np.zeros((1, 1, 64), np.float32)), ValueError, "comp_kv, comp_score: a compressing cache"),
+        (dict(ratio=4), lambda c: c.append(None, comp_kv=np.zeros((1, 1, 32), np.float32), comp_score=np.zeros((1, 1, 32), np.float32)), ValueError, r"comp_kv: expected shape \(1, T, 64\)"),
     ],
 )
 def test_bad_input(make, call, exc, message):

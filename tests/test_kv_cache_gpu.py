@@ -99,3 +99,52 @@ def test_decode_append_in_a_cuda_graph(rng, ratio, capture_stream):
         host.append(kv, **kw)
     stream.synchronize()
     assert_same(host, dev)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_append_without_window_rows_on_device(rng, ratio, capture_stream):
+    """``append(None, ...)`` on the device: the window rows stay as they were (bit for bit), the
+    compressed entries, lengths, compressor state and positions are those of an append with window
+    rows (bit for bit), equal to the numpy cache; captured, it is the compressor's launch alone; a
+    count out of range is still recorded."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import graph_kernels
+
+    from fp4kit.runtime import status
+
+    host, dev = pair(2, ratio, rng, max_comp=64, head_dim=128, window=1)
+    _, with_rows = pair(2, ratio, rng, max_comp=64, head_dim=128, window=1)
+    with_rows.ape[...] = dev.ape
+    with_rows.norm_weight[...] = dev.norm_weight
+    window = cp.asarray(rng.standard_normal(dev.swa.shape).astype(BF16))
+    dev.swa[...] = window
+    host.swa[...] = cp.asnumpy(window)
+    for t in (1, 3, 300, 1):
+        kv, kw = inputs(rng, 2, t, host)
+        kw_d = {k: cp.asarray(v) for k, v in kw.items()}
+        dev.append(None, **kw_d)
+        with_rows.append(cp.asarray(kv), **kw_d)
+        host.append(None, **kw)
+    assert cp.array_equal(dev.swa.view(cp.uint16), window.view(cp.uint16))
+    for name in ("pos", "comp", "comp_len", "kv_state", "score_state"):
+        assert cp.array_equal(getattr(dev, name), getattr(with_rows, name)), name
+    assert_same(host, dev)
+
+    kv, kw = inputs(rng, 2, 1, host)
+    kw_d = {k: cp.asarray(v) for k, v in kw.items()}
+    dev.append(None, **kw_d)
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        dev.append(None, **kw_d)
+        graph = stream.end_capture()
+    assert graph_kernels(graph) == ["kv_compress_f32"]
+
+    status.clear()
+    dev.append(None, **{k: cp.ascontiguousarray(v[:, :2]) for k, v in kw_d.items()},
+               counts=cp.asarray(np.array([3, 1], np.int32)))
+    assert status.read() & status.KV_INPUT
+    status.clear()

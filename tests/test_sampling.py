@@ -191,6 +191,19 @@ def test_sampler_layer_owns_its_buffer():
         Sampler(Generator(5, device=False), top_p=0.0)
 
 
+def test_sampler_writes_into_a_callers_buffer():
+    """``out=``: the tokens of the call without it, in the caller's buffer; a wrong buffer is named."""
+    x = np.array([[0.0, 5.0, 4.0, -1.0], [3.0, 0.0, 0.0, 3.5]], np.float32)
+    want = Sampler(Generator(5, device=False), top_k=3)(x).copy()
+    s = Sampler(Generator(5, device=False), top_k=3)
+    mine = np.full(2, -1, np.int32)
+    assert s(x, out=mine) is mine and mine.tolist() == want.tolist()
+    with pytest.raises(ValueError, match="out: expected shape"):
+        s(x, out=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        s(x, out=np.zeros(2, np.int64))
+
+
 # ---- errors
 
 

@@ -218,10 +218,7 @@ class Attention:
             state["index"] = KVCache(batch, head_dim=cfg.index_head_dim, ratio=4, max_comp=cfg.max_comp(4),
                                      ape=e["indexer.compressor.ape"], norm_weight=e["indexer.compressor.norm"],
                                      rope_dim=cfg.rope_dim, **{**common, "window": 1})
-            state["index_kv"] = xp.zeros((batch, 1, cfg.index_head_dim), BF16)  # its (unused) window row
-        elif self.ratio == 128:
-            state["indices"] = xp.full((batch, cfg.max_comp(128)), -1, np.int32)
-        else:
+        elif not self.ratio:
             state["indices"] = xp.full((batch, 1), -1, np.int32)
             state["comp"] = xp.zeros((batch, 1, cfg.head_dim), BF16)  # no compressed entries
             state["comp_len"] = xp.zeros(batch, np.int32)
@@ -236,19 +233,25 @@ class Attention:
         cfg, cache = self.cfg, st["kv"]
         rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         of_h = dict(zip(self.of_h.names, self.of_h(h)))
-        qr = ew.rmsnorm_rope(of_h["wq_a"], self.q_norm, eps=cfg.eps)
+        # the norms (and RoPE) of the parts of one projection's output in one launch each
+        qr, kv = ew.rmsnorm_rope_pair(ew.NormRope(of_h["wq_a"], self.q_norm),
+                                      ew.NormRope(of_h["wkv"], self.kv_norm, rope_dim=cfg.rope_dim), positions,
+                                      eps=cfg.eps, theta=self.theta)
+        kv = kv.reshape(b, t, cfg.head_dim)
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
-        q = ew.rmsnorm_rope(of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim), None, positions, **rope)
-        kv = ew.rmsnorm_rope(of_h["wkv"], self.kv_norm, positions, **rope).reshape(b, t, cfg.head_dim)
+        wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
         iq = w = None
         if self.ratio == 4:  # the indexer's query, rotated at the same positions
-            iq = ew.rmsnorm_rope(of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim), None,
-                                 positions, normalize=False, **rope)
+            iq = of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim)
+            q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
+                                         ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
+                                         eps=cfg.eps, theta=self.theta)
+        else:
+            q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         cache.append(kv, *compressor)
-        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window rows are never read)
-            window = st["index_kv"] if t == 1 else self.xp.zeros((b, t, cfg.index_head_dim), BF16)
-            st["index"].append(window, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
+        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window is never read: no append)
+            st["index"].append(None, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
             w = of_h["indexer.weights_proj"]
         return q, kv, iq, w
 
@@ -260,9 +263,8 @@ class Attention:
             keys = st["index"]
             indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)
             comp, comp_len = cache.comp, cache.comp_len
-        elif self.ratio == 128:
-            indices = ew.all_entries(cache.comp_len, st["indices"].shape[1], out=st["indices"])
-            comp, comp_len = cache.comp, cache.comp_len
+        elif self.ratio == 128:  # every live entry: the kernel walks them, no index list is built
+            indices, comp, comp_len = None, cache.comp, cache.comp_len
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
@@ -284,9 +286,7 @@ class Attention:
         visible = np.minimum((np.arange(t) + 1) // self.ratio, capacity) if self.ratio else np.zeros(t)
         comp_len = xp.asarray(visible.astype(np.int32))
         start = xp.zeros(1, np.int32)
-        if self.ratio == 128:
-            every = ew.all_entries(comp_len, capacity)
-        elif not self.ratio:
+        if not self.ratio:
             none, no_entries = xp.full((t, 1), -1, np.int32), xp.zeros((1, cfg.head_dim), BF16)
         o = xp.empty((b * t, cfg.heads, cfg.head_dim), BF16)
         for s in range(b):
@@ -296,8 +296,8 @@ class Attention:
                 indices = self.indexer.score_topk(q=iq[rows], w=w[rows], keys=keys, lengths=comp_len,
                                                   w_scale=self.index_w_scale)
                 comp = cache.comp[s]
-            elif self.ratio == 128:
-                indices, comp = every, cache.comp[s]
+            elif self.ratio == 128:  # every entry complete at each query
+                indices, comp = None, cache.comp[s]
             else:
                 indices, comp = none, no_entries
             self.attn.prefill(q[rows], kv[s], start, cfg.window, comp, comp_len, indices, out=o[rows])
@@ -412,7 +412,7 @@ class Model:
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.
         Launches only (no host sync): capturable in a CUDA graph after one eager call."""
         logits = self.forward(st)
-        st.tokens[...] = self.sampler(logits)
+        self.sampler(logits, out=st.tokens)  # the samples land in the state's tokens: no copy
         ew.log_tokens(st.tokens, st.history, st.step)
         return st.tokens
 

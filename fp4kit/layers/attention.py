@@ -89,7 +89,8 @@ class SparseAttention:
 
         Arguments as in `fp4kit.ops.attention.sparse_decode_attention` (``q`` bf16
         ``[B, heads, head_dim]``, ``swa`` ``[B, W, D]``, ``pos`` int32 ``[B]``, ``comp``
-        ``[B, C, D]``, ``comp_len`` int32 ``[B]``, ``indices`` int32 ``[B, N]``). On the device,
+        ``[B, C, D]``, ``comp_len`` int32 ``[B]``, ``indices`` int32 ``[B, N]``, or None for every
+        live entry). On the device,
         without ``out`` the result is a buffer owned by the layer and overwritten by the next call
         with the same batch size (what a captured decode step wants); pass ``out`` to keep results.
         """
@@ -105,9 +106,14 @@ class SparseAttention:
         import cupy
 
         swa = arrays.as_array(swa, "swa")
-        indices = arrays.as_array(indices, "indices")
+        if indices is None:  # every live entry: N = C
+            comp = arrays.as_array(comp, "comp")
+            selected = comp.shape[1] if comp.ndim == 3 else 0
+        else:
+            indices = arrays.as_array(indices, "indices")
+            selected = indices.shape[1] if indices.ndim == 2 else 0
         batch, device = q.shape[0], arrays.device_id(q)
-        candidates = (swa.shape[1] if swa.ndim == 3 else 0) + (indices.shape[1] if indices.ndim == 2 else 0)
+        candidates = (swa.shape[1] if swa.ndim == 3 else 0) + selected
         splits = attention_ops.num_splits_for(q, candidates)
         if out is None:
             out = self._buffers.get(("out", device, batch),

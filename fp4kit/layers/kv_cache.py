@@ -9,7 +9,7 @@ Buffers (all preallocated at construction, never grown):
 * the compressor's fp32 state rings ``kv_state`` / ``score_state`` ``[B, coff*R, coff*D]``.
 
 `append` writes T new tokens of every sequence in fixed launches (the ring write, the compressor,
-the position advance) whose kernels read the positions on the device, so a decode step can be
+the position advance; no ring write for a cache whose window is never read: ``append(None, ...)``) whose kernels read the positions on the device, so a decode step can be
 captured in a CUDA graph and replayed while the positions advance. An entry that does not fit is
 dropped and recorded in the device status word (``KV_COMP_OVERFLOW``), never written over another.
 """
@@ -100,15 +100,26 @@ class KVCache:
 
         Parameters
         ----------
-        kv : bf16 ``[B, T, D]`` — the layer's latent KV of the new tokens (the ring buffer's rows)
+        kv : bf16 ``[B, T, D]`` — the layer's latent KV of the new tokens (the ring buffer's rows), or
+            None for a compressing cache whose window is never read: the ring is left as it is (no
+            launch for it), the compressor and the positions move on as usual
         comp_kv, comp_score : bf16 or fp32 ``[B, T, coff*D]`` — the compressor's inputs (ratio > 0)
         counts : int32 ``[B]``, optional — valid new tokens per sequence (<= T; prefill of prompts of
             different lengths); in the cache's memory, read on the device. A count outside ``[0, T]``
             is data, not an error: it is clamped to that range and recorded in the status word
             (`fp4kit.runtime.status.KV_INPUT`)
         """
-        kv = self._check("kv", kv, (self.batch, None, self.head_dim), (arrays.BF16,))
-        t = kv.shape[1]
+        if kv is None:
+            if not self.ratio:
+                raise ValueError("kv: None (no window rows) is for a compressing cache (ratio > 0); this one has "
+                                 "ratio 0 and appends only its window")
+            if comp_kv is None:
+                raise ValueError("comp_kv, comp_score: a compressing cache (ratio > 0) needs the compressor inputs")
+            t = self._check("comp_kv", comp_kv, (self.batch, None, self.compress_width),
+                            (arrays.BF16, np.dtype(np.float32))).shape[1]
+        else:
+            kv = self._check("kv", kv, (self.batch, None, self.head_dim), (arrays.BF16,))
+            t = kv.shape[1]
         if self.ratio:
             if comp_kv is None or comp_score is None:
                 raise ValueError("comp_kv, comp_score: a compressing cache (ratio > 0) needs the compressor inputs")
@@ -123,7 +134,8 @@ class KVCache:
             n = None if counts is None else np.clip(counts, 0, t).astype(np.int32)
             if n is not None and not np.array_equal(n, counts):
                 status.record_host(status.KV_INPUT)
-            ref.append_swa(self.swa, self.pos, kv, n)
+            if kv is not None:
+                ref.append_swa(self.swa, self.pos, kv, n)
             if self.ratio:
                 dropped = ref.append_compressed(self.comp, self.comp_len, self.kv_state, self.score_state, self.pos,
                                                 comp_kv.astype(np.float32), comp_score.astype(np.float32), self.ape,
@@ -133,11 +145,12 @@ class KVCache:
                     status.record_host(status.KV_COMP_OVERFLOW)
             ref.advance(self.pos, t, n)
             return
-        kv_ops.append_swa(self.swa, self.pos, kv, counts)
+        if kv is not None:
+            kv_ops.append_swa(self.swa, self.pos, kv, counts)
         if self.ratio:  # the compressor moves the positions on at its end
             kv_ops.compress(comp_kv, comp_score, counts, self.ape, self.norm_weight, self.kv_state, self.score_state,
                             self.comp, self.comp_len, self.pos, ratio=self.ratio, eps=self.eps,
-                            rope_dim=self.rope_dim, theta=self.rope_theta, advance=True)
+                            rope_dim=self.rope_dim, theta=self.rope_theta, advance=True, report_counts=kv is None)
         else:
             kv_ops.advance(self.pos, counts, t)
 

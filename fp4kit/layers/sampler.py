@@ -117,8 +117,10 @@ class Sampler:
 
         return self._buffers.get((ordinal, batch), make)
 
-    def __call__(self, logits, **overrides):
-        """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call)."""
+    def __call__(self, logits, *, out=None, **overrides):
+        """Token ids int32 ``[B]`` in this sampler's buffer for B (overwritten by the next call), or
+        in ``out`` (int32 ``[B]`` in the logits' memory) when given: a caller that keeps the tokens
+        in a buffer of its own needs no copy after the call."""
         unknown = set(overrides) - set(self.defaults)
         if unknown:
             raise TypeError(f"Sampler: unknown parameter(s) {sorted(unknown)}; have {sorted(self.defaults)}")
@@ -126,5 +128,6 @@ class Sampler:
         logits = arrays.as_array(logits, "logits")
         if logits.ndim != 2:
             raise ValueError(f"logits: expected a 2-D array [batch, vocab], got {arrays.describe(logits)}")
-        out = self._buffer(int(logits.shape[0]), arrays.device_id(logits))  # in the logits' memory
+        if out is None:
+            out = self._buffer(int(logits.shape[0]), arrays.device_id(logits))  # in the logits' memory
         return sampling_ops.sample(logits, generator=self.generator, out=out, **params)

@@ -15,8 +15,11 @@ buffers (or use `fp4kit.layers.attention.SparseAttention`, which owns them).
 Launch plan. Blocks own 16 query heads and a contiguous split of the ``W + N`` candidates. When
 the batch alone does not fill the GPU (e.g. batch 1: 4 blocks of 16 heads for 64 heads), the
 candidates are cut into ``num_splits`` splits whose partial results (fp32, in ``workspace``) a
-second small kernel merges with the sink; with one split the first kernel writes the output
-itself. `default_num_splits` picks the count from the shapes and the SM count. Results are
+second step merges with the sink; with one split the first kernel writes the output itself. With
+`FUSED_COMBINE` (the default) that merge is done by the last block of each (row, head group) to
+finish, inside the attention kernel, counting arrivals in a per-stream counter buffer that is
+zeroed once when it is made and that the merging block puts back to zero; otherwise a second
+kernel (``sparse_decode_combine``) merges. Both paths give the same bits. `default_num_splits` picks the count from the shapes and the SM count. Results are
 deterministic for a given count; different counts differ by rounding only (fp32 sums, bf16
 probabilities).
 """
@@ -48,6 +51,12 @@ MAX_CANDIDATES_PER_SPLIT = 2048
 MIN_CANDIDATES_PER_SPLIT = 64
 _MAX_BATCH = 65535  # gridDim.z
 _I32_MAX = 2**31 - 1
+#: merge the splits inside the attention kernel (one launch) instead of in sparse_decode_combine
+#: (two launches); the same arithmetic in the same order, so the same bits. Read at each launch.
+FUSED_COMBINE = True
+#: arrival counters per stream, one per (query row, head group); a call needing more uses the
+#: separate combine kernel
+MAX_FUSED_GROUPS = 1 << 16
 _I32 = np.int32
 _F32 = np.float32
 OUT_DTYPES = (arrays.BF16, np.dtype(np.float32))
@@ -169,17 +178,25 @@ def _validate(q, swa, pos, comp, comp_len, indices, sink):
     pos = _take("pos", pos, np.int32, f"[{b}]", (batch,))
     comp = _take("comp", comp, arrays.BF16, f"[{b}, C, {d}]", (batch, None, head_dim))
     comp_len = _take("comp_len", comp_len, np.int32, f"[{b}]", (batch,))
-    indices = _take("indices", indices, np.int32, f"[{b}, N]", (batch, None))
+    if indices is not None:  # None: every live entry (N = C)
+        indices = _take("indices", indices, np.int32, f"[{b}, N] or None", (batch, None))
     sink = _take("sink", sink, np.float32, f"[Hq={heads}]", (heads,))
-    window, capacity, selected = swa.shape[1], comp.shape[1], indices.shape[1]
+    window, capacity = swa.shape[1], comp.shape[1]
+    selected = _selected(indices, capacity)
     if window + selected > _I32_MAX or capacity > _I32_MAX:
         raise ValueError(f"swa, comp, indices: W + N and C must be below 2**31, got W={window}, N={selected}, C={capacity}")
     arrays.check_same_device(q=q, swa=swa, pos=pos, comp=comp, comp_len=comp_len, indices=indices, sink=sink)
     for name, x in (("q", q), ("swa", swa), ("comp", comp)):
         arrays.check_aligned(name, x, 16)
     for name, x in (("pos", pos), ("comp_len", comp_len), ("indices", indices), ("sink", sink)):
-        arrays.check_aligned(name, x, 4)
+        if x is not None:
+            arrays.check_aligned(name, x, 4)
     return q, swa, pos, comp, comp_len, indices, sink
+
+
+def _selected(indices, capacity: int) -> int:
+    """N, the compressed candidates of a row: the selection's length, or every entry (None)."""
+    return capacity if indices is None else indices.shape[1]
 
 
 def _check_workspace(ws, needed: int, like):
@@ -216,9 +233,10 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         Compressed cache of capacity ``C``.
     comp_len : int32 ``[B]``
         Live compressed length; entries at or beyond ``min(comp_len, C)`` are ignored.
-    indices : int32 ``[B, N]``
+    indices : int32 ``[B, N]`` or None
         Selected compressed entries; ``-1`` (and any index outside ``[0, comp_len)``) is ignored,
-        an index given twice counts twice.
+        an index given twice counts twice. None: every live entry, in order (what the indices
+        ``0 .. C-1`` select, and the same bits on the device, with ``N = C``; no index list to build).
     sink : fp32 ``[Hq]``
         Attention-sink logit per head (``-inf``: none). It adds ``exp(sink - m)`` to the
         normaliser and has no value vector.
@@ -244,7 +262,7 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     """
     q, swa, pos, comp, comp_len, indices, sink = _validate(q, swa, pos, comp, comp_len, indices, sink)
     head_dim = q.shape[2]
-    candidates = swa.shape[1] + indices.shape[1]
+    candidates = swa.shape[1] + _selected(indices, comp.shape[1])
     scale = _scale_value(scale, head_dim)
     dtype = _out_dtype(out, out_dtype)
     if out is not None:
@@ -270,7 +288,8 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
     import cupy
 
     batch, heads, head_dim = q.shape
-    candidates = window + indices.shape[1]
+    selected = _selected(indices, capacity)
+    candidates = window + selected
     if splits is None:
         splits = num_splits_for(q, candidates)
     needed = workspace_size(batch, heads, head_dim, splits)
@@ -293,11 +312,14 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
     out_f32 = _I32(dtype == np.float32)
     scale_log2 = _F32(scale * math.log2(math.e))
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
-    kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len, indices, sink, out, part_o,
+    fused = splits > 1 and FUSED_COMBINE and batch * grid[1] <= MAX_FUSED_GROUPS
+    counters = _arrival_counters() if fused else 0
+    kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len,
+                                   0 if indices is None else indices, sink, out, part_o,
                                    part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
-                                   _I32(indices.shape[1]), _I32(chunk), scale_log2, out_f32, status.device_word(),
-                                   0 if start is None else start, _I32(kv_rows)), shared_mem=shared)
-    if splits > 1:
+                                   _I32(selected), _I32(chunk), scale_log2, out_f32, status.device_word(),
+                                   0 if start is None else start, _I32(kv_rows), counters), shared_mem=shared)
+    if splits > 1 and not fused:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS)
         combine.launch((heads, batch), _COMBINE_THREADS, (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),
                                                           _I32(splits), out_f32))
@@ -328,8 +350,9 @@ def sparse_prefill_attention(q, kv, start, window: int, comp, comp_len, indices,
         The sequence's compressed entries.
     comp_len : int32 ``[T]``
         Entries complete at each query's position.
-    indices : int32 ``[T, N]``
-        Each query's selection (-1 pads; duplicates count twice).
+    indices : int32 ``[T, N]`` or None
+        Each query's selection (-1 pads; duplicates count twice); None: every entry complete at the
+        query (``N = C``).
     sink, scale, out, out_dtype, num_splits, workspace
         As in `sparse_decode_attention` (``out [T, Hq, D]``; splits of the ``W + N`` candidates).
     """
@@ -340,24 +363,27 @@ def sparse_prefill_attention(q, kv, start, window: int, comp, comp_len, indices,
     start = _take("start", start, np.int32, "[1]", (1,))
     comp = _take("comp", comp, arrays.BF16, f"[C, {d}]", (None, head_dim))
     comp_len = _take("comp_len", comp_len, np.int32, f"[{t}]", (tokens,))
-    indices = _take("indices", indices, np.int32, f"[{t}, N]", (tokens, None))
+    if indices is not None:  # None: every entry complete at the query (N = C)
+        indices = _take("indices", indices, np.int32, f"[{t}, N] or None", (tokens, None))
     sink = _take("sink", sink, np.float32, f"[Hq={heads}]", (heads,))
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= _I32_MAX:
         raise ValueError(f"window: expected a positive int below 2**31, got {window!r}")
     window = int(window)
-    if window + indices.shape[1] > _I32_MAX or max(kv.shape[0], comp.shape[0]) > _I32_MAX:
+    selected = _selected(indices, comp.shape[0])
+    if window + selected > _I32_MAX or max(kv.shape[0], comp.shape[0]) > _I32_MAX:
         raise ValueError(f"kv, comp, indices: L, C and W + N must be below 2**31, got L={kv.shape[0]}, "
-                         f"C={comp.shape[0]}, W + N={window + indices.shape[1]}")
+                         f"C={comp.shape[0]}, W + N={window + selected}")
     arrays.check_same_device(q=q, kv=kv, start=start, comp=comp, comp_len=comp_len, indices=indices, sink=sink)
     for name, x in (("q", q), ("kv", kv), ("comp", comp)):
         arrays.check_aligned(name, x, 16)
     for name, x in (("start", start), ("comp_len", comp_len), ("indices", indices), ("sink", sink)):
-        arrays.check_aligned(name, x, 4)
+        if x is not None:
+            arrays.check_aligned(name, x, 4)
     scale = _scale_value(scale, head_dim)
     dtype = _out_dtype(out, out_dtype)
     if out is not None:
         arrays.check_out("out", out, q.shape, dtype, q)
-    splits = _splits_value(num_splits, window + indices.shape[1])
+    splits = _splits_value(num_splits, window + selected)
 
     if not arrays.is_device_array(q):
         if workspace is not None:
@@ -371,6 +397,12 @@ def sparse_prefill_attention(q, kv, start, window: int, comp, comp_len, indices,
         return arrays.host_result(result.astype(dtype), out)
     return _launch(q, kv, None, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace,
                    window=window, capacity=comp.shape[0], start=start, kv_rows=kv.shape[0])
+
+
+def _arrival_counters():
+    """The fused combine's counters for the current device and stream: zeroed once when made
+    (outside any capture), then zero between launches, each merging block resetting its own."""
+    return scratch.stream_buffer("sparse_decode_attention.counters", MAX_FUSED_GROUPS, np.uint32, zeroed=True)
 
 
 def _shared_workspace(elements: int):

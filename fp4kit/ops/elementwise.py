@@ -8,6 +8,8 @@ lengths and tokens on the device and write into ``out`` when given (what a captu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..reference import elementwise as ref
@@ -37,6 +39,30 @@ def _out(out, shape, dtype, like):
     return out
 
 
+def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
+    """The validated ``x``, ``weight`` and ``positions`` of one RMSNorm + RoPE (``part``: the
+    argument's name prefix in messages, e.g. ``"second."``)."""
+    x = _check(f"{part}x", x, arrays.BF16, (2, 3))
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"{part}x: expected an even last dimension, got {arrays.describe(x)}")
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)) or rope_dim < 0 or rope_dim % 2 \
+            or rope_dim > d:
+        raise ValueError(f"{part}rope_dim: expected an even number in [0, {d}], got {rope_dim}")
+    if weight is not None:
+        weight = _check(f"{part}weight", weight, np.float32, (1,))
+        if weight.shape[0] != d:
+            raise ValueError(f"{part}weight: expected float32 [{d}], got {arrays.describe(weight)}")
+    if rope_dim:
+        if positions is None:
+            raise ValueError(f"positions: RoPE ({part}rope_dim > 0) needs the token positions")
+        positions = _check("positions", positions, np.int32, (1,))
+        if positions.shape[0] != x.shape[0]:
+            raise ValueError(f"positions: expected int32 [{x.shape[0]}] (the tokens of {part}x), "
+                             f"got {arrays.describe(positions)}")
+    return x, weight, positions
+
+
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
                  theta: float = 10000.0, out=None):
     """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
@@ -44,22 +70,8 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
     ``weight`` fp32 ``[D]`` or None; ``positions`` int32 ``[B]`` (the token's index in its
     sequence; read on the device), required when ``rope_dim > 0``.
     """
-    x = _check("x", x, arrays.BF16, (2, 3))
+    x, weight, positions = _norm_rope_args(x, weight, positions, rope_dim)
     d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"x: expected an even last dimension, got {arrays.describe(x)}")
-    if rope_dim < 0 or rope_dim % 2 or rope_dim > d:
-        raise ValueError(f"rope_dim: expected an even number in [0, {d}], got {rope_dim}")
-    if weight is not None:
-        weight = _check("weight", weight, np.float32, (1,))
-        if weight.shape[0] != d:
-            raise ValueError(f"weight: expected float32 [{d}], got {arrays.describe(weight)}")
-    if rope_dim:
-        if positions is None:
-            raise ValueError("positions: RoPE (rope_dim > 0) needs the token positions")
-        positions = _check("positions", positions, np.int32, (1,))
-        if positions.shape[0] != x.shape[0]:
-            raise ValueError(f"positions: expected int32 [{x.shape[0]}], got {arrays.describe(positions)}")
     arrays.check_same_device(x=x, weight=weight, positions=positions, out=out)
     if not arrays.is_device_array(x):
         y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
@@ -73,6 +85,50 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
                              _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
                              np.float32(theta)))
     return out
+
+
+class NormRope(NamedTuple):
+    """One part of `rmsnorm_rope_pair`: the arguments of `rmsnorm_rope` that may differ by part."""
+
+    x: object
+    weight: object = None
+    normalize: bool = True
+    rope_dim: int = 0
+
+
+def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps: float = 1e-6,
+                      theta: float = 10000.0, outs=None) -> tuple:
+    """`rmsnorm_rope` of two arrays in one launch (e.g. two parts of one concatenated projection's
+    output), each exactly as `rmsnorm_rope` computes it, with the same ``positions``, ``eps`` and
+    ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs)."""
+    parts = []
+    for name, part in (("first", first), ("second", second)):
+        if not isinstance(part, NormRope):
+            raise TypeError(f"{name}: expected an elementwise.NormRope(x, weight, normalize, rope_dim), "
+                            f"got {type(part).__name__}")
+        x, weight, pos = _norm_rope_args(part.x, part.weight, positions, part.rope_dim, f"{name}.")
+        parts.append((x, weight, bool(part.normalize), int(part.rope_dim)))
+        positions = pos if pos is not None else positions
+    if outs is not None and (not isinstance(outs, (tuple, list)) or len(outs) != 2):
+        raise TypeError(f"outs: expected two arrays (y0, y1) or None, got {type(outs).__name__}")
+    outs = (None, None) if outs is None else tuple(outs)
+    (x0, w0, n0, r0), (x1, w1, n1, r1) = parts
+    arrays.check_same_device(**{"first.x": x0, "first.weight": w0, "second.x": x1, "second.weight": w1,
+                                "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1]})
+    if not arrays.is_device_array(x0):
+        return tuple(arrays.host_result(ref.rmsnorm_rope(x, w, positions if r else None, eps=eps, normalize=n,
+                                                         rope_dim=r, theta=theta), out)
+                     for (x, w, n, r), out in zip(parts, outs))
+    ys = tuple(_out(out, x.shape, arrays.BF16, x) for (x, _, _, _), out in zip(parts, outs))
+    rows0, rows1 = x0.size // x0.shape[-1], x1.size // x1.shape[-1]
+    if rows0 + rows1:
+        heads = [x.shape[1] if x.ndim == 3 else 1 for x in (x0, x1)]
+        loader.get_kernel(_MODULE, "rmsnorm_rope2_bf16")(
+            rows0 + rows1, _THREADS,
+            (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
+             _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
+             0 if positions is None else positions, np.float32(eps), np.float32(theta)))
+    return ys
 
 
 def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):

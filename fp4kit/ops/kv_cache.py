@@ -19,16 +19,17 @@ def append_swa(swa, pos, kv, counts) -> None:
 
 
 def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, *, ratio, eps, rope_dim,
-             theta, advance: bool = False) -> None:
+             theta, advance: bool = False, report_counts: bool = False) -> None:
     """The compressor over the new tokens; with ``advance`` it also moves the positions on (what
-    `advance` does), so a compressing cache appends in two launches."""
+    `advance` does), so a compressing cache appends in two launches (one without a window append);
+    with ``report_counts`` it records a count out of range (which `append_swa` does otherwise)."""
     b, t, _ = c.shape
     d = comp.shape[2]
     suffix = "bf16" if c.dtype == arrays.BF16 else "f32"
     loader.get_kernel(_MODULE, f"kv_compress_{suffix}")(
         b, 256, (c, z, 0 if counts is None else counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos,
                  _U32(t), _U32(d), _U32(ratio), _U32(comp.shape[1]), np.float32(eps), _U32(rope_dim),
-                 np.float32(theta), status.device_word(), np.int32(advance)))
+                 np.float32(theta), status.device_word(), np.int32(int(advance) | 2 * int(report_counts))))
 
 
 def advance(pos, counts, t: int) -> None:

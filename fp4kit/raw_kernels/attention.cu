@@ -9,11 +9,14 @@
 //   pos       int32 [B]          tokens written; valid slots are 0 .. min(max(pos, 0), W) - 1
 //   comp      bf16  [B, C, D]    compressed cache, capacity C
 //   comp_len  int32 [B]          live compressed length; entry i is valid iff 0 <= i < min(comp_len, C)
-//   indices   int32 [B, N]       selected entries; -1 / out of range ignored, duplicates count twice
+//   indices   int32 [B, N]       selected entries; -1 / out of range ignored, duplicates count twice;
+//                                null: every entry, N = C (what an index list 0 .. C-1 would select)
 //   sink      fp32  [Hq]         attention-sink logit per head (-inf: no sink)
 //   out       bf16 or fp32 [B, Hq, D] (out_f32 selects)
 //   part_o    fp32  [B, S, Hq, D]  unnormalised partial outputs of the S candidate splits (S > 1)
 //   part_ml   fp32  [B, S, Hq, 2]  their running max (log2 domain) and probability sum
+//   counters  uint32 [B * ceil(Hq / 16)] or null  S > 1: one arrival counter per (query row, head
+//                                group), zero between launches; null: sparse_decode_combine merges
 //   start     int32 [1] or null  prefill: the B query rows are tokens start .. start + B - 1 of ONE
 //                                sequence; swa is then its K = V rows [kv_rows, D] and each query's window
 //                                the rows of the W tokens ending at it; comp [C, D] is that sequence's
@@ -41,8 +44,10 @@
 //   5. Values: each warp accumulates o[16 heads x its D columns] += P[16 x 32] V[32 x cols], V
 //      fragments by ldmatrix.trans from the same tile.
 //   S == 1: the block folds the sink in (M = max(m, sink), L = l e^(m-M) + e^(sink-M)) and writes
-//   o e^(m-M) / L; no valid row gives 0. S > 1: it writes (o, m, l) and sparse_decode_combine,
-//   grid (Hq, B), 128 threads, merges the splits and the sink in split order.
+//   o e^(m-M) / L; no valid row gives 0. S > 1: it writes (o, m, l); with counters the last block
+//   of its (row, head group) to arrive merges the S splits and the sink in split order (the same
+//   arithmetic as sparse_decode_combine, so the same bits) and puts the counter back to zero;
+//   without, sparse_decode_combine, grid (Hq, B), 128 threads, does that merge.
 #include <cuda_bf16.h>
 
 #include "common/status.cuh"
@@ -132,6 +137,50 @@ __device__ __forceinline__ void issue_tile(__nv_bfloat16* stage, const int* code
     }
 }
 
+// The merge of the S splits of one (row, head) and the sink, shared by the fused path and
+// sparse_decode_combine so both give the same bits. `first` is the row of split 0 in [B, S, Hq, *],
+// consecutive splits Hq rows apart. L2 loads (__ldcg): the fused path reads partials that other
+// blocks of the same launch wrote.
+struct SplitMerge {
+    float M, inv;  // the overall max (log2 domain, sink included) and 1 / the normaliser
+};
+
+__device__ __forceinline__ SplitMerge merge_stats(const float* part_ml, size_t first, size_t stride, int splits,
+                                                  float sink) {
+    const float s2 = sink * kLog2e;
+    float M = ATTN_NEG_INF;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(part_ml + (first + s * stride) * 2));
+    M = s2 > M ? s2 : M;
+    float inv = 0.0f;  // no valid row anywhere and no sink: the output is 0
+    if (M != ATTN_NEG_INF) {
+        float L = exp2f(s2 - M);
+        for (int s = 0; s < splits; ++s) {
+            const float* ml = part_ml + (first + s * stride) * 2;
+            L += __ldcg(ml + 1) * exp2f(__ldcg(ml) - M);
+        }
+        inv = 1.0f / L;
+    }
+    return {M, inv};
+}
+
+// Columns d .. d + 3 of the merged output, splits summed in order.
+__device__ __forceinline__ float4 merge_quad(const float* part_o, const float* part_ml, size_t first, size_t stride,
+                                             int splits, int D, int d, SplitMerge st) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (st.M != ATTN_NEG_INF) {
+        for (int s = 0; s < splits; ++s) {
+            const size_t row = first + s * stride;
+            const float w = exp2f(__ldcg(part_ml + row * 2) - st.M) * st.inv;
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * D + d));
+            acc.x += w * v.x;
+            acc.y += w * v.y;
+            acc.z += w * v.z;
+            acc.w += w * v.w;
+        }
+    }
+    return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
 sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ swa,
                         const int* __restrict__ pos, const __nv_bfloat16* __restrict__ comp,
@@ -139,7 +188,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ part_o,
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
                         float scale_log2, int out_f32, unsigned* __restrict__ status,
-                        const int* __restrict__ start, int kv_rows) {
+                        const int* __restrict__ start, int kv_rows, unsigned* __restrict__ counters) {
     pdl::wait_prior();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
@@ -183,7 +232,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                 valid = c < window_live;
                 code = c;
             } else {
-                const int entry = indices[(size_t)b * N + (c - W)];
+                const int entry = indices ? indices[(size_t)b * N + (c - W)] : c - W;
                 valid = entry >= 0 && entry < comp_live;
                 code = ~entry;
             }
@@ -375,6 +424,30 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
             }
         }
     }
+    if (splits == 1 || !counters) return;
+
+    // ---- fused combine: the last split of this (row, head group) to arrive merges all of them
+    __shared__ unsigned last_block;
+    unsigned* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    __syncthreads();
+    if (tid == 0) last_block = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();  // the other splits' partials are read after their arrivals
+    // 16 threads per head, each a float4 of columns at a time, as many heads as the group holds
+    const int head = h0 + sh;
+    if (head < Hq) {
+        const size_t first = (size_t)b * splits * Hq + head;
+        const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[head]);
+        const size_t out_row = (size_t)b * Hq + head;
+        for (int d = (tid & 15) * 4; d < D; d += 16 * 4) {
+            const float4 acc = merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, d, st);
+            store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
+            store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+        }
+    }
+    if (tid == 0) *counter = 0u;  // every split has arrived: zero for the next launch (a graph replay)
 }
 
 // Merge the S splits of one (sequence, head) and fold in the sink: grid (Hq, B), 128 threads, each
@@ -384,35 +457,11 @@ sparse_decode_combine(const float* __restrict__ part_o, const float* __restrict_
                       const float* __restrict__ sink, void* __restrict__ out, int Hq, int D, int splits, int out_f32) {
     pdl::wait_prior();
     const int h = blockIdx.x, b = blockIdx.y;
-    const size_t split_stride = (size_t)Hq;  // rows of [B, S, Hq, *] between consecutive splits
     const size_t first = (size_t)b * splits * Hq + h;
-    const float s2 = sink[h] * kLog2e;
-    float M = ATTN_NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[(first + s * split_stride) * 2]);
-    M = s2 > M ? s2 : M;
-    float inv = 0.0f;  // no valid row anywhere and no sink: the output is 0
-    if (M != ATTN_NEG_INF) {
-        float L = exp2f(s2 - M);
-        for (int s = 0; s < splits; ++s) {
-            const float* ml = part_ml + (first + s * split_stride) * 2;
-            L += ml[1] * exp2f(ml[0] - M);
-        }
-        inv = 1.0f / L;
-    }
+    const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[h]);
     const size_t out_row = (size_t)b * Hq + h;
     for (int d = threadIdx.x * 4; d < D; d += kCombineThreads * 4) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (M != ATTN_NEG_INF) {
-            for (int s = 0; s < splits; ++s) {
-                const size_t row = first + s * split_stride;
-                const float w = exp2f(part_ml[row * 2] - M) * inv;
-                const float4 v = *reinterpret_cast<const float4*>(part_o + row * D + d);
-                acc.x += w * v.x;
-                acc.y += w * v.y;
-                acc.z += w * v.z;
-                acc.w += w * v.w;
-            }
-        }
+        const float4 acc = merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, d, st);
         store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
         store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
     }

@@ -1,4 +1,5 @@
-// The small row-wise kernels between the GEMMs of a decode step: RMSNorm (+ RoPE), the residual
+// The small row-wise kernels between the GEMMs of a decode step: RMSNorm (+ RoPE, of one array or
+// of two in one launch), the residual
 // add fused with the next RMSNorm, the token-embedding gather, the "every compressed entry"
 // selection of ratio-128 layers, the token log and the split of a concatenated GEMM's output. fp4kit/reference/elementwise.py is the
 // specification. Every kernel reads positions, lengths and tokens on the device, so a decode step
@@ -39,16 +40,12 @@ __device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, u
     a = ra, b = rb;
 }
 
-// y[r] = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for rows r of D channels (D even).
+// y[r] = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for row r of D channels (D even), one block.
 // normalize = 0 skips the norm (RoPE only); w may be null (no weight); rope_dim = 0 skips RoPE,
 // else the row's position is pos[r / heads] (the token's index in its sequence).
-extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
-        const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
-        __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
-        float theta) {
-    pdl::wait_prior();
-    __shared__ float smem[kWarps];
-    const size_t row = blockIdx.x;
+__device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const float* w, const int* pos,
+                                                 __nv_bfloat16* y, size_t row, unsigned heads, unsigned D, float eps,
+                                                 int normalize, unsigned rope_dim, float theta, float* smem) {
     const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * D);
     __nv_bfloat162* yr = reinterpret_cast<__nv_bfloat162*>(y + row * D);
     const unsigned pairs = D / 2;
@@ -70,6 +67,33 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         if (w) a = __fmul_rn(a, w[2 * j]), b = __fmul_rn(b, w[2 * j + 1]);
         if (j >= first_rope_pair) ew_rope(a, b, p, j - first_rope_pair, rope_dim, theta);
         yr[j] = __floats2bfloat162_rn(a, b);
+    }
+}
+
+// rmsnorm_rope_row over the rows of x [rows, D] (rows = tokens * heads): grid rows.
+extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
+        const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
+        __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
+        float theta) {
+    pdl::wait_prior();
+    __shared__ float smem[kWarps];
+    rmsnorm_rope_row(x, w, pos, y, blockIdx.x, heads, D, eps, normalize, rope_dim, theta, smem);
+}
+
+// Two parts in one launch (e.g. two outputs of one concatenated projection), each as
+// rmsnorm_rope_bf16 runs it, with the same positions, eps and theta: grid rows0 + rows1, block r
+// < rows0 takes row r of part 0, the others row r - rows0 of part 1.
+extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
+        const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
+        int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
+        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta) {
+    pdl::wait_prior();
+    __shared__ float smem[kWarps];
+    const unsigned r = blockIdx.x;
+    if (r < rows0) {
+        rmsnorm_rope_row(x0, w0, pos, y0, r, heads0, D0, eps, normalize0, rope_dim0, theta, smem);
+    } else {
+        rmsnorm_rope_row(x1, w1, pos, y1, r - rows0, heads1, D1, eps, normalize1, rope_dim1, theta, smem);
     }
 }
 

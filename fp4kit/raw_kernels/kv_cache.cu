@@ -12,9 +12,12 @@
 //                   channel a softmax over the block's slots (and the previous block's for R = 4)
 //                   of z + ape, weighted sum of c, RMSNorm, RoPE, stored at comp[b, comp_len[b]]
 //                   (bf16 [B, C, D]); a full buffer sets FP4_STATUS_KV_COMP_OVERFLOW instead.
-//                   With `advance` it then moves pos[b] on as kv_advance does (one launch less).
+//                   flags bit 0 (kAdvance): it then moves pos[b] on as kv_advance does (one launch
+//                   less); bit 1 (kReportCounts): it records a count out of range itself (the cache
+//                   of a window nobody reads appends without kv_append_swa, which reports it otherwise).
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
-// Every kernel clamps counts[b] to [0, T]; kv_append_swa records one outside it (FP4_STATUS_KV_INPUT).
+// Every kernel clamps counts[b] to [0, T]; kv_append_swa (or kv_compress with kReportCounts) records
+// one outside it (FP4_STATUS_KV_INPUT).
 #include "common/fp32.cuh"
 #include "common/status.cuh"
 #include "common/pdl.cuh"
@@ -62,6 +65,7 @@ __device__ float block_sum(float v, float* scratch) {
     return s;
 }
 
+constexpr int kAdvance = 1, kReportCounts = 2;  // kv_compress flags
 constexpr unsigned kFastSlots = 8;  // blocks of up to this many slots (ratio 4 with its previous block)
 constexpr unsigned kPooledMax = 1024;  // entries up to this wide keep their pooled channels in shared memory
 
@@ -116,12 +120,13 @@ template <typename T>
 __device__ void compress(const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight,
                          float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos,
                          unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
-                         float theta, unsigned* status, int advance) {
+                         float theta, unsigned* status, int flags) {
     __shared__ float scratch[32];
     __shared__ float pooled[kPooledMax];
     const unsigned b = blockIdx.x;
     const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
-    const unsigned n = token_count(counts, b, Tn, false, status);  // kv_append_swa reports it
+    // kv_append_swa reports a bad count unless there is none
+    const unsigned n = token_count(counts, b, Tn, (flags & kReportCounts) && threadIdx.x == 0, status);
     float* ks = kv_state + (size_t)b * slots * width;
     float* ss = score_state + (size_t)b * slots * width;
     unsigned len = (unsigned)comp_len[b];
@@ -173,7 +178,7 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         __syncthreads();
     }
     if (threadIdx.x == 0) comp_len[b] = (int)len;
-    if (advance) {  // the position advance of kv_advance, for this block's sequence, after every read of pos[b]
+    if (flags & kAdvance) {  // the position advance of kv_advance, for this block's sequence, after every read of pos[b]
         __syncthreads();
         if (threadIdx.x == 0) pos[b] += (int)n;
     }
@@ -184,10 +189,10 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight, float* kv_state, \
         float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos, unsigned Tn, unsigned D,         \
         unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status,    \
-        int advance) {                                                                                    \
+        int flags) {                                                                                      \
         pdl::wait_prior();                                                                                     \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
-                    capacity, eps, rope_dim, theta, status, advance);                                     \
+                    capacity, eps, rope_dim, theta, status, flags);                                       \
     }
 
 FP4_DEFINE_COMPRESS(f32, float)

@@ -44,9 +44,12 @@ def window_slots(pos: int, window: int) -> np.ndarray:
 
 
 def selected_entries(indices, comp_len: int, capacity: int) -> np.ndarray:
-    """The valid entries of one sequence's selection, in the given order, duplicates kept."""
-    idx = np.asarray(indices).astype(np.int64).reshape(-1)
+    """The valid entries of one sequence's selection, in the given order, duplicates kept
+    (``indices`` None: every live entry, in order)."""
     live = min(max(int(comp_len), 0), int(capacity))
+    if indices is None:
+        return np.arange(live, dtype=np.int64)
+    idx = np.asarray(indices).astype(np.int64).reshape(-1)
     return idx[(idx >= 0) & (idx < live)]
 
 
@@ -82,17 +85,18 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale: f
     pos : int ``[B]`` tokens written so far per sequence
     comp : ``[B, C, D]`` compressed cache (capacity ``C``)
     comp_len : int ``[B]`` live compressed length per sequence
-    indices : int ``[B, N]`` selected compressed entries (-1 = padding)
+    indices : int ``[B, N]`` selected compressed entries (-1 = padding), or None: every live entry
     sink : ``[Hq]`` attention-sink logit per head
     scale : softmax scale, default ``D ** -0.5``
     """
     q = np.asarray(q)
     batch, _, head_dim = q.shape
     scale = default_scale(head_dim) if scale is None else float(scale)
-    pos, comp_len, indices = np.asarray(pos), np.asarray(comp_len), np.asarray(indices)
+    pos, comp_len = np.asarray(pos), np.asarray(comp_len)
+    indices = None if indices is None else np.asarray(indices)
     out = np.empty(q.shape, np.float64)
     for b in range(batch):
-        rows = valid_rows(swa[b], pos[b], comp[b], comp_len[b], indices[b])
+        rows = valid_rows(swa[b], pos[b], comp[b], comp_len[b], None if indices is None else indices[b])
         out[b] = attend(q[b], rows, sink, scale)
     return out
 
@@ -116,7 +120,7 @@ def prefill_attention(q, kv, start: int, window: int, comp, comp_len, indices, s
     window : sliding-window length ``W``
     comp : ``[C, D]`` compressed entries of the sequence
     comp_len : int ``[T]`` entries complete at each query's position
-    indices : int ``[T, N]`` the selection of each query (-1 = padding)
+    indices : int ``[T, N]`` the selection of each query (-1 = padding), or None: every entry complete at it
     sink, scale : as in `sparse_decode_attention`
     """
     q, kv = np.asarray(q), np.asarray(kv)
@@ -128,6 +132,7 @@ def prefill_attention(q, kv, start: int, window: int, comp, comp_len, indices, s
     for t in range(t_count):
         p = start + t
         rows = np.concatenate([kv[max(0, p + 1 - window): p + 1],
-                               np.asarray(comp)[selected_entries(indices[t], comp_len[t], np.shape(comp)[0])]])
+                               np.asarray(comp)[selected_entries(None if indices is None else indices[t], comp_len[t],
+                                                                 np.shape(comp)[0])]])
         out[t] = attend(q[t], rows.astype(np.float64), sink, scale)
     return out
