@@ -56,12 +56,13 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
         for m in (1, 8):  # the GEMV kernels, at both fetch sizes
             for f in (4, 8):
                 gemm_ops.GEMV_FETCH_TILES = f
-                for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096)]:
+                for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096), (8192, 4096)]:
                     shape = gemm_ops.gemv_config(m, n, k, sms=132)
                     names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
         gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES = saved
-    assert len({name for name in names if "_gemv_" in name}) == 16  # 1, 2, 4, 8 row tiles per block
+    # 1, 2, 4, 8 row tiles per 8-warp block, and the 16-warp blocks of one row tile, at both fetch sizes
+    assert len({name for name in names if "_gemv_" in name}) == 20
     missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
     assert not missing, f"gemm.cu does not define {missing}"
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)

@@ -173,7 +173,7 @@ def gemv_warp_chunks(shape, n, k, block_row, split, warp):
     from fp4kit.formats import tiled_dims
 
     _, chunks, groups = tiled_dims(n, k)
-    slices = 8 // shape.row_tiles_per_warp
+    slices = shape.warps // shape.row_tiles_per_warp
     per_split = shape.chunks_per_split // 4
     s_begin = split * per_split
     s_count = min(groups, s_begin + per_split) - s_begin
@@ -185,7 +185,8 @@ def gemv_warp_chunks(shape, n, k, block_row, split, warp):
 
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("split_below", [0.5, 1 << 30])
-def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, monkeypatch):
+@pytest.mark.parametrize("wide", [0.0, 1.0, float("inf")], ids=["8-warps", "16-warps-by-rule", "16-warps-always"])
+def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, wide, monkeypatch):
     """The GEMV launch: its warps (row tile x K slice, per block and split) take every (row tile,
     chunk) of the weight exactly once, slices start on scale groups (4 chunks), no split is empty,
     the split-K partials fit their scratch, and the activation slots fit in shared memory."""
@@ -193,12 +194,19 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, m
     from fp4kit.ops import gemm as gemm_ops
 
     monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", split_below)
+    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
     for f in (4, 8):
         monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", f)
         for n, k in [(1, 16), (17, 48), (2056, 1040), (2048, 7168), (1024, 4096), (32768, 1024), (4096, 65536)]:
             shape = gemm_ops.gemv_config(m, n, k, sms=132)
             row_tiles, chunks, groups = tiled_dims(n, k)
-            assert shape.gemv and shape.family == f"gemv_{shape.row_tiles_per_warp}f{f}"
+            is_wide = shape.warps == 16
+            assert shape.gemv and shape.family == f"gemv_{shape.row_tiles_per_warp}f{f}" + ("w16" if is_wide else "")
+            assert shape.warps in (8, 16) and (not is_wide or (groups >= 16 and shape.row_tiles_per_warp == 1))
+            fits = gemm_ops.gemv_shared_bytes(m, f, 16) <= gemm_ops._GEMV_MAX_SHARED
+            assert is_wide == (groups >= 16 and fits) or wide != float("inf")
+            if is_wide and wide < float("inf"):  # by the rule: 8-warp blocks would leave an SM with 8 warps
+                assert -(-row_tiles // (8 // min(8, 1 << (groups.bit_length() - 1)))) <= 132
             assert shape.row_tiles_per_warp in (1, 2, 4, 8) and shape.chunks_per_split % 4 == 0
             assert (shape.splits - 1) * shape.chunks_per_split < chunks <= shape.splits * shape.chunks_per_split
             if shape.splits > 1:
@@ -207,7 +215,7 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, m
             seen = np.zeros((row_tiles, chunks), np.int32)
             for block_row in range(shape.row_groups):
                 for split in range(shape.splits):
-                    for warp in range(8):
+                    for warp in range(shape.warps):
                         tile, c_begin, c_end = gemv_warp_chunks(shape, n, k, block_row, split, warp)
                         assert c_begin % 4 == 0
                         if tile < row_tiles:
@@ -215,8 +223,14 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, m
             assert (seen == 1).all(), (n, k, shape)
     # an 8 MB weight fills the GPU with its row tiles: no split over blocks by default
     monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 0.5)
+    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", 1.0)
     assert gemm_ops.gemv_config(1, 2048, 7168, sms=132).splits == 1
-    assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 2  # 64 row tiles: two splits
+    assert gemm_ops.gemv_config(1, 2048, 7168, sms=132).warps == 16  # 128 row tiles, 28 scale groups
+    assert gemm_ops.gemv_config(1, 4096, 4096, sms=132).warps == 8  # 256 blocks: two per SM already
+    assert gemm_ops.gemv_config(1, 2048, 2048, sms=132).warps == 8  # 8 scale groups: no more K slices
+    assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 1  # 16 warps take the 16 scale groups
+    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", 0.0)
+    assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 2  # 64 row tiles of 8 warps: two splits
 
 
 def wgmma_pair_offset(m, kk, tiles):

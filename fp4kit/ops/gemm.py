@@ -110,6 +110,13 @@ GEMV_FETCH_TILES = 4
 #: split K over blocks too while the grid has fewer blocks than this many per SM (0: never; the
 #: split measured slower even at 64 blocks: 1024x4096, M = 1 4.47 us unsplit, 5.21 in two splits)
 GEMV_SPLIT_BELOW_BLOCKS_PER_SM = 0.0
+#: 16 warps per GEMV block instead of 8 while a grid of 8-warp blocks has at most this many blocks
+#: per SM and K has 16 or more scale groups (4096+): each row tile's K then splits over 16 warps.
+#: Below one block per SM an SM holds 8 warps, two per scheduler, and the dequantizing mainloop
+#: (about 3.8 instructions per weight) is issue-bound on their dependent chains (0: never)
+GEMV_WIDE_MAX_BLOCKS_PER_SM = 1.0
+_WIDE_WARPS = 16
+_GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
 def _window_chunks(tiles: int, wgmma: bool = False) -> int:
@@ -376,13 +383,15 @@ class LaunchShape:
     shared_bytes: int
     cluster: int = 0
     gemv: bool = False
+    warps: int = _WARPS  # per block (GEMV: 8 or 16)
 
     @property
     def family(self) -> str:
         """``tiled_<T>x<R>[f8]``, ``wgmma_<T>x<R>`` or ``gemv_<RT>f<4|8>``: the kernel without its
         cluster size."""
         if self.gemv:
-            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}"
+            wide = f"w{self.warps}" if self.warps != _WARPS else ""
+            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}"
         return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
                 + ("f8" if self.fetch8 else ""))
 
@@ -490,33 +499,39 @@ def gemv_launch(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape |
     return shape if shape.row_groups <= per_sm * sms else None
 
 
-def gemv_shared_bytes(m: int, fetch_tiles: int) -> int:
+def gemv_shared_bytes(m: int, fetch_tiles: int, warps: int = _WARPS) -> int:
     """Dynamic shared memory of a GEMV launch of ``m`` rows: two activation slots of ``m`` token
     rows (``fetch_tiles`` * 64 bf16 plus 16 bytes) per warp."""
-    return _WARPS * 2 * m * (fetch_tiles * TILE_K + 8) * 2
+    return warps * 2 * m * (fetch_tiles * TILE_K + 8) * 2
 
 
 def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
     """The GEMV launch of ``m <= 8`` rows: the K range of a row tile is split over 8, 4, 2 or 1
     warps (whole scale groups of 256 k each, as many as K has, up to 8), the block holds the rest
     of its 8 warps as more row tiles, and K is split over blocks as well only while the grid has
-    fewer than `GEMV_SPLIT_BELOW_BLOCKS_PER_SM` blocks per SM."""
+    fewer than `GEMV_SPLIT_BELOW_BLOCKS_PER_SM` blocks per SM. A grid of at most
+    `GEMV_WIDE_MAX_BLOCKS_PER_SM` such blocks per SM over a K of 16+ scale groups takes 16-warp
+    blocks of one row tile instead (16 K slices)."""
     if sms is None:
         import cupy
 
         sms = loader.sm_count(cupy.cuda.Device().id)
     row_tiles, _, groups = tiled_dims(n, k)
-    slices = 1 << (min(_WARPS, groups).bit_length() - 1)  # a power of two dividing the 8 warps
-    per_block = _WARPS // slices
+    warps = _WARPS
+    slices = 1 << (min(warps, groups).bit_length() - 1)  # a power of two dividing the 8 warps
+    f = GEMV_FETCH_TILES
+    if (groups >= _WIDE_WARPS and -(-row_tiles // (warps // slices)) <= GEMV_WIDE_MAX_BLOCKS_PER_SM * sms
+            and gemv_shared_bytes(m, f, _WIDE_WARPS) <= _GEMV_MAX_SHARED):
+        warps = slices = _WIDE_WARPS
+    per_block = warps // slices
     blocks = -(-row_tiles // per_block)
     splits = 1
     if blocks < GEMV_SPLIT_BELOW_BLOCKS_PER_SM * sms:
         splits = max(1, min(groups // slices, -(-sms // blocks)))
     splits = min(splits, max(1, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))  # within the scratch
     per_split = -(-groups // splits)
-    f = GEMV_FETCH_TILES
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
-                       gemv_shared_bytes(m, f), gemv=True)
+                       gemv_shared_bytes(m, f, warps), gemv=True, warps=warps)
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,
@@ -543,7 +558,7 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
             _U32(shape.splits), _U32(shape.chunks_per_split))
     if shape.gemv and kind == "bf16":  # the activation's row stride and the rows per weight group
         args += tuple(_U32(v) for v in (grouped or (0, 0)))
-    kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * _WARPS, args,
+    kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * shape.warps, args,
                   shared_mem=shape.shared_bytes)
 
 

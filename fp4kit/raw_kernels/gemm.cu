@@ -74,26 +74,28 @@ FP4_DEFINE_GEMM_TILED(2, 1, 8, 2x1f8)
 FP4_DEFINE_GEMM_TILED(4, 1, 4, 4x1)
 FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
 
-// The decode-size kernels gemm_gemv_<RT>f<F>_{bf16,nvfp4} (M <= 8, common/gemv.cuh): RT row tiles
-// per block, the K range split over its 8 / RT warps per row tile, F weight tiles per fetch. Grid
-// (ceil(N / (16 RT)), splits), 256 threads, dynamic shared memory gemm.py `gemv_shared_bytes`; the
-// same arguments as the tiled kernels, and for bf16 the activation's row stride (0: K) and the
-// weight rows per group of a grouped GEMM (0: none; gemm.py `gemm_grouped`).
-#define FP4_DEFINE_GEMV(RT, F)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_gemv_##RT##f##F##_bf16(                     \
+// The decode-size kernels gemm_gemv_<RT>f<F>[w16]_{bf16,nvfp4} (M <= 8, common/gemv.cuh): RT row
+// tiles per block, the K range split over its W / RT warps per row tile (W = 8, or 16 with "w16"),
+// F weight tiles per fetch. Grid (ceil(N / (16 RT)), splits), 32 W threads, dynamic shared memory
+// gemm.py `gemv_shared_bytes`; the same arguments as the tiled kernels, and for bf16 the
+// activation's row stride (0: K) and the weight rows per group of a grouped GEMM (0: none; gemm.py
+// `gemm_grouped`).
+#define FP4_DEFINE_GEMV_W(RT, F, W, NAME)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_bf16(                      \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,        \
         FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS, unsigned act_ld, unsigned group_rows) {                   \
         Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
-        gemv_block<RT, F>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, ep, M, N, K, blockIdx.x,  \
-                          blockIdx.y, FP4_SPLIT);                                                              \
+        gemv_block<RT, F, WarpActBf16<F>, W>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, ep, M, \
+                                             N, K, blockIdx.x, blockIdx.y, FP4_SPLIT);                         \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) gemm_gemv_##RT##f##F##_nvfp4(                    \
+    extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_nvfp4(                     \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                          \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) { \
         Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
-        gemv_block<RT, F>(w_codes, w_scales, WarpActNvfp4<F>{act_packed, act_scales, nullptr}, ep, M, N, K,     \
-                          blockIdx.x, blockIdx.y, FP4_SPLIT);                                                  \
+        gemv_block<RT, F, WarpActNvfp4<F>, W>(w_codes, w_scales, WarpActNvfp4<F>{act_packed, act_scales, nullptr}, \
+                                              ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT);                 \
     }
+#define FP4_DEFINE_GEMV(RT, F) FP4_DEFINE_GEMV_W(RT, F, 8, RT##f##F)
 
 FP4_DEFINE_GEMV(1, 4)
 FP4_DEFINE_GEMV(2, 4)
@@ -103,6 +105,8 @@ FP4_DEFINE_GEMV(1, 8)
 FP4_DEFINE_GEMV(2, 8)
 FP4_DEFINE_GEMV(4, 8)
 FP4_DEFINE_GEMV(8, 8)
+FP4_DEFINE_GEMV_W(1, 4, 16, 1f4w16)
+FP4_DEFINE_GEMV_W(1, 8, 16, 1f8w16)
 
 // The split-K scratch of this block's token chunk (blockIdx.z).
 __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counters, unsigned splits,

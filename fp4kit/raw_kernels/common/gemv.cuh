@@ -97,17 +97,20 @@ struct WarpActNvfp4 {
 };
 
 // One block of the GEMV: row tiles RT * block_row .. + RT - 1 times tokens 0 .. M - 1 (M <= 8) over
-// the K range of split `split` (sk.chunks_per_split, a multiple of the 4 tiles of a scale group).
-// Dynamic shared memory: 8 warps x 2 slots x M rows (gemm.py `gemv_shared_bytes`).
-template <int RT, int F, class Act>
+// the K range of split `split` (sk.chunks_per_split, a multiple of the 4 tiles of a scale group),
+// by W warps (8, or 16 where a grid of 8-warp blocks would leave an SM with 8 warps: the mainloop
+// is issue-bound there, and twice the warps give each scheduler four to interleave).
+// Dynamic shared memory: W warps x 2 slots x M rows (gemm.py `gemv_shared_bytes`).
+template <int RT, int F, class Act, int W = kWarps>
 __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in, unsigned M,
                            unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk) {
-    constexpr int kSlices = kWarps / RT;
+    static_assert(W % RT == 0 && W >= kWarps, "whole K slices per row tile; the code table needs 256 threads");
+    constexpr int kSlices = W / RT;
     constexpr int kStride = GemvSlot<F>::kStride;
     static_assert(F % kGroupChunks == 0, "a fetch is whole scale words");
     extern __shared__ uint4 smem_raw[];
     __shared__ unsigned code_table[256];
-    __shared__ float red[kWarps][4][32];  // each warp's accumulator fragment, for the slice sum
+    __shared__ float red[W][4][32];  // each warp's accumulator fragment, for the slice sum
     __shared__ unsigned last_block;
 
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -232,7 +235,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         }
     }
     if (!arrive_last(sk, block_row, &last_block)) return;
-    reduce_splits_each(sk, ep, block_row * RT * 16, RT * 16, M, N, ld);
+    if (threadIdx.x < kThreads) reduce_splits_each(sk, ep, block_row * RT * 16, RT * 16, M, N, ld);  // its stride
     if (threadIdx.x == 0) sk.counters[block_row] = 0u;
 }
 
