@@ -104,7 +104,35 @@ def test_rmsnorm_rope_pair_is_two_single_calls(rng):
     assert np.array_equal(got[1].view(np.uint16), ew.rmsnorm_rope(iq, None, pos, normalize=False, rope_dim=8).view(np.uint16))
 
 
+def test_rmsnorm_rope_pair_writes_the_second_part_into_a_window_ring(rng):
+    """``window``: the second part's rows land where `KVCache.append` writes a decode token's row
+    (slot position % W of each sequence's ring, the other slots untouched), and advancing the
+    cache leaves it where the append would: a decode step without its window-append launch."""
+    from fp4kit.layers import KVCache
+
+    b, w, d = 3, 5, 32
+    a, kv = (rng.standard_normal((b, 48)) * 2).astype(BF16), rng.standard_normal((b, d)).astype(BF16)
+    wkv = rng.uniform(0.5, 2, d).astype(np.float32)
+    fused, apart = (KVCache(b, window=w, head_dim=d, rope_dim=8, device=False) for _ in range(2))
+    for cache in (fused, apart):
+        cache.swa[...] = rng.standard_normal(cache.swa.shape).astype(BF16)
+        cache.pos[...] = [0, 7, 123]
+    apart.swa[...] = fused.swa
+    ya, ring = ew.rmsnorm_rope_pair(ew.NormRope(a), ew.NormRope(kv, wkv, rope_dim=8), fused.pos, window=fused.swa)
+    assert ring is fused.swa
+    fused.advance(1)
+    ya2, yk = ew.rmsnorm_rope_pair(ew.NormRope(a), ew.NormRope(kv, wkv, rope_dim=8), apart.pos)
+    apart.append(yk[:, None, :])
+    assert np.array_equal(ya.view(np.uint16), ya2.view(np.uint16))
+    assert np.array_equal(fused.swa.view(np.uint16), apart.swa.view(np.uint16))
+    assert np.array_equal(fused.pos, apart.pos) and fused.pos.tolist() == [1, 8, 124]
+    for row, slot in enumerate([0, 7 % w, 123 % w]):  # the written rows are the normed, rotated latents
+        assert np.array_equal(fused.swa[row, slot].view(np.uint16), yk[row].view(np.uint16))
+
+
 _X8 = np.zeros((2, 8), BF16)
+_RING = np.zeros((2, 4, 8), BF16)
+_POS2 = np.zeros(2, np.int32)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -116,6 +144,17 @@ _X8 = np.zeros((2, 8), BF16)
     (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8, rope_dim=2), ew.NormRope(np.zeros((3, 8), BF16), rope_dim=2), np.zeros(2, np.int32)),
      r"positions: expected int32 \[3\] \(the tokens of second.x\)"),
     (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), outs=[_X8]), "outs: expected two arrays"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), _POS2, window=np.zeros((2, 4, 6), BF16)),
+     r"window: expected bfloat16 \[2, W, 8\]"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), _POS2, window=_RING.astype(np.float32)),
+     "window: expected bfloat16"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(np.zeros((2, 1, 8), BF16)), _POS2, window=_RING),
+     r"second.x: a window takes one row per sequence"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), window=_RING), "positions: a window ring needs"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), np.zeros(3, np.int32), window=_RING),
+     r"positions: expected int32 \[2\] \(the sequences of the window\)"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), _POS2, outs=(None, _X8), window=_RING),
+     r"outs\[1\]: the second part goes into the window"),
 ])
 def test_rmsnorm_rope_pair_bad_inputs_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

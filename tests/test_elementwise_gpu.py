@@ -68,6 +68,32 @@ def test_rmsnorm_rope_pair_is_bit_identical_to_two_launches(rng, rows, capture_s
         assert graph_kernels(graph) == ["rmsnorm_rope2_bf16"]
 
 
+def test_rmsnorm_rope_pair_into_a_window_equals_the_window_append(rng):
+    """``window=cache.swa``: the latent rows written by the norm kernel itself are the bits the
+    separate window append writes (every slot of the ring compared, positions past the window)."""
+    from fp4kit.layers import KVCache
+
+    b, w, d = 5, 128, 512
+    pos = rng.integers(0, 100000, b).astype(np.int32)
+    qr, kv = (cp.asarray((rng.standard_normal((b, n)) * 3).astype(BF16)) for n in (1024, d))
+    wq, wkv = (cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32)) for n in (1024, d))
+    fill = rng.standard_normal((b, w, d)).astype(BF16)
+    fused, apart = (KVCache(b, window=w, head_dim=d, rope_dim=64) for _ in range(2))
+    for cache in (fused, apart):
+        cache.swa[...] = cp.asarray(fill)
+        cache.pos[...] = cp.asarray(pos)
+    kw = dict(eps=1e-6, theta=10000.0)
+    parts = (ew.NormRope(qr, wq), ew.NormRope(kv, wkv, rope_dim=64))
+    y0, ring = ew.rmsnorm_rope_pair(*parts, fused.pos, window=fused.swa, **kw)
+    assert ring is fused.swa
+    fused.advance(1)
+    z0, z1 = ew.rmsnorm_rope_pair(*parts, apart.pos, **kw)
+    apart.append(z1[:, None, :])
+    assert cp.array_equal(y0.view(cp.uint16), z0.view(cp.uint16))
+    assert cp.array_equal(fused.swa.view(cp.uint16), apart.swa.view(cp.uint16))
+    assert cp.array_equal(fused.pos, apart.pos)
+
+
 def test_add_rmsnorm(rng):
     resid = rng.standard_normal((4, 4096)).astype(np.float32)
     delta = rng.standard_normal((4, 4096)).astype(BF16)

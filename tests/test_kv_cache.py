@@ -160,3 +160,19 @@ def test_bad_input(make, call, exc, message):
     cache = KVCache(1, **kwargs)
     with pytest.raises(exc, match=message):
         call(cache)
+
+
+def test_advance_moves_the_positions_of_a_cache_whose_window_rows_are_written_elsewhere():
+    """`KVCache.advance`: the position step of `append` alone (after `rmsnorm_rope_pair(...,
+    window=cache.swa)` wrote the rows); a compressing cache and a bad count are refused by name."""
+    cache = KVCache(2, window=4, head_dim=16, rope_dim=0, device=False)
+    cache.advance(1)
+    cache.advance(3)
+    assert cache.pos.tolist() == [4, 4]
+    with pytest.raises(ValueError, match="tokens: expected a non-negative int"):
+        cache.advance(-1)
+    with pytest.raises(ValueError, match="tokens: expected a non-negative int"):
+        cache.advance(True)
+    compressing = KVCache(2, window=4, head_dim=16, ratio=4, max_comp=4, rope_dim=0, device=False)
+    with pytest.raises(ValueError, match=r"advance: a compressing cache \(ratio > 0\)"):
+        compressing.advance(1)

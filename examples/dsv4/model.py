@@ -224,20 +224,22 @@ class Attention:
             state["comp_len"] = xp.zeros(batch, np.int32)
         return state
 
-    def _project_in(self, h, st: dict, positions, b: int, t: int):
+    def _project_in(self, h, st: dict, positions, b: int, t: int, decode: bool = False):
         """The queries and latents of the ``b * t`` tokens of ``h`` (sequence-major, ``positions``
         int32 per token, read on the device): returns ``q [b * t, heads, D]``, ``kv [b, t, D]``, and
         on ratio-4 layers the indexer's query and head weights (else None, None), after appending the latents and the
         compressors' inputs to the caches (``t`` tokens per sequence). Every RoPE is launched before
-        the appends, which move the positions on."""
+        the appends, which move the positions on. ``decode`` (one token per sequence at the
+        cache's positions): the latents' norm writes them straight into the window ring (no
+        window-append launch) and ``kv`` is None."""
         cfg, cache = self.cfg, st["kv"]
         rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         of_h = dict(zip(self.of_h.names, self.of_h(h)))
         # the norms (and RoPE) of the parts of one projection's output in one launch each
         qr, kv = ew.rmsnorm_rope_pair(ew.NormRope(of_h["wq_a"], self.q_norm),
                                       ew.NormRope(of_h["wkv"], self.kv_norm, rope_dim=cfg.rope_dim), positions,
-                                      eps=cfg.eps, theta=self.theta)
-        kv = kv.reshape(b, t, cfg.head_dim)
+                                      eps=cfg.eps, theta=self.theta, window=cache.swa if decode else None)
+        kv = None if decode else kv.reshape(b, t, cfg.head_dim)
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
         wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
         iq = w = None
@@ -249,7 +251,10 @@ class Attention:
         else:
             q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
-        cache.append(kv, *compressor)
+        if kv is None and not self.ratio:
+            cache.advance(t)  # the window rows are written
+        else:
+            cache.append(kv, *compressor)
         if self.ratio == 4:  # the indexer's key cache: its compressor only (its window is never read: no append)
             st["index"].append(None, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
             w = of_h["indexer.weights_proj"]
@@ -258,7 +263,7 @@ class Attention:
     def __call__(self, h, st: dict):
         cfg, cache = self.cfg, st["kv"]
         b = h.shape[0]
-        q, _, iq, w = self._project_in(h, st, cache.pos, b, 1)  # cache.pos: this token's position, before the append
+        q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
         if self.ratio == 4:
             keys = st["index"]
             indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)

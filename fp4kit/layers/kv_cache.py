@@ -154,6 +154,21 @@ class KVCache:
         else:
             kv_ops.advance(self.pos, counts, t)
 
+    def advance(self, tokens: int = 1) -> None:
+        """Move every sequence's position on by ``tokens`` after their window rows were written by
+        the kernel that produced them (`fp4kit.ops.elementwise.rmsnorm_rope_pair` with
+        ``window=cache.swa``): what `append` does after its ring write, for a cache that does not
+        compress (a compressing one appends with ``kv=None``, its compressor moving the positions)."""
+        if self.ratio:
+            raise ValueError("advance: a compressing cache (ratio > 0) moves its positions in append(None, comp_kv, "
+                             "comp_score), which also runs its compressor")
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise ValueError(f"tokens: expected a non-negative int, got {tokens!r}")
+        if self.xp is np:
+            ref.advance(self.pos, int(tokens))
+        else:
+            kv_ops.advance(self.pos, None, int(tokens))
+
     def _check(self, name, a, shape, dtypes):
         a = arrays.as_array(a, name)
         if a.ndim != len(shape) or any(s is not None and a.shape[i] != s for i, s in enumerate(shape)):

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..reference import elementwise as ref
+from ..reference import kv_cache as kv_ref
 from ..runtime import arrays, loader, status
 
 _MODULE = "elementwise"
@@ -97,10 +98,15 @@ class NormRope(NamedTuple):
 
 
 def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps: float = 1e-6,
-                      theta: float = 10000.0, outs=None) -> tuple:
+                      theta: float = 10000.0, outs=None, window=None) -> tuple:
     """`rmsnorm_rope` of two arrays in one launch (e.g. two parts of one concatenated projection's
     output), each exactly as `rmsnorm_rope` computes it, with the same ``positions``, ``eps`` and
-    ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs)."""
+    ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs).
+
+    ``window``: a sliding-window ring bf16 ``[B, W, D]`` (`KVCache.swa`) that takes the second
+    part's rows instead of a new array: ``second.x`` is one row per sequence ``[B, D]``, and row b
+    goes to slot ``positions[b] % W`` of sequence b, where `KVCache.append` puts a decode token's
+    row (the cache is then appended with ``kv=None``). ``y1`` is then ``window``."""
     parts = []
     for name, part in (("first", first), ("second", second)):
         if not isinstance(part, NormRope):
@@ -113,13 +119,19 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
         raise TypeError(f"outs: expected two arrays (y0, y1) or None, got {type(outs).__name__}")
     outs = (None, None) if outs is None else tuple(outs)
     (x0, w0, n0, r0), (x1, w1, n1, r1) = parts
+    if window is not None:
+        window, positions = _window_ring(window, x1, positions, outs[1])
     arrays.check_same_device(**{"first.x": x0, "first.weight": w0, "second.x": x1, "second.weight": w1,
-                                "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1]})
+                                "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1], "window": window})
     if not arrays.is_device_array(x0):
-        return tuple(arrays.host_result(ref.rmsnorm_rope(x, w, positions if r else None, eps=eps, normalize=n,
-                                                         rope_dim=r, theta=theta), out)
-                     for (x, w, n, r), out in zip(parts, outs))
-    ys = tuple(_out(out, x.shape, arrays.BF16, x) for (x, _, _, _), out in zip(parts, outs))
+        ys = tuple(arrays.host_result(ref.rmsnorm_rope(x, w, positions if r else None, eps=eps, normalize=n,
+                                                       rope_dim=r, theta=theta), out)
+                   for (x, w, n, r), out in zip(parts, outs))
+        if window is None:
+            return ys
+        kv_ref.append_swa(window, positions, ys[1][:, None, :])
+        return ys[0], window
+    ys = (_out(outs[0], x0.shape, arrays.BF16, x0), window if window is not None else _out(outs[1], x1.shape, arrays.BF16, x1))
     rows0, rows1 = x0.size // x0.shape[-1], x1.size // x1.shape[-1]
     if rows0 + rows1:
         heads = [x.shape[1] if x.ndim == 3 else 1 for x in (x0, x1)]
@@ -127,8 +139,29 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             rows0 + rows1, _THREADS,
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
-             0 if positions is None else positions, np.float32(eps), np.float32(theta)))
+             0 if positions is None else positions, np.float32(eps), np.float32(theta),
+             _U32(0 if window is None else window.shape[1])))
     return ys
+
+
+def _window_ring(window, x1, positions, out1):
+    """The validated ring of `rmsnorm_rope_pair`'s ``window``: bf16 ``[B, W, D]`` for ``x1 [B, D]``,
+    with the positions that pick the slots."""
+    window = _check("window", window, arrays.BF16, (3,))
+    if x1.ndim != 2:
+        raise ValueError(f"second.x: a window takes one row per sequence [B, D], got {arrays.describe(x1)}")
+    b, d = x1.shape
+    if window.shape[0] != b or window.shape[2] != d or window.shape[1] < 1:
+        raise ValueError(f"window: expected bfloat16 [{b}, W, {d}] (a ring for the rows of second.x), "
+                         f"got {arrays.describe(window)}")
+    if positions is None:
+        raise ValueError("positions: a window ring needs the token positions (they pick the slots)")
+    positions = _check("positions", positions, np.int32, (1,))
+    if positions.shape[0] != b:
+        raise ValueError(f"positions: expected int32 [{b}] (the sequences of the window), got {arrays.describe(positions)}")
+    if out1 is not None:
+        raise ValueError("outs[1]: the second part goes into the window; pass None there")
+    return window, positions
 
 
 def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):

@@ -40,14 +40,15 @@ __device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, u
     a = ra, b = rb;
 }
 
-// y[r] = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for row r of D channels (D even), one block.
+// y_row = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for row r of D channels (D even), one block.
 // normalize = 0 skips the norm (RoPE only); w may be null (no weight); rope_dim = 0 skips RoPE,
 // else the row's position is pos[r / heads] (the token's index in its sequence).
 __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const float* w, const int* pos,
-                                                 __nv_bfloat16* y, size_t row, unsigned heads, unsigned D, float eps,
-                                                 int normalize, unsigned rope_dim, float theta, float* smem) {
+                                                 __nv_bfloat16* y_row, size_t row, unsigned heads, unsigned D,
+                                                 float eps, int normalize, unsigned rope_dim, float theta,
+                                                 float* smem) {
     const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * D);
-    __nv_bfloat162* yr = reinterpret_cast<__nv_bfloat162*>(y + row * D);
+    __nv_bfloat162* yr = reinterpret_cast<__nv_bfloat162*>(y_row);
     const unsigned pairs = D / 2;
     float inv = 1.0f;
     if (normalize) {
@@ -77,23 +78,29 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         float theta) {
     pdl::wait_prior();
     __shared__ float smem[kWarps];
-    rmsnorm_rope_row(x, w, pos, y, blockIdx.x, heads, D, eps, normalize, rope_dim, theta, smem);
+    rmsnorm_rope_row(x, w, pos, y + (size_t)blockIdx.x * D, blockIdx.x, heads, D, eps, normalize, rope_dim, theta,
+                     smem);
 }
 
 // Two parts in one launch (e.g. two outputs of one concatenated projection), each as
 // rmsnorm_rope_bf16 runs it, with the same positions, eps and theta: grid rows0 + rows1, block r
-// < rows0 takes row r of part 0, the others row r - rows0 of part 1.
+// < rows0 takes row r of part 0, the others row r - rows0 of part 1. window1 > 0: part 1 is one row
+// per sequence (heads1 = 1) and y1 a sliding-window ring [rows1, window1, D1]: row b goes to slot
+// pos[b] % window1, the slot kv_append_swa writes a decode token's row to (one launch less).
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
         int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
-        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta) {
+        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta,
+        unsigned window1) {
     pdl::wait_prior();
     __shared__ float smem[kWarps];
     const unsigned r = blockIdx.x;
     if (r < rows0) {
-        rmsnorm_rope_row(x0, w0, pos, y0, r, heads0, D0, eps, normalize0, rope_dim0, theta, smem);
+        rmsnorm_rope_row(x0, w0, pos, y0 + (size_t)r * D0, r, heads0, D0, eps, normalize0, rope_dim0, theta, smem);
     } else {
-        rmsnorm_rope_row(x1, w1, pos, y1, r - rows0, heads1, D1, eps, normalize1, rope_dim1, theta, smem);
+        const unsigned r1 = r - rows0;
+        const size_t dst = window1 ? (size_t)r1 * window1 + (unsigned)pos[r1] % window1 : r1;
+        rmsnorm_rope_row(x1, w1, pos, y1 + dst * D1, r1, heads1, D1, eps, normalize1, rope_dim1, theta, smem);
     }
 }
 
