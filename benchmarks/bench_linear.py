@@ -20,7 +20,7 @@ M >= 256: >= 0.9x bf16; W4A4 <= 1.15x W4A16 at M <= 64.
     .venv/bin/python benchmarks/bench_linear.py [--quick] [--sweep] [--sass] [--shapes=NxK,...] [--ms=1,16,...]
 
 ``--sweep`` also times every launch shape (row tiles per warp, weight tiles per fetch, blocks per
-SM; up to 8 rows the GEMV kernels' fetch size and K split) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
+SM; up to 8 rows the GEMV kernels' fetch size, K split and 8- or 16-warp blocks) at M <= 64 and prints the best; ``--sass`` adds the mainloop's instructions per weight (scripts/gemm_sass.py).
 """
 
 from __future__ import annotations
@@ -112,21 +112,24 @@ def sweep(table, w_list, x, out, m, n, k):
              gemm_ops.WGMMA_ROW_TILES_PER_WARP)
     saved = [dict(d) for d in knobs] + [gemm_ops.WGMMA_MIN_M, gemm_ops.USE_CLUSTERS]
     saved_gemv = (gemm_ops.USE_GEMV, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM,
-                  gemm_ops.GEMV_MAX_BLOCKS_PER_SM)
+                  gemm_ops.GEMV_MAX_BLOCKS_PER_SM, gemm_ops.GEMV_WIDE_MAX_BLOCKS_PER_SM)
     results = []
-    if m <= gemm_ops.GEMV_MAX_M:  # the GEMV kernels at any grid size: fetch size, K split over blocks too
+    if m <= gemm_ops.GEMV_MAX_M:  # the GEMV kernels at any grid size: fetch size, K split over blocks too, 8 or 16 warps
         try:
             gemm_ops.USE_GEMV, gemm_ops.GEMV_MAX_BLOCKS_PER_SM = True, {gemm_ops.GEMV_MAX_M: float("inf")}
-            for f, split_below in itertools.product((4, 8), (0, 0.5, 1, 2)):
+            for f, split_below, wide in itertools.product((4, 8), (0, 0.5, 1, 2), (0.0, float("inf"))):
                 gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM = f, split_below
-                t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
+                gemm_ops.GEMV_WIDE_MAX_BLOCKS_PER_SM = wide
                 shape = gemm_ops.gemv_config(m, n, k)
+                if wide and shape.warps == 8:
+                    continue  # no 16-warp build for this K or M: the 8-warp row above
+                t = graph_us(lambda i: gemm(x, w_list[i % len(w_list)], out=out), calls=2 * len(w_list))
                 results.append((t, f"{shape.kernel}, split below {split_below} blocks/SM, {shape.splits} splits"))
                 table.add(**{"shape NxK": f"{n}x{k}", "M": m, "kernel": shape.kernel,
                              "blocks/SM": f"split below {split_below}", "splits": shape.splits, "µs": t})
         finally:
             (gemm_ops.USE_GEMV, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_SPLIT_BELOW_BLOCKS_PER_SM,
-             gemm_ops.GEMV_MAX_BLOCKS_PER_SM) = saved_gemv
+             gemm_ops.GEMV_MAX_BLOCKS_PER_SM, gemm_ops.GEMV_WIDE_MAX_BLOCKS_PER_SM) = saved_gemv
     if cp.cuda.Device().compute_capability == "90" and m > 8:  # wgmma at forced split counts
         try:
             gemm_ops.USE_GEMV, gemm_ops.WGMMA_MIN_M = False, 1
