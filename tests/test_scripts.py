@@ -71,3 +71,21 @@ def test_sanitizer_workload_reports_a_failing_family(monkeypatch, capsys):
     assert "FAIL quant" in out and "ok   elementwise" in out and "1 of 2 kernel families passed" in out
     with pytest.raises(SystemExit):
         sanitize_kernels.main(["--numpy", "--only", "nope"])
+
+
+def test_precompile_builds_the_modules_the_launches_use():
+    """scripts/precompile_kernels.py builds every module plainly and, cooperatively, exactly those
+    whose kernels the ops launch with cooperative groups."""
+    import re
+
+    import precompile_kernels
+
+    from fp4kit.runtime import loader
+
+    launched = set()
+    for path in (ROOT / "fp4kit" / "ops").glob("*.py"):
+        text = path.read_text()
+        if "cooperative=True" in text:
+            launched.add(re.search(r'^_MODULE = "(\w+)"', text, re.M).group(1))
+    assert launched == set(precompile_kernels.COOPERATIVE_MODULES)
+    assert set(precompile_kernels.COOPERATIVE_MODULES) <= set(loader.kernel_names())
