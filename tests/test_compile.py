@@ -3,6 +3,7 @@ the cache key covers every header; first use from many threads builds once."""
 
 import functools
 import importlib.util
+import itertools
 import re
 import threading
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
 
     cubin = _cubin("gemm", "sm_90a")
     names = set()
-    saved = gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES
+    saved = gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES
     try:
         for clusters in (True, False):
             gemm_ops.USE_CLUSTERS = clusters
@@ -53,16 +54,16 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                                       f"gemm_stage_{shape.token_tiles}_nvfp4", f"gemm_{shape.kernel}_bf16"}
                         else:
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
-        for m in (1, 8):  # the GEMV kernels, at both fetch sizes
-            for f in (4, 8):
-                gemm_ops.GEMV_FETCH_TILES = f
-                for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096), (8192, 4096)]:
-                    shape = gemm_ops.gemv_config(m, n, k, sms=132)
-                    names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
+        for m, f, whole in itertools.product((1, 8), (4, 8), (False, True)):  # the GEMV kernels
+            gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = f, whole
+            for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096), (8192, 4096), (16, 256)]:
+                shape = gemm_ops.gemv_config(m, n, k, sms=132)
+                names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
-        gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES = saved
-    # 1, 2, 4, 8 row tiles per 8-warp block, and the 16-warp blocks of one row tile, at both fetch sizes
-    assert len({name for name in names if "_gemv_" in name}) == 20
+        gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = saved
+    # 1, 2, 4, 8 row tiles per 8-warp block and the 16-warp blocks of one row tile, at both fetch
+    # sizes (20), and the whole-fetch builds of the 4-tile ones (10)
+    assert len({name for name in names if "_gemv_" in name}) == 30
     missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
     assert not missing, f"gemm.cu does not define {missing}"
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)

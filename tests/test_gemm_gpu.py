@@ -35,7 +35,7 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
+ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
            "wgmma-2-row-tiles"]
 
 
@@ -43,7 +43,8 @@ ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "mma.sync", "mma.sy
 def engine(request, monkeypatch):
     """Every M on one tensor-core path: up to 8 rows the GEMV kernels (K split over the 8 warps of a
     block, or over 16 wherever K has 16+ scale groups with "16-warps"; 4 or 8 weight tiles per
-    fetch; K split over blocks too, at every size, with "split"),
+    fetch; without per-tile bounds tests on a K of whole scale groups with "whole"; K split over
+    blocks too, at every size, with "split"),
     the mma.sync kernels (an NVFP4 activation decoded in the blocks, or dequantized by its own
     launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
     warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
@@ -55,6 +56,7 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
     monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", 8 if request.param == "gemv-f8" else 4)
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", float("inf") if request.param == "gemv-16-warps" else 0.0)
+    monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", request.param == "gemv-whole")
     if request.param == "gemv-split":
         monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 1 << 30)
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
@@ -107,7 +109,7 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    if engine not in ("gemv", "gemv-f8", "gemv-16-warps"):  # the split path is exercised
+    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole"):  # the split path is exercised
         assert launch_shape(1, 2048, 7168, engine).splits > 1
 
 

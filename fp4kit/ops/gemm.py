@@ -116,6 +116,12 @@ GEMV_SPLIT_BELOW_BLOCKS_PER_SM = 0.0
 #: (about 3.8 instructions per weight) is issue-bound on their dependent chains (0: never)
 GEMV_WIDE_MAX_BLOCKS_PER_SM = 1.0
 _WIDE_WARPS = 16
+#: GEMV kernels without per-tile bounds tests (``gemv_<RT>f4[w16]whole``) where every K slice is
+#: whole 4-tile fetches (K a multiple of 256): 3.15 SASS instructions per weight in the mainloop
+#: instead of 3.80 (bf16; NVFP4 4.45 instead of 4.71), the same arithmetic in the same order.
+#: Compiled and counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
+#: "gemv-whole") has passed with it and it is timed against the kernels with the tests
+GEMV_WHOLE_FETCHES = False
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -384,6 +390,7 @@ class LaunchShape:
     cluster: int = 0
     gemv: bool = False
     warps: int = _WARPS  # per block (GEMV: 8 or 16)
+    whole: bool = False  # GEMV: the build without per-tile bounds tests (`GEMV_WHOLE_FETCHES`)
 
     @property
     def family(self) -> str:
@@ -391,7 +398,7 @@ class LaunchShape:
         cluster size."""
         if self.gemv:
             wide = f"w{self.warps}" if self.warps != _WARPS else ""
-            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}"
+            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}{'whole' if self.whole else ''}"
         return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
                 + ("f8" if self.fetch8 else ""))
 
@@ -530,8 +537,10 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
         splits = max(1, min(groups // slices, -(-sms // blocks)))
     splits = min(splits, max(1, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))  # within the scratch
     per_split = -(-groups // splits)
+    chunks = tiled_dims(n, k)[1]
+    whole = GEMV_WHOLE_FETCHES and f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
-                       gemv_shared_bytes(m, f, warps), gemv=True, warps=warps)
+                       gemv_shared_bytes(m, f, warps), gemv=True, warps=warps, whole=whole)
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,

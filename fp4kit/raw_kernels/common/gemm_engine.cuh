@@ -210,7 +210,6 @@ struct ActBf16 {
 // block; the block synchronises before use): the bf16 pair (e2m1 * 2^-100) of a code byte.
 __device__ __forceinline__ void fill_code_table(unsigned* table) {
     const unsigned b = threadIdx.x;
-    if (b >= 256) return;  // blocks of more than 256 threads (the 16-warp GEMV)
     const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(fp4_e2m1_value(b & 0xFu), 7.8886090522101181e-31f),
                                                    __fmul_rn(fp4_e2m1_value(b >> 4), 7.8886090522101181e-31f));
     table[b] = *reinterpret_cast<const unsigned*>(&v);  // 7.88e-31 = 2^-100

@@ -101,15 +101,19 @@ struct WarpActNvfp4 {
 // by W warps (8, or 16 where a grid of 8-warp blocks would leave an SM with 8 warps: the mainloop
 // is issue-bound there, and twice the warps give each scheduler four to interleave).
 // Dynamic shared memory: W warps x 2 slots x M rows (gemm.py `gemv_shared_bytes`).
-template <int RT, int F, class Act, int W = kWarps>
+template <int RT, int F, class Act, int W = kWarps, bool kWhole = false>
 __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in, unsigned M,
                            unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk) {
     static_assert(W % RT == 0 && W >= kWarps, "whole K slices per row tile; the code table needs 256 threads");
+    // kWhole: the launcher guarantees that every slice is whole fetches (F = 4 tiles, one scale
+    // group, over a K of whole groups), so no tile of a fetch is past the slice's end and the
+    // per-tile bounds tests go (gemm.py `GEMV_WHOLE_FETCHES`); the same arithmetic in the same order
+    static_assert(!kWhole || F == kGroupChunks, "whole fetches are one scale group");
     constexpr int kSlices = W / RT;
     constexpr int kStride = GemvSlot<F>::kStride;
     static_assert(F % kGroupChunks == 0, "a fetch is whole scale words");
     extern __shared__ uint4 smem_raw[];
-    __shared__ unsigned code_table[256];
+    __shared__ unsigned code_table[32 * W];  // the 256 codes; a 16-warp block's upper threads fill a copy nobody reads
     __shared__ float red[W][4][32];  // each warp's accumulator fragment, for the slice sum
     __shared__ unsigned last_block;
 
@@ -133,10 +137,11 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
     auto fetch = [&](unsigned c, WeightGroup<1, F>& wg) {
 #pragma unroll
         for (int j = 0; j < F; ++j)
-            wg.codes[0][j] = c + j < c_end ? load_stream(code_next + j * 32, policy) : make_uint4(0u, 0u, 0u, 0u);
+            wg.codes[0][j] = kWhole || c + j < c_end ? load_stream(code_next + j * 32, policy) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int w = 0; w < F / kGroupChunks; ++w)
-            wg.scales[0][w] = c + w * kGroupChunks < c_end ? load_stream(scale_next + w * 32, policy) : make_uint2(0u, 0u);
+            wg.scales[0][w] = kWhole || c + w * kGroupChunks < c_end ? load_stream(scale_next + w * 32, policy)
+                                                                     : make_uint2(0u, 0u);
         code_next += F * 32;
         scale_next += F / kGroupChunks * 32;
     };
@@ -147,7 +152,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         const bool has_token = g < M;
 #pragma unroll
         for (int j = 0; j < F; ++j) {
-            if (j >= valid) break;
+            if (!kWhole && j >= valid) break;
             unsigned sc_g, sc_g8;
             const uint2 sw = wg.scales[0][j / kGroupChunks];
             if (j % 4 == 0) scale_pairs<0>(sw, sc_g, sc_g8);
@@ -189,7 +194,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         auto step = [&](WeightGroup<1, F>& cur, unsigned c, unsigned s) {
             const bool more = c + F < c_end;
             if (more) act.start(pending, slot(s ^ 1), M, c + F, c_end, K, lane);
-            compute(cur, slot(s), min(c_end - c, (unsigned)F));
+            compute(cur, slot(s), kWhole ? F : min(c_end - c, (unsigned)F));
             if (c + 2 * F < c_end) fetch(c + 2 * F, cur);
             if (more) act.finish(pending, slot(s ^ 1), M);
             __syncwarp();  // every lane is done with slot s and sees slot s ^ 1
@@ -235,7 +240,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         }
     }
     if (!arrive_last(sk, block_row, &last_block)) return;
-    if (threadIdx.x < kThreads) reduce_splits_each(sk, ep, block_row * RT * 16, RT * 16, M, N, ld);  // its stride
+    if (W == kWarps || threadIdx.x < kThreads) reduce_splits_each(sk, ep, block_row * RT * 16, RT * 16, M, N, ld);  // its stride
     if (threadIdx.x == 0) sk.counters[block_row] = 0u;
 }
 
