@@ -251,7 +251,7 @@ class Attention:
         else:
             q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
-        if kv is None and not self.ratio:
+        if decode and not self.ratio:
             cache.advance(t)  # the window rows are written
         else:
             cache.append(kv, *compressor)

@@ -117,7 +117,7 @@ GEMV_SPLIT_BELOW_BLOCKS_PER_SM = 0.0
 GEMV_WIDE_MAX_BLOCKS_PER_SM = 1.0
 _WIDE_WARPS = 16
 #: GEMV kernels without per-tile bounds tests (``gemv_<RT>f4[w16]whole``) where every K slice is
-#: whole 4-tile fetches (K a multiple of 256): 3.15 SASS instructions per weight in the mainloop
+#: whole 4-tile fetches (K a multiple of 256): 3.41 SASS instructions per weight in the mainloop
 #: instead of 3.80 (bf16; NVFP4 4.45 instead of 4.71), the same arithmetic in the same order.
 #: Compiled and counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
 #: "gemv-whole") has passed with it and it is timed against the kernels with the tests
@@ -523,7 +523,7 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
         import cupy
 
         sms = loader.sm_count(cupy.cuda.Device().id)
-    row_tiles, _, groups = tiled_dims(n, k)
+    row_tiles, chunks, groups = tiled_dims(n, k)
     warps = _WARPS
     slices = 1 << (min(warps, groups).bit_length() - 1)  # a power of two dividing the 8 warps
     f = GEMV_FETCH_TILES
@@ -537,7 +537,6 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
         splits = max(1, min(groups // slices, -(-sms // blocks)))
     splits = min(splits, max(1, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))  # within the scratch
     per_split = -(-groups // splits)
-    chunks = tiled_dims(n, k)[1]
     whole = GEMV_WHOLE_FETCHES and f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
                        gemv_shared_bytes(m, f, warps), gemv=True, warps=warps, whole=whole)
