@@ -41,7 +41,8 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
 
     cubin = _cubin("gemm", "sm_90a")
     names = set()
-    saved = gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES
+    saved = (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
+             gemm_ops.GEMV_RESIDENT_ACTIVATION)
     try:
         for clusters in (True, False):
             gemm_ops.USE_CLUSTERS = clusters
@@ -54,16 +55,17 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                                       f"gemm_stage_{shape.token_tiles}_nvfp4", f"gemm_{shape.kernel}_bf16"}
                         else:
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
-        for m, f, whole in itertools.product((1, 8), (4, 8), (False, True)):  # the GEMV kernels
-            gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = f, whole
+        for m, f, whole, resident in itertools.product((1, 8), (4, 8), (False, True), (False, True)):  # the GEMV kernels
+            gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES, gemm_ops.GEMV_RESIDENT_ACTIVATION = f, whole, resident
             for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096), (8192, 4096), (16, 256)]:
                 shape = gemm_ops.gemv_config(m, n, k, sms=132)
                 names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
-        gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = saved
+        (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
+         gemm_ops.GEMV_RESIDENT_ACTIVATION) = saved
     # 1, 2, 4, 8 row tiles per 8-warp block and the 16-warp blocks of one row tile, at both fetch
-    # sizes (20), and the whole-fetch builds of the 4-tile ones (10)
-    assert len({name for name in names if "_gemv_" in name}) == 30
+    # sizes (20), and the whole-fetch and resident-activation builds of the 4-tile ones (10 each)
+    assert len({name for name in names if "_gemv_" in name}) == 40
     missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
     assert not missing, f"gemm.cu does not define {missing}"
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)

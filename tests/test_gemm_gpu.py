@@ -35,7 +35,7 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
+ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
            "wgmma-2-row-tiles"]
 
 
@@ -43,7 +43,8 @@ ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "mma.
 def engine(request, monkeypatch):
     """Every M on one tensor-core path: up to 8 rows the GEMV kernels (K split over the 8 warps of a
     block, or over 16 wherever K has 16+ scale groups with "16-warps"; 4 or 8 weight tiles per
-    fetch; without per-tile bounds tests on a K of whole scale groups with "whole"; K split over
+    fetch; without per-tile bounds tests on a K of whole scale groups with "whole", and with the
+    block's activation staged once, resident in shared memory, with "resident"; K split over
     blocks too, at every size, with "split"),
     the mma.sync kernels (an NVFP4 activation decoded in the blocks, or dequantized by its own
     launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
@@ -55,8 +56,9 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "USE_GEMV", gemv)
     monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
     monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", 8 if request.param == "gemv-f8" else 4)
-    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", float("inf") if request.param == "gemv-16-warps" else 0.0)
+    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", float("inf") if request.param.endswith("16-warps") else 0.0)
     monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", request.param == "gemv-whole")
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", request.param.startswith("gemv-resident"))
     if request.param == "gemv-split":
         monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 1 << 30)
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
@@ -109,7 +111,7 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole"):  # the split path is exercised
+    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps"):  # the split path is exercised
         assert launch_shape(1, 2048, 7168, engine).splits > 1
 
 
@@ -262,3 +264,23 @@ def test_grouped_gemm_equals_one_gemm_per_group(rng, m, groups, n_g, k):
     for g in range(groups):
         want = gemm(cp.ascontiguousarray(x[:, g * k:(g + 1) * k]), parts[g], out_dtype=np.float32)
         assert cp.array_equal(got[:, g * n_g:(g + 1) * n_g].view(cp.uint32), want.view(cp.uint32)), g
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(2056, 7168), (1024, 4096), (4096, 2048), (40, 256)])
+@pytest.mark.parametrize("wide", [0.0, float("inf")], ids=["8-warps", "16-warps"])
+def test_gemv_resident_activation_is_bit_identical(rng, m, n, k, wide, monkeypatch):
+    """The block-resident activation changes where the activation is staged, not the arithmetic:
+    the same bits as the per-warp double buffer, for both activation kinds."""
+    monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
+    monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
+    w = tiled(weight(rng, n, k))
+    x = (rng.standard_normal((m, k)) * 2).astype(BF16)
+    for act in (cp.asarray(x), to_device(qref.quantize(x))):
+        outs = []
+        for resident in (False, True):
+            monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", resident)
+            assert gemm_ops.gemv_config(m, n, k).resident == resident
+            out = cp.full((m, n), np.nan, np.float32)
+            outs.append(gemm(act, w, out=out))
+        assert cp.array_equal(outs[0].view(cp.uint32), outs[1].view(cp.uint32))

@@ -186,8 +186,9 @@ def gemv_warp_chunks(shape, n, k, block_row, split, warp):
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("split_below", [0.5, 1 << 30])
 @pytest.mark.parametrize("wide", [0.0, 1.0, float("inf")], ids=["8-warps", "16-warps-by-rule", "16-warps-always"])
-@pytest.mark.parametrize("whole", [False, True], ids=["bounds-tested", "whole-fetches"])
-def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, wide, whole, monkeypatch):
+@pytest.mark.parametrize("whole,resident", [(False, False), (True, False), (False, True)],
+                         ids=["bounds-tested", "whole-fetches", "resident-activation"])
+def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, wide, whole, resident, monkeypatch):
     """The GEMV launch: its warps (row tile x K slice, per block and split) take every (row tile,
     chunk) of the weight exactly once, slices start on scale groups (4 chunks), no split is empty,
     the split-K partials fit their scratch, and the activation slots fit in shared memory."""
@@ -197,15 +198,22 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
     monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", split_below)
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
     monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", whole)
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", resident)
     for f in (4, 8):
         monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", f)
         for n, k in [(1, 16), (17, 48), (2056, 1040), (2048, 7168), (1024, 4096), (32768, 1024), (4096, 65536)]:
             shape = gemm_ops.gemv_config(m, n, k, sms=132)
             row_tiles, chunks, groups = tiled_dims(n, k)
             is_wide = shape.warps == 16
-            assert shape.whole == (whole and f == 4 and chunks % 4 == 0)  # then every slice is whole fetches
+            whole_groups = f == 4 and chunks % 4 == 0
+            # resident wherever its slots fit; the largest M and K here do not
+            assert shape.resident == (resident and whole_groups and shape.shared_bytes == gemm_ops.gemv_resident_bytes(
+                m, shape.chunks_per_split // 4, shape.row_tiles_per_warp, shape.warps))
+            assert shape.resident or not (resident and whole_groups and k <= 7168)
+            assert shape.whole == ((whole or resident) and whole_groups and (whole or shape.resident))
+            build = "res" if shape.resident else "whole" if shape.whole else ""
             assert shape.gemv and shape.family == (f"gemv_{shape.row_tiles_per_warp}f{f}" + ("w16" if is_wide else "")
-                                                   + ("whole" if shape.whole else ""))
+                                                   + build)
             assert shape.warps in (8, 16) and (not is_wide or (groups >= 16 and shape.row_tiles_per_warp == 1))
             fits = gemm_ops.gemv_shared_bytes(m, f, 16) <= gemm_ops._GEMV_MAX_SHARED
             assert is_wide == (groups >= 16 and fits) or wide != float("inf")

@@ -122,6 +122,10 @@ _WIDE_WARPS = 16
 #: Compiled and counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
 #: "gemv-whole") has passed with it and it is timed against the kernels with the tests
 GEMV_WHOLE_FETCHES = False
+#: GEMV kernels that stage the block's whole activation once, before the mainloop, in shared memory
+#: shared by its warps (``gemv_<RT>f4[w16]res``; whole fetches, K a multiple of 256, where it fits):
+#: no staging, slot hand-over or zeroing of absent tokens in the mainloop
+GEMV_RESIDENT_ACTIVATION = False
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -391,6 +395,7 @@ class LaunchShape:
     gemv: bool = False
     warps: int = _WARPS  # per block (GEMV: 8 or 16)
     whole: bool = False  # GEMV: the build without per-tile bounds tests (`GEMV_WHOLE_FETCHES`)
+    resident: bool = False  # GEMV: the block's activation staged once (`GEMV_RESIDENT_ACTIVATION`)
 
     @property
     def family(self) -> str:
@@ -398,7 +403,8 @@ class LaunchShape:
         cluster size."""
         if self.gemv:
             wide = f"w{self.warps}" if self.warps != _WARPS else ""
-            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}{'whole' if self.whole else ''}"
+            build = "res" if self.resident else "whole" if self.whole else ""
+            return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}{build}"
         return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
                 + ("f8" if self.fetch8 else ""))
 
@@ -512,6 +518,15 @@ def gemv_shared_bytes(m: int, fetch_tiles: int, warps: int = _WARPS) -> int:
     return warps * 2 * m * (fetch_tiles * TILE_K + 8) * 2
 
 
+def gemv_resident_bytes(m: int, groups: int, row_tiles: int, warps: int) -> int:
+    """Dynamic shared memory of a resident-activation GEMV launch: one slot of ``m + 1`` token rows
+    (4 tiles of 64 bf16 plus 16 bytes each; the last row zero) per scale group of a split's
+    ``groups``, staged once for the block's ``row_tiles`` > 1, or by each of the ``warps`` for its
+    own K slice (at most ``ceil(groups / warps)`` groups) with one row tile per block."""
+    slot = (m + 1) * (GROUP_CHUNKS * TILE_K + 8) * 2
+    return groups * slot if row_tiles > 1 else warps * -(-groups // warps) * slot
+
+
 def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
     """The GEMV launch of ``m <= 8`` rows: the K range of a row tile is split over 8, 4, 2 or 1
     warps (whole scale groups of 256 k each, as many as K has, up to 8), the block holds the rest
@@ -537,9 +552,13 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
         splits = max(1, min(groups // slices, -(-sms // blocks)))
     splits = min(splits, max(1, _PARTIALS_BYTES // (4 * m * row_tiles * TILE_ROWS)))  # within the scratch
     per_split = -(-groups // splits)
-    whole = GEMV_WHOLE_FETCHES and f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
+    whole_groups = f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
+    resident_bytes = gemv_resident_bytes(m, per_split, per_block, warps)
+    resident = GEMV_RESIDENT_ACTIVATION and whole_groups and resident_bytes <= _GEMV_MAX_SHARED
+    whole = (GEMV_WHOLE_FETCHES and whole_groups) or resident
+    shared = resident_bytes if resident else gemv_shared_bytes(m, f, warps)
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
-                       gemv_shared_bytes(m, f, warps), gemv=True, warps=warps, whole=whole)
+                       shared, gemv=True, warps=warps, whole=whole, resident=resident)
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,

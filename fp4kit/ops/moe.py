@@ -23,8 +23,19 @@ def _suffix(dtype) -> str:
     return "bf16" if np.dtype(dtype) == arrays.BF16 else "f32"
 
 
+def router_warps_per_expert(h: int) -> int:
+    """Warps per (token, expert) of the router's logits (1, 2, 4 or 8): the most that leave each
+    warp a slice of at least 512 of the H inputs in whole runs of 8, so that one token's logits
+    spread over E * wpe warps (V4-Flash: 256 blocks instead of 32) with every load of a warp in
+    flight at once."""
+    for wpe in (8, 4, 2):
+        if h % (8 * wpe) == 0 and h // wpe >= 512:
+            return wpe
+    return 1
+
+
 def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
-    """Logits (one warp per token and expert), then one block per token: scores, (grouped) top-k or
+    """Logits (`router_warps_per_expert` warps per token and expert), then one block per token: scores, (grouped) top-k or
     hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
     zero); ``counts`` and ``tickets`` None: no tickets (the small-T path needs none); ``logits``
     is fp32 ``[T, E]`` scratch. A hash-routing token id outside
@@ -35,7 +46,8 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     name = f"moe_router_logits_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
-    loader.get_kernel(_MODULE, name).launch((-(-e // 8), t), 256, (x, gate_weight, _U32(e), _U32(h), logits))
+    wpe = router_warps_per_expert(h)
+    loader.get_kernel(_MODULE, name).launch((-(-e // (8 // wpe)), t), 256, (x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits))
     loader.get_kernel(_MODULE, "moe_router")(
         t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
                  status.device_word(), _U32(e), _U32(cfg.top_k),
@@ -54,8 +66,9 @@ def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, log
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     kernel = loader.get_kernel(_MODULE, f"moe_route_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}")
-    kernel.launch((-(-e // 8), t), 256, (
-        x, gate_weight, _U32(e), _U32(h), logits, done, _opt(x_amax), _opt(bias), _opt(token_ids), _opt(tid2eid),
+    wpe = router_warps_per_expert(h)
+    kernel.launch((-(-e // (8 // wpe)), t), 256, (
+        x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits, done, _opt(x_amax), _opt(bias), _opt(token_ids), _opt(tid2eid),
         _U32(0 if tid2eid is None else tid2eid.shape[0]), status.device_word(), _U32(cfg.top_k),
         _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group), _I32(cfg.renormalize),
         np.float32(cfg.routed_scale), ids, weights))

@@ -1,8 +1,8 @@
 // Mixture-of-Experts kernels: DeepSeek routing, dispatch without the host, grouped NVFP4 expert
 // GEMMs, and the weighted combine. fp4kit/reference/moe.py is the specification.
 //
-//   moe_router_logits_*  grid (ceil(E / 8), T), 256 threads: logits [T, E] fp32 = x [T, H] (bf16 or
-//                  fp32) . gate weight [E, H] (bf16 or fp32), one warp per (token, expert).
+//   moe_router_logits_*  grid (ceil(E / (8 / wpe)), T), 256 threads: logits [T, E] fp32 = x [T, H]
+//                  (bf16 or fp32) . gate weight [E, H] (bf16 or fp32), wpe warps per (token, expert).
 //   moe_router     grid T (one block per token), 256 threads: from the logits, bias [E] (selection
 //                  only, optional), hash routing
 //                  (tid2eid [V, top_k], token_ids [T]) optional: an id outside [0, V) reads row 0
@@ -112,42 +112,57 @@ __device__ unsigned block_max_bits(unsigned m) {
     return m;
 }
 
-// logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / 8), T), one warp per expert, a
-// fixed-order warp reduction. Spread over many blocks so that even one token reads the gate weight
-// at full bandwidth. With H a multiple of 8 and 16-byte aligned rows each lane takes runs of 8
-// (16-byte loads, several in flight: a lane's 2-byte loads one after another were latency-bound);
-// else lanes stride over H one value at a time.
+// logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / (8 / wpe)), T), `wpe` warps per expert
+// (1, 2, 4 or 8: moe.py `router_warps_per_expert`), each over one contiguous
+// H / wpe slice, a fixed-order warp reduction, then the slices added in order. Spread over many
+// blocks and warps so that even one token reads the gate weight at full bandwidth: with one warp
+// per expert, V4-Flash's 2 MB gate ran on 32 blocks with 512 KB in flight. With H / wpe a
+// multiple of 8 and 16-byte aligned rows each lane takes runs of 8 (16-byte loads, several in
+// flight); else lanes stride over the slice one value at a time.
 template <typename XT, typename WT>
-__device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) {
-    const unsigned t = blockIdx.y, lane = threadIdx.x & 31;
-    const unsigned e = blockIdx.x * (kRouterThreads / 32) + (threadIdx.x >> 5);
-    if (e >= E) return;
-    const XT* xt = x + (size_t)t * H;
-    const WT* we = gate_w + (size_t)e * H;
+__device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits) {
+    __shared__ float slice_sum[kRouterThreads / 32];
+    const unsigned t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned e = blockIdx.x * (kRouterThreads / 32 / wpe) + warp / wpe, slice = warp % wpe;
+    const unsigned k_lo = slice * (H / wpe), k_hi = slice + 1 == wpe ? H : k_lo + H / wpe;
     float acc = 0.0f;
-    if (H % 8 == 0 && (reinterpret_cast<size_t>(xt) | reinterpret_cast<size_t>(we)) % 16 == 0) {
-        constexpr int kRuns = 4;  // runs of 8 loaded before any is multiplied
-        for (unsigned k0 = 8 * lane; k0 < H; k0 += kRuns * 256) {
-            float a[kRuns][8], b[kRuns][8];
+    if (e < E) {  // warp-uniform; no return before the block barrier below
+        const XT* xt = x + (size_t)t * H;
+        const WT* we = gate_w + (size_t)e * H;
+        if ((H / wpe) % 8 == 0 && H % wpe == 0 && (reinterpret_cast<size_t>(xt) | reinterpret_cast<size_t>(we)) % 16 == 0) {
+            constexpr int kRuns = 4;  // runs of 8 loaded before any is multiplied
+            for (unsigned k0 = k_lo + 8 * lane; k0 < k_hi; k0 += kRuns * 256) {
+                float a[kRuns][8], b[kRuns][8];
 #pragma unroll
-            for (int j = 0; j < kRuns; ++j) {
-                const unsigned k = min(k0 + j * 256, H - 8);  // past H: a valid run, not added
-                load8_f32(xt + k, a[j]);
-                load8_f32(we + k, b[j]);
-            }
-#pragma unroll
-            for (int j = 0; j < kRuns; ++j)
-                if (k0 + j * 256 < H) {
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc = fmaf(a[j][i], b[j][i], acc);
+                for (int j = 0; j < kRuns; ++j) {
+                    const unsigned k = min(k0 + j * 256, k_hi - 8);  // past the slice: a valid run, not added
+                    load8_f32(xt + k, a[j]);
+                    load8_f32(we + k, b[j]);
                 }
-        }
-    } else {
-        for (unsigned k = lane; k < H; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
-    }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-    if (lane == 0) logits[(size_t)t * E + e] = acc;
+                for (int j = 0; j < kRuns; ++j)
+                    if (k0 + j * 256 < k_hi) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc = fmaf(a[j][i], b[j][i], acc);
+                    }
+            }
+        } else {
+            for (unsigned k = k_lo + lane; k < k_hi; k += 32) acc = fmaf(load_f32(xt + k), load_f32(we + k), acc);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+    }
+    if (wpe == 1) {
+        if (e < E && lane == 0) logits[(size_t)t * E + e] = acc;
+        return;
+    }
+    if (lane == 0) slice_sum[warp] = acc;
+    __syncthreads();
+    if (e < E && slice == 0 && lane == 0) {
+        float sum = slice_sum[warp];
+        for (unsigned s = 1; s < wpe; ++s) sum += slice_sum[warp + s];
+        logits[(size_t)t * E + e] = sum;
+    }
 }
 
 __device__ void router(const float* logits, const float* bias, const int* token_ids, const int* tid2eid,
@@ -243,9 +258,9 @@ __device__ void router(const float* logits, const float* bias, const int* token_
 
 #define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
     extern "C" __global__ void __launch_bounds__(kRouterThreads)                                          \
-        moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits) { \
+        moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits) { \
         pdl::wait_prior();                                                                                     \
-        router_logits<XT, WT>(x, gate_w, E, H, logits);                                                   \
+        router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);                                              \
     }
 
 FP4_DEFINE_ROUTER_LOGITS(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
@@ -267,13 +282,13 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
 // resets) runs the router for that token and writes the token's max |x| as fp32 bits to
 // x_amax[t] (the W4A4 input's amax, reduced over the tokens by the next launch).
 template <typename XT, typename WT>
-__device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits, unsigned* done,
+__device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done,
                             unsigned* x_amax, const float* bias, const int* token_ids, const int* tid2eid,
                             unsigned vocab, unsigned* status, unsigned top_k, int score_func, unsigned n_group,
                             unsigned topk_group, int renormalize, float routed_scale, int* ids, float* weights) {
     __shared__ unsigned last;
     const unsigned t = blockIdx.y;
-    router_logits<XT, WT>(x, gate_w, E, H, logits);
+    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(done + t, 1u) == gridDim.x - 1;
@@ -293,12 +308,12 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
 
 #define FP4_DEFINE_ROUTE(SUFFIX, XT, WT)                                                                  \
     extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_route_##SUFFIX(                      \
-        const XT* x, const WT* gate_w, unsigned E, unsigned H, float* logits, unsigned* done, unsigned* x_amax, \
+        const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done, unsigned* x_amax, \
         const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
         int* ids, float* weights) {                                                                       \
         pdl::wait_prior();                                                                                     \
-        route_fused<XT, WT>(x, gate_w, E, H, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
+        route_fused<XT, WT>(x, gate_w, E, H, wpe, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
                             score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
     }
 

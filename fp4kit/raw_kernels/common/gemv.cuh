@@ -32,6 +32,7 @@ struct WarpActBf16 {
     const __nv_bfloat16* x;
     unsigned ld = 0, group_rows = 0;
     struct Pending {};
+    static constexpr bool kAsyncCopies = true;  // one finish completes every start before it
     __device__ __forceinline__ void for_tile(unsigned tile, unsigned K) {
         if (group_rows) x += (size_t)(tile * 16 / group_rows) * K;
     }
@@ -62,6 +63,7 @@ struct WarpActNvfp4 {
     const unsigned* table;
     static constexpr int kBlocks = 8 * F * 4 / 32;  // per lane: 8 tokens x 4F blocks of 16
     using Pending = Nvfp4Blocks<kBlocks>;
+    static constexpr bool kAsyncCopies = false;  // each start needs its own finish
     __device__ __forceinline__ void for_tile(unsigned, unsigned) {}  // not grouped
     __device__ __forceinline__ void init(unsigned* shared_table) {
         table = shared_table;
@@ -101,7 +103,13 @@ struct WarpActNvfp4 {
 // by W warps (8, or 16 where a grid of 8-warp blocks would leave an SM with 8 warps: the mainloop
 // is issue-bound there, and twice the warps give each scheduler four to interleave).
 // Dynamic shared memory: W warps x 2 slots x M rows (gemm.py `gemv_shared_bytes`).
-template <int RT, int F, class Act, int W = kWarps, bool kWhole = false>
+//
+// kResident (with kWhole): the activation is staged once, before the mainloop, as one slot per
+// scale group of M + 1 token rows (row M zero, read by the lanes of tokens past M): by the block
+// for all its warps where it has several row tiles, else by each warp for its own K slice. The
+// mainloop then has no staging, no slot hand-over and no zeroing of absent tokens. Dynamic shared
+// memory: gemm.py `gemv_resident_bytes`.
+template <int RT, int F, class Act, int W = kWarps, bool kWhole = false, bool kResident = false>
 __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in, unsigned M,
                            unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk) {
     static_assert(W % RT == 0 && W >= kWarps, "whole K slices per row tile; the code table needs 256 threads");
@@ -109,6 +117,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
     // group, over a K of whole groups), so no tile of a fetch is past the slice's end and the
     // per-tile bounds tests go (gemm.py `GEMV_WHOLE_FETCHES`); the same arithmetic in the same order
     static_assert(!kWhole || F == kGroupChunks, "whole fetches are one scale group");
+    static_assert(!kResident || kWhole, "the resident activation is staged in whole scale groups");
     constexpr int kSlices = W / RT;
     constexpr int kStride = GemvSlot<F>::kStride;
     static_assert(F % kGroupChunks == 0, "a fetch is whole scale words");
@@ -150,6 +159,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
     // tiles j < valid of a fetched group against the slot's activation (token g of this lane)
     auto compute = [&](const WeightGroup<1, F>& wg, const __nv_bfloat16* slot, unsigned valid) {
         const bool has_token = g < M;
+        const unsigned row = kResident ? min(g, M) : g;  // resident slots: row M is zero
 #pragma unroll
         for (int j = 0; j < F; ++j) {
             if (!kWhole && j >= valid) break;
@@ -162,8 +172,8 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
             const uint4 q4 = wg.codes[0][j];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // steps 2h, 2h + 1 share one 16-byte activation load
-                const uint4 b = has_token ? *reinterpret_cast<const uint4*>(slot + g * kStride + j * kTileK + 16 * t + 8 * h)
-                                          : make_uint4(0u, 0u, 0u, 0u);
+                const uint4* src = reinterpret_cast<const uint4*>(slot + row * kStride + j * kTileK + 16 * t + 8 * h);
+                const uint4 b = kResident || has_token ? *src : make_uint4(0u, 0u, 0u, 0u);
                 unsigned a[4];
                 dequant_step(h ? q4.z : q4.x, sc_g, sc_g8, a);
                 mma_bf16(acc, a, b.x, b.y);
@@ -175,33 +185,71 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
 
     // two groups in flight from the start (the second is not held back behind the activation's
     // arrival); each group's buffer is refilled with the group after next once it is multiplied
-    WeightGroup<1, F> first, second;
+    WeightGroup<1, F> first_group, second;
     if (works) {
-        fetch(c_begin, first);
+        fetch(c_begin, first_group);
         if (c_begin + F < c_end) fetch(c_begin + F, second);
     }
     pdl::wait_prior();  // the weights are in flight; everything below may depend on the kernel before
     typename Act::Pending pending;
     act.init(code_table);
     __syncthreads();  // the decode table
-    __nv_bfloat16* slots = reinterpret_cast<__nv_bfloat16*>(smem_raw) + (size_t)warp * 2 * M * kStride;
-    auto slot = [&](unsigned s) { return slots + s * M * kStride; };
-    if (works) {
-        act.start(pending, slot(0), M, c_begin, c_end, K, lane);
-        act.finish(pending, slot(0), M);
-        __syncwarp();
-        // group `cur` (tiles c .. c + F - 1) against slot s while the next group's activation loads
-        auto step = [&](WeightGroup<1, F>& cur, unsigned c, unsigned s) {
-            const bool more = c + F < c_end;
-            if (more) act.start(pending, slot(s ^ 1), M, c + F, c_end, K, lane);
-            compute(cur, slot(s), kWhole ? F : min(c_end - c, (unsigned)F));
-            if (c + 2 * F < c_end) fetch(c + 2 * F, cur);
-            if (more) act.finish(pending, slot(s ^ 1), M);
-            __syncwarp();  // every lane is done with slot s and sees slot s ^ 1
-        };
-        for (unsigned c = c_begin; c < c_end; c += 2 * F) {
-            step(first, c, 0);
-            if (c + F < c_end) step(second, c + F, 1);
+    if constexpr (kResident) {
+        // Slots of M + 1 token rows (row M zero), one per scale group. With several row tiles per
+        // block their warps share one staging of the split's K range (block barrier); with one, a
+        // warp's slice is read by it alone, so each warp stages its own slice (no block barrier:
+        // with every warp waiting for the whole block's copies, measured slower than the double
+        // buffer at one row tile per block).
+        constexpr bool kPerWarp = RT == 1;
+        const unsigned blk_begin = s_begin * kGroupChunks, blk_end = min(chunks, (s_begin + s_count) * kGroupChunks);
+        const unsigned slot_elems = (M + 1) * kStride;
+        const unsigned first = kPerWarp ? c_begin : blk_begin, last = kPerWarp ? c_end : blk_end;
+        const unsigned count = last > first ? (last - first) / kGroupChunks : 0u;
+        __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem_raw) +
+                              (kPerWarp ? (size_t)warp * ((s_count + kSlices - 1) / kSlices) * slot_elems : 0);
+        const unsigned stager = kPerWarp ? 0u : warp, stagers = kPerWarp ? 1u : W;
+        const unsigned tid = kPerWarp ? lane : threadIdx.x, threads = kPerWarp ? 32u : 32u * W;
+        constexpr unsigned kRowVecs = kStride / 8;  // 16-byte words per token row
+        for (unsigned i = tid; i < count * kRowVecs; i += threads)
+            reinterpret_cast<uint4*>(base + (i / kRowVecs) * slot_elems + M * kStride)[i % kRowVecs] = make_uint4(0u, 0u, 0u, 0u);
+        for (unsigned i = stager; i < count; i += stagers) {
+            act.start(pending, base + i * slot_elems, M, first + i * kGroupChunks, last, K, lane);
+            if constexpr (!Act::kAsyncCopies) act.finish(pending, base + i * slot_elems, M);
+        }
+        if constexpr (Act::kAsyncCopies) act.finish(pending, base, M);
+        if constexpr (kPerWarp) __syncwarp();  // the warp's slots, seen by all its lanes
+        else __syncthreads();  // every slot staged, seen by every warp
+        if (works) {
+            auto slot_of = [&](unsigned c) { return base + (c - first) / F * slot_elems; };
+            for (unsigned c = c_begin; c < c_end; c += 2 * F) {
+                compute(first_group, slot_of(c), F);
+                if (c + 2 * F < c_end) fetch(c + 2 * F, first_group);
+                if (c + F < c_end) {
+                    compute(second, slot_of(c + F), F);
+                    if (c + 3 * F < c_end) fetch(c + 3 * F, second);
+                }
+            }
+        }
+    } else {
+        __nv_bfloat16* slots = reinterpret_cast<__nv_bfloat16*>(smem_raw) + (size_t)warp * 2 * M * kStride;
+        auto slot = [&](unsigned s) { return slots + s * M * kStride; };
+        if (works) {
+            act.start(pending, slot(0), M, c_begin, c_end, K, lane);
+            act.finish(pending, slot(0), M);
+            __syncwarp();
+            // group `cur` (tiles c .. c + F - 1) against slot s while the next group's activation loads
+            auto step = [&](WeightGroup<1, F>& cur, unsigned c, unsigned s) {
+                const bool more = c + F < c_end;
+                if (more) act.start(pending, slot(s ^ 1), M, c + F, c_end, K, lane);
+                compute(cur, slot(s), kWhole ? F : min(c_end - c, (unsigned)F));
+                if (c + 2 * F < c_end) fetch(c + 2 * F, cur);
+                if (more) act.finish(pending, slot(s ^ 1), M);
+                __syncwarp();  // every lane is done with slot s and sees slot s ^ 1
+            };
+            for (unsigned c = c_begin; c < c_end; c += 2 * F) {
+                step(first_group, c, 0);
+                if (c + F < c_end) step(second, c + F, 1);
+            }
         }
     }
 
