@@ -57,7 +57,8 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
         for m, f, whole, resident in itertools.product((1, 8), (4, 8), (False, True), (False, True)):  # the GEMV kernels
             gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES, gemm_ops.GEMV_RESIDENT_ACTIVATION = f, whole, resident
-            for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 7168), (129280, 4096), (8192, 4096), (16, 256)]:
+            for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 2048), (1024, 4096), (2048, 7168), (129280, 4096),
+                         (8192, 4096), (16, 256)]:
                 shape = gemm_ops.gemv_config(m, n, k, sms=132)
                 names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:

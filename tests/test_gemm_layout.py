@@ -199,6 +199,7 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
     monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", whole)
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", resident)
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # every K slice length
     for f in (4, 8):
         monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", f)
         for n, k in [(1, 16), (17, 48), (2056, 1040), (2048, 7168), (1024, 4096), (32768, 1024), (4096, 65536)]:
@@ -244,6 +245,22 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
     assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 1  # 16 warps take the 16 scale groups
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", 0.0)
     assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 2  # 64 row tiles of 8 warps: two splits
+
+
+def test_gemv_resident_activation_rule():
+    """By default the activation is resident where every warp's K slice is one scale group (K of
+    4 groups at two row tiles per block, 8 groups over 8 warps, 16 over 16) and staged per group
+    where a slice is longer; whole fetches wherever K is whole groups."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    assert gemm_ops.GEMV_RESIDENT_ACTIVATION and gemm_ops.GEMV_WHOLE_FETCHES
+    for m in (1, 8):
+        assert gemm_ops.gemv_config(m, 4096, 1024, sms=132).family == "gemv_2f4res"
+        assert gemm_ops.gemv_config(m, 2048, 2048, sms=132).family == "gemv_1f4res"
+        assert gemm_ops.gemv_config(m, 2048, 4096, sms=132).family == "gemv_1f4w16res"
+        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132).family == "gemv_1f4whole"  # 2 groups per slice
+        assert gemm_ops.gemv_config(m, 2048, 7168, sms=132).family == "gemv_1f4w16whole"  # up to 2 of 28
+        assert gemm_ops.gemv_config(m, 2048, 1040, sms=132).family.endswith("f4")  # K not whole groups
 
 
 def wgmma_pair_offset(m, kk, tiles):

@@ -307,3 +307,17 @@ def test_small_pairs_per_block_rule():
     assert moe_ops.small_pairs_per_block(256, 2, 132) == 1  # few pairs: one pair per block
     assert moe_ops.small_pairs_per_block(2048, 56, 132) == 8  # T = 8: no single wave; 896 blocks
     assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132) == 8
+
+
+def test_router_warps_per_expert_rule():
+    """The router's logits: the most warps per expert (up to 8) that leave each a slice of 512+
+    inputs in whole runs of 8; one warp where H has no such split."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert moe_ops.router_warps_per_expert(4096) == 8  # V4-Flash: 256 blocks of one expert each
+    assert moe_ops.router_warps_per_expert(7168) == 8  # V3: 896 inputs per warp
+    assert moe_ops.router_warps_per_expert(1536) == 2
+    assert moe_ops.router_warps_per_expert(1024) == 2
+    assert moe_ops.router_warps_per_expert(512) == 1
+    assert moe_ops.router_warps_per_expert(2056) == 1  # 2056 / 2 is not whole runs of 8
+    assert moe_ops.router_warps_per_expert(1000) == 1

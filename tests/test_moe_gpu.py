@@ -57,7 +57,8 @@ V3 = RoutingConfig(top_k=8, score_func="sigmoid", n_group=8, topk_group=4, route
 @pytest.mark.parametrize("routing", [V4, V3, RoutingConfig(top_k=6, score_func="softmax", renormalize=False)])
 @pytest.mark.parametrize("t", [1, 3, 64, 512])
 def test_routing_matches_reference(rng, routing, t):
-    for e, h in ((256, 4096), (8 * routing.n_group if routing.n_group > 1 else 8, 256)):
+    # H of 8, 2 and 1 warps per expert's logits (moe.py `router_warps_per_expert`), one with a partial run
+    for e, h in ((256, 4096), (256, 7168), (96, 1536), (8 * routing.n_group if routing.n_group > 1 else 8, 256)):
         if routing.top_k > e:
             continue
         gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)

@@ -119,13 +119,21 @@ _WIDE_WARPS = 16
 #: GEMV kernels without per-tile bounds tests (``gemv_<RT>f4[w16]whole``) where every K slice is
 #: whole 4-tile fetches (K a multiple of 256): 3.41 SASS instructions per weight in the mainloop
 #: instead of 3.80 (bf16; NVFP4 4.45 instead of 4.71), the same arithmetic in the same order.
-#: Compiled and counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
-#: "gemv-whole") has passed with it and it is timed against the kernels with the tests
-GEMV_WHOLE_FETCHES = False
-#: GEMV kernels that stage the block's whole activation once, before the mainloop, in shared memory
-#: shared by its warps (``gemv_<RT>f4[w16]res``; whole fetches, K a multiple of 256, where it fits):
-#: no staging, slot hand-over or zeroing of absent tokens in the mainloop
-GEMV_RESIDENT_ACTIVATION = False
+#: H200, same run, M = 1: 4096x7168 9.98 -> 9.02 us, 2048x7168 6.63 -> 6.46, 4096x4096 6.92 ->
+#: 6.77, 1-3 % on the other GEMV shapes, equal or better on every one but 1024x4096 at M = 8
+GEMV_WHOLE_FETCHES = True
+#: GEMV kernels that stage the activation once, before the mainloop (``gemv_<RT>f4[w16]res``; whole
+#: fetches, K a multiple of 256, where the slots fit): 2.48 SASS instructions per weight in the
+#: mainloop instead of 3.41 (whole fetches) or 3.80, NVFP4 activation included, since the mainloop
+#: has no staging, slot hand-over or zeroing of absent tokens. Taken where every warp's K slice is
+#: at most `GEMV_RESIDENT_MAX_SLICE_GROUPS` scale groups: with longer slices the double buffer
+#: multiplies the first group while the next one's activation arrives, and measured faster.
+#: H200, same run, M = 1 (whole fetches -> resident): 4096x1024 4.14 -> 3.58 us, 7168x1024 5.45 ->
+#: 4.77, 2048x1024 3.22 -> 2.97, 4096x2048 4.83 -> 4.64, 2048x4096 4.65 -> 4.59 (M = 8 6.13 ->
+#: 5.92); two groups or more per slice: 4096x4096 6.77 -> 7.10, 2048x7168 6.46 -> 6.75, 4096x7168
+#: 9.02 -> 10.06
+GEMV_RESIDENT_ACTIVATION = True
+GEMV_RESIDENT_MAX_SLICE_GROUPS = 1
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -554,7 +562,8 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
     per_split = -(-groups // splits)
     whole_groups = f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     resident_bytes = gemv_resident_bytes(m, per_split, per_block, warps)
-    resident = GEMV_RESIDENT_ACTIVATION and whole_groups and resident_bytes <= _GEMV_MAX_SHARED
+    short_slices = -(-per_split // slices) <= GEMV_RESIDENT_MAX_SLICE_GROUPS  # groups in a warp's K slice
+    resident = GEMV_RESIDENT_ACTIVATION and whole_groups and short_slices and resident_bytes <= _GEMV_MAX_SHARED
     whole = (GEMV_WHOLE_FETCHES and whole_groups) or resident
     shared = resident_bytes if resident else gemv_shared_bytes(m, f, warps)
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
