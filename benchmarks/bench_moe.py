@@ -24,6 +24,7 @@ import numpy as np
 
 from fp4kit.formats import interleave_rows
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
+from fp4kit.ops import moe as moe_ops
 from fp4kit.ops.quant import quantize
 
 try:
@@ -124,6 +125,8 @@ def main() -> None:
             modes = tuple(value.split(","))
         elif key == "--configs":
             configs = tuple(value.split(","))
+        elif key == "--router-warps":  # warps per expert of the router's logits (default: moe.py's rule)
+            moe_ops.ROUTER_WARPS_PER_EXPERT = int(value)
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ the times of one N against K separates the fixed cost of a call (launch, first l
 stores: the intercept) from its cost per byte (the slope, against the read's). Prints a table, and
 writes JSON rows to ``$FP4KIT_BENCH_OUT/gemv_probe.json`` when that is set.
 
-    PYTHONPATH=. python3 scripts/gemv_probe.py [--ms=1,8] [--variants=default,whole]
+    PYTHONPATH=. python3 scripts/gemv_probe.py [--ms=1,8] [--variants=default,whole] [--act=nvfp4] [--ns=..] [--ks=..]
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ VARIANTS = {
     "resident": {"GEMV_RESIDENT_ACTIVATION": True},
     "resident+whole": {"GEMV_RESIDENT_ACTIVATION": True, "GEMV_WHOLE_FETCHES": True},
     "8warps": {"GEMV_WIDE_MAX_BLOCKS_PER_SM": 0.0},
+    "no-resident": {"GEMV_RESIDENT_ACTIVATION": False},
+    "resident-nvfp4": {"GEMV_RESIDENT_NVFP4_ACTIVATION": True},
 }
 
 
@@ -49,8 +51,14 @@ def fit(xs, ys):
 
 
 def main() -> None:
-    ms, names = (1, 8), ["default", "whole"]
+    ms, names, act, ns, ks = (1, 8), ["default", "whole"], "bf16", NS, KS
     for arg in sys.argv[1:]:
+        if arg.startswith("--act="):
+            act = arg.split("=", 1)[1]
+        if arg.startswith("--ns="):
+            ns = tuple(int(v) for v in arg.split("=", 1)[1].split(","))
+        if arg.startswith("--ks="):
+            ks = tuple(int(v) for v in arg.split("=", 1)[1].split(","))
         if arg.startswith("--ms="):
             ms = tuple(int(v) for v in arg.split("=", 1)[1].split(","))
         if arg.startswith("--variants="):
@@ -59,8 +67,8 @@ def main() -> None:
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s; variants {list(variants)}", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    for n in NS:
-        for k in KS:
+    for n in ns:
+        for k in ks:
             w = to_tiled(fp4kit.quantize(cp.asarray(rng.standard_normal((n, k), dtype=np.float32))))
             nbytes = w.packed.nbytes + w.block_scales.nbytes
             copies = max(1, -(-3 * l2_bytes() // nbytes))
@@ -69,6 +77,8 @@ def main() -> None:
             floor = read_floor_us(nbytes)
             for m in ms:
                 x = cp.asarray(rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16))
+                if act == "nvfp4":
+                    x = fp4kit.quantize(x)
                 out = cp.empty((m, n), ml_dtypes.bfloat16)
                 row = {"N": n, "K": k, "M": m, "bytes": nbytes, "floor_us": floor}
                 for name, settings in variants.items():
@@ -76,7 +86,7 @@ def main() -> None:
                     try:
                         for key, value in settings.items():
                             setattr(gemm_ops, key, value)
-                        shape = gemm_ops.gemv_launch(m, n, k)
+                        shape = gemm_ops.gemv_launch(m, n, k, nvfp4_act=act == "nvfp4")
                         row[name] = graph_us(lambda i: gemm(x, ws[i % len(ws)], out=out), calls=2 * len(ws))
                         row[name + "_kernel"] = shape.kernel if shape else "tiled"
                     finally:
@@ -90,7 +100,7 @@ def main() -> None:
     print()
     print("| N | M | variant | fixed µs (read) | ns per MB (read) | fixed µs | ns per MB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for n in NS:
+    for n in ns:
         for m in ms:
             sel = [r for r in rows if r["N"] == n and r["M"] == m]
             mb = [r["bytes"] / 1e6 for r in sel]

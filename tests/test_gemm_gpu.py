@@ -60,6 +60,7 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", request.param == "gemv-whole")
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", request.param.startswith("gemv-resident"))
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # long K slices too
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_NVFP4_ACTIVATION", True)  # W4A4 through the resident build too
     if request.param == "gemv-split":
         monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 1 << 30)
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
@@ -276,6 +277,7 @@ def test_gemv_resident_activation_is_bit_identical(rng, m, n, k, wide, monkeypat
     monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # long K slices too
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_NVFP4_ACTIVATION", True)
     w = tiled(weight(rng, n, k))
     x = (rng.standard_normal((m, k)) * 2).astype(BF16)
     for act in (cp.asarray(x), to_device(qref.quantize(x))):

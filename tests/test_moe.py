@@ -311,13 +311,17 @@ def test_small_pairs_per_block_rule():
 
 def test_router_warps_per_expert_rule():
     """The router's logits: the most warps per expert (up to 8) that leave each a slice of 512+
-    inputs in whole runs of 8; one warp where H has no such split."""
+    inputs in whole runs of 8 and keep the grid within two blocks per SM; one warp where H has no
+    such split or the tokens alone fill the GPU."""
     from fp4kit.ops import moe as moe_ops
 
-    assert moe_ops.router_warps_per_expert(4096) == 8  # V4-Flash: 256 blocks of one expert each
-    assert moe_ops.router_warps_per_expert(7168) == 8  # V3: 896 inputs per warp
-    assert moe_ops.router_warps_per_expert(1536) == 2
-    assert moe_ops.router_warps_per_expert(1024) == 2
-    assert moe_ops.router_warps_per_expert(512) == 1
-    assert moe_ops.router_warps_per_expert(2056) == 1  # 2056 / 2 is not whole runs of 8
-    assert moe_ops.router_warps_per_expert(1000) == 1
+    assert moe_ops.router_warps_per_expert(4096, 256, 1, 132) == 8  # V4-Flash T = 1: 256 blocks
+    assert moe_ops.router_warps_per_expert(4096, 256, 2, 132) == 4  # 256 blocks
+    assert moe_ops.router_warps_per_expert(4096, 256, 8, 132) == 1  # the measured T = 8: 256 blocks
+    assert moe_ops.router_warps_per_expert(4096, 256, 64, 132) == 1
+    assert moe_ops.router_warps_per_expert(7168, 256, 1, 132) == 8  # V3: 896 inputs per warp
+    assert moe_ops.router_warps_per_expert(1536, 96, 1, 132) == 2
+    assert moe_ops.router_warps_per_expert(1024, 8, 1, 132) == 2
+    assert moe_ops.router_warps_per_expert(512, 8, 1, 132) == 1
+    assert moe_ops.router_warps_per_expert(2056, 8, 1, 132) == 1  # 2056 / 2 is not whole runs of 8
+    assert moe_ops.router_warps_per_expert(1000, 8, 1, 132) == 1

@@ -134,6 +134,8 @@ GEMV_WHOLE_FETCHES = True
 #: 9.02 -> 10.06
 GEMV_RESIDENT_ACTIVATION = True
 GEMV_RESIDENT_MAX_SLICE_GROUPS = 1
+#: the resident build for an NVFP4 activation too (W4A4; its decode then runs before the mainloop)
+GEMV_RESIDENT_NVFP4_ACTIVATION = False
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -506,7 +508,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     return shape
 
 
-def gemv_launch(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape | None:
+def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False) -> LaunchShape | None:
     """The GEMV launch (`gemv_config`) of ``m`` rows of an ``[n, k]`` weight if it takes the GEMV
     kernels (up to `GEMV_MAX_M` rows and `GEMV_MAX_BLOCKS_PER_SM` blocks per SM), else None."""
     if not USE_GEMV or m > GEMV_MAX_M:
@@ -516,7 +518,7 @@ def gemv_launch(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape |
 
         sms = loader.sm_count(cupy.cuda.Device().id)
     per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
-    shape = gemv_config(m, n, k, sms)
+    shape = gemv_config(m, n, k, sms, nvfp4_act)
     return shape if shape.row_groups <= per_sm * sms else None
 
 
@@ -535,7 +537,7 @@ def gemv_resident_bytes(m: int, groups: int, row_tiles: int, warps: int) -> int:
     return groups * slot if row_tiles > 1 else warps * -(-groups // warps) * slot
 
 
-def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
+def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False) -> LaunchShape:
     """The GEMV launch of ``m <= 8`` rows: the K range of a row tile is split over 8, 4, 2 or 1
     warps (whole scale groups of 256 k each, as many as K has, up to 8), the block holds the rest
     of its 8 warps as more row tiles, and K is split over blocks as well only while the grid has
@@ -563,7 +565,8 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None) -> LaunchShape:
     whole_groups = f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     resident_bytes = gemv_resident_bytes(m, per_split, per_block, warps)
     short_slices = -(-per_split // slices) <= GEMV_RESIDENT_MAX_SLICE_GROUPS  # groups in a warp's K slice
-    resident = GEMV_RESIDENT_ACTIVATION and whole_groups and short_slices and resident_bytes <= _GEMV_MAX_SHARED
+    resident = (GEMV_RESIDENT_ACTIVATION and (GEMV_RESIDENT_NVFP4_ACTIVATION or not nvfp4_act) and whole_groups
+                and short_slices and resident_bytes <= _GEMV_MAX_SHARED)
     whole = (GEMV_WHOLE_FETCHES and whole_groups) or resident
     shared = resident_bytes if resident else gemv_shared_bytes(m, f, warps)
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
@@ -574,13 +577,13 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
             grouped: tuple | None = None) -> None:
     """One engine launch; ``grouped`` = (activation row stride, weight rows per group) takes the
     GEMV kernel of a grouped GEMM (`gemm_grouped`)."""
+    kind = "nvfp4" if len(act) == 3 else "bf16"
     if grouped is not None:
         shape = gemv_config(m, n, k)
     else:
-        shape = (None if wgmma else gemv_launch(m, n, k)) or launch_config(m, n, k, wgmma=wgmma)
+        shape = (None if wgmma else gemv_launch(m, n, k, nvfp4_act=kind == "nvfp4")) or launch_config(m, n, k, wgmma=wgmma)
     if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
-    kind = "nvfp4" if len(act) == 3 else "bf16"
     if shape.wgmma and uses_image(m, n, k, kind == "nvfp4"):
         # the activation as window images (one staging launch); W4A4's 1/S_a in the epilogue
         act = (_stage_image(act, kind, m, k, shape), act[-1])
