@@ -116,7 +116,8 @@ FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, false, 2f4whole)
 FP4_DEFINE_GEMV_KERNELS(4, 4, 8, true, false, 4f4whole)
 FP4_DEFINE_GEMV_KERNELS(8, 4, 8, true, false, 8f4whole)
 FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, false, 1f4w16whole)
-// "res": whole fetches against the block's activation staged once, resident in shared memory
+// "res": whole fetches against an activation staged once, before the mainloop, and resident in
+// shared memory: by the block for its warps with 2+ row tiles, else by each warp for its K slice
 // (gemm.py `GEMV_RESIDENT_ACTIVATION`)
 FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, true, 1f4res)
 FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, true, 2f4res)
