@@ -119,7 +119,7 @@ def mainloop_mix(ins) -> collections.Counter:
 def report(arch: str) -> list[dict]:
     rows = []
     for name, ins in parse(disassemble(arch)).items():
-        gemv = re.fullmatch(r"gemm_gemv_(\d+)f(\d)(?:w16)?(?:whole|res)?_(?:bf16|nvfp4)", name)
+        gemv = re.fullmatch(r"gemm_gemv_(\d+)f(\d)(?:w16)?(?:whole|resp?)?_(?:bf16|nvfp4)", name)
         m = re.fullmatch(r"gemm_(?:tiled_(\d+)x(\d+)(f8)?_(?:bf16|nvfp4)|wgmma_(\d+)x(\d+)(?:_c\d+)?(?:_bf16)?)", name)
         if gemv:  # one pass of the GEMV loop: two fetch groups of F tiles of the warp's one row tile
             tiles, r, per = 1, 1, 2 * int(gemv.group(2)) * 32

@@ -40,6 +40,7 @@ VARIANTS = {
     "8warps": {"GEMV_WIDE_MAX_BLOCKS_PER_SM": 0.0},
     "no-resident": {"GEMV_RESIDENT_ACTIVATION": False},
     "resident-nvfp4": {"GEMV_RESIDENT_NVFP4_ACTIVATION": True},
+    "pipelined": {"GEMV_RESIDENT_PIPELINED": True},
 }
 
 

@@ -42,7 +42,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
     cubin = _cubin("gemm", "sm_90a")
     names = set()
     saved = (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-             gemm_ops.GEMV_RESIDENT_ACTIVATION)
+             gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED)
     try:
         for clusters in (True, False):
             gemm_ops.USE_CLUSTERS = clusters
@@ -55,18 +55,21 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                                       f"gemm_stage_{shape.token_tiles}_nvfp4", f"gemm_{shape.kernel}_bf16"}
                         else:
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
-        for m, f, whole, resident in itertools.product((1, 8), (4, 8), (False, True), (False, True)):  # the GEMV kernels
-            gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES, gemm_ops.GEMV_RESIDENT_ACTIVATION = f, whole, resident
+        for m, f, whole, resident, pipelined in itertools.product((1, 8), (4, 8), (False, True), (False, True),
+                                                                  (False, True)):  # the GEMV kernels
+            gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = f, whole
+            gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED = resident, pipelined
             for n, k in [(16, 16), (16, 512), (2048, 1024), (2048, 2048), (1024, 4096), (2048, 7168), (129280, 4096),
                          (8192, 4096), (16, 256)]:
                 shape = gemm_ops.gemv_config(m, n, k, sms=132)
                 names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
         (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-         gemm_ops.GEMV_RESIDENT_ACTIVATION) = saved
+         gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED) = saved
     # 1, 2, 4, 8 row tiles per 8-warp block and the 16-warp blocks of one row tile, at both fetch
-    # sizes (20), and the whole-fetch and resident-activation builds of the 4-tile ones (10 each)
-    assert len({name for name in names if "_gemv_" in name}) == 40
+    # sizes (20), the whole-fetch and resident-activation builds of the 4-tile ones (10 each), and
+    # the pipelined resident builds of one row tile (4)
+    assert len({name for name in names if "_gemv_" in name}) == 44
     missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
     assert not missing, f"gemm.cu does not define {missing}"
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)

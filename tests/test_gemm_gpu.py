@@ -35,7 +35,7 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
-ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
+ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
            "wgmma-2-row-tiles"]
 
 
@@ -61,6 +61,7 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", request.param.startswith("gemv-resident"))
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # long K slices too
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_NVFP4_ACTIVATION", True)  # W4A4 through the resident build too
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_PIPELINED", request.param == "gemv-resident-pipelined")
     if request.param == "gemv-split":
         monkeypatch.setattr(gemm_ops, "GEMV_SPLIT_BELOW_BLOCKS_PER_SM", 1 << 30)
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
@@ -113,7 +114,8 @@ def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeyp
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps"):  # the split path is exercised
+    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps",
+                      "gemv-resident-pipelined"):  # the split path is exercised
         assert launch_shape(1, 2048, 7168, engine).splits > 1
 
 
@@ -271,13 +273,15 @@ def test_grouped_gemm_equals_one_gemm_per_group(rng, m, groups, n_g, k):
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(2056, 7168), (1024, 4096), (4096, 2048), (40, 256)])
 @pytest.mark.parametrize("wide", [0.0, float("inf")], ids=["8-warps", "16-warps"])
-def test_gemv_resident_activation_is_bit_identical(rng, m, n, k, wide, monkeypatch):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-wait", "wait-per-group"])
+def test_gemv_resident_activation_is_bit_identical(rng, m, n, k, wide, pipelined, monkeypatch):
     """The block-resident activation changes where the activation is staged, not the arithmetic:
     the same bits as the per-warp double buffer, for both activation kinds."""
     monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", wide)
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # long K slices too
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_NVFP4_ACTIVATION", True)
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_PIPELINED", pipelined)
     w = tiled(weight(rng, n, k))
     x = (rng.standard_normal((m, k)) * 2).astype(BF16)
     for act in (cp.asarray(x), to_device(qref.quantize(x))):

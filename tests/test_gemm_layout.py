@@ -263,6 +263,22 @@ def test_gemv_resident_activation_rule():
         assert gemm_ops.gemv_config(m, 2048, 1040, sms=132).family.endswith("f4")  # K not whole groups
 
 
+def test_gemv_resident_pipelined_rule(monkeypatch):
+    """The pipelined resident build (a wait per group) takes one row tile per block at any slice
+    length, for a bf16 activation; several row tiles per block keep the block-shared build."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_PIPELINED", True)
+    for m in (1, 8):
+        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132).family == "gemv_1f4resp"  # 2 groups per slice
+        assert gemm_ops.gemv_config(m, 2048, 7168, sms=132).family == "gemv_1f4w16resp"
+        assert gemm_ops.gemv_config(m, 2048, 2048, sms=132).family == "gemv_1f4resp"
+        assert gemm_ops.gemv_config(m, 4096, 1024, sms=132).family == "gemv_2f4res"
+        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132, nvfp4_act=True).family == "gemv_1f4whole"
+        shape = gemm_ops.gemv_config(m, 4096, 4096, sms=132)
+        assert shape.shared_bytes == gemm_ops.gemv_resident_bytes(m, 16, 1, 8) <= gemm_ops._GEMV_MAX_SHARED
+
+
 def wgmma_pair_offset(m, kk, tiles):
     """gemm_engine.cuh Window<T, true>::pair: where token m's bf16 pair at window position kk is staged
     (K-columns of 8T tokens x 8 bf16 plus 8 bf16 of padding)."""

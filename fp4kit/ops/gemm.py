@@ -138,6 +138,13 @@ GEMV_RESIDENT_MAX_SLICE_GROUPS = 1
 #: H200, same run, M = 1 slower on every shape (1024x4096 4.18 -> 4.50 us, 2048x2048 3.62 -> 3.96,
 #: 4096x2048 4.46 -> 4.74), M = 8 faster only at two row tiles per block (2048x1024 3.97 -> 3.77)
 GEMV_RESIDENT_NVFP4_ACTIVATION = False
+#: with one row tile per block, the resident build whose mainloop waits for each group's activation
+#: just before multiplying it (``gemv_1f4[w16]resp``), at any slice length: a slice of several
+#: groups then overlaps their arrival with the first groups' work, as the double buffer does
+#: (2.95 SASS instructions per weight against 3.41 for whole fetches; the wait is a switch over the
+#: pending count). Compiled and SASS-counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
+#: "gemv-resident-pipelined") has passed with it and scripts/gemv_probe.py has timed it
+GEMV_RESIDENT_PIPELINED = False
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -408,6 +415,7 @@ class LaunchShape:
     warps: int = _WARPS  # per block (GEMV: 8 or 16)
     whole: bool = False  # GEMV: the build without per-tile bounds tests (`GEMV_WHOLE_FETCHES`)
     resident: bool = False  # GEMV: the block's activation staged once (`GEMV_RESIDENT_ACTIVATION`)
+    pipelined: bool = False  # GEMV, resident: a wait per group (`GEMV_RESIDENT_PIPELINED`)
 
     @property
     def family(self) -> str:
@@ -415,7 +423,7 @@ class LaunchShape:
         cluster size."""
         if self.gemv:
             wide = f"w{self.warps}" if self.warps != _WARPS else ""
-            build = "res" if self.resident else "whole" if self.whole else ""
+            build = "resp" if self.pipelined else "res" if self.resident else "whole" if self.whole else ""
             return f"gemv_{self.row_tiles_per_warp}f{8 if self.fetch8 else 4}{wide}{build}"
         return (f"{'wgmma' if self.wgmma else 'tiled'}_{self.token_tiles}x{self.row_tiles_per_warp}"
                 + ("f8" if self.fetch8 else ""))
@@ -566,13 +574,15 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     per_split = -(-groups // splits)
     whole_groups = f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     resident_bytes = gemv_resident_bytes(m, per_split, per_block, warps)
+    pipelined = GEMV_RESIDENT_PIPELINED and per_block == 1 and not nvfp4_act
     short_slices = -(-per_split // slices) <= GEMV_RESIDENT_MAX_SLICE_GROUPS  # groups in a warp's K slice
     resident = (GEMV_RESIDENT_ACTIVATION and (GEMV_RESIDENT_NVFP4_ACTIVATION or not nvfp4_act) and whole_groups
-                and short_slices and resident_bytes <= _GEMV_MAX_SHARED)
+                and (short_slices or pipelined) and resident_bytes <= _GEMV_MAX_SHARED)
     whole = (GEMV_WHOLE_FETCHES and whole_groups) or resident
     shared = resident_bytes if resident else gemv_shared_bytes(m, f, warps)
     return LaunchShape(False, 1, per_block, f == 8, blocks, -(-groups // per_split), per_split * GROUP_CHUNKS, 1,
-                       shared, gemv=True, warps=warps, whole=whole, resident=resident)
+                       shared, gemv=True, warps=warps, whole=whole, resident=resident,
+                       pipelined=resident and pipelined)
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,

@@ -80,20 +80,20 @@ FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
 // gemm.py `gemv_shared_bytes`; the same arguments as the tiled kernels, and for bf16 the
 // activation's row stride (0: K) and the weight rows per group of a grouped GEMM (0: none; gemm.py
 // `gemm_grouped`).
-#define FP4_DEFINE_GEMV_W(RT, F, W, NAME) FP4_DEFINE_GEMV_KERNELS(RT, F, W, false, false, NAME)
-#define FP4_DEFINE_GEMV_KERNELS(RT, F, W, WHOLE, RES, NAME)                                                       \
+#define FP4_DEFINE_GEMV_W(RT, F, W, NAME) FP4_DEFINE_GEMV_KERNELS(RT, F, W, false, false, false, NAME)
+#define FP4_DEFINE_GEMV_KERNELS(RT, F, W, WHOLE, RES, PIPE, NAME)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_bf16(                      \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,        \
         FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS, unsigned act_ld, unsigned group_rows) {                   \
         Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
-        gemv_block<RT, F, WarpActBf16<F>, W, WHOLE, RES>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, \
+        gemv_block<RT, F, WarpActBf16<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, \
                                                     ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT);           \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_nvfp4(                     \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                          \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) { \
         Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
-        gemv_block<RT, F, WarpActNvfp4<F>, W, WHOLE, RES>(w_codes, w_scales,                                      \
+        gemv_block<RT, F, WarpActNvfp4<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales,                                      \
                                                      WarpActNvfp4<F>{act_packed, act_scales, nullptr}, ep, M, N, K, \
                                                      blockIdx.x, blockIdx.y, FP4_SPLIT);                       \
     }
@@ -111,19 +111,22 @@ FP4_DEFINE_GEMV_W(1, 4, 16, 1f4w16)
 FP4_DEFINE_GEMV_W(1, 8, 16, 1f8w16)
 // "whole": the mainloop without per-tile bounds tests, for K of whole scale groups (gemm.py
 // `GEMV_WHOLE_FETCHES`; 4-tile fetches only)
-FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, false, 1f4whole)
-FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, false, 2f4whole)
-FP4_DEFINE_GEMV_KERNELS(4, 4, 8, true, false, 4f4whole)
-FP4_DEFINE_GEMV_KERNELS(8, 4, 8, true, false, 8f4whole)
-FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, false, 1f4w16whole)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, false, false, 1f4whole)
+FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, false, false, 2f4whole)
+FP4_DEFINE_GEMV_KERNELS(4, 4, 8, true, false, false, 4f4whole)
+FP4_DEFINE_GEMV_KERNELS(8, 4, 8, true, false, false, 8f4whole)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, false, false, 1f4w16whole)
 // "res": whole fetches against an activation staged once, before the mainloop, and resident in
 // shared memory: by the block for its warps with 2+ row tiles, else by each warp for its K slice
 // (gemm.py `GEMV_RESIDENT_ACTIVATION`)
-FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, true, 1f4res)
-FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, true, 2f4res)
-FP4_DEFINE_GEMV_KERNELS(4, 4, 8, true, true, 4f4res)
-FP4_DEFINE_GEMV_KERNELS(8, 4, 8, true, true, 8f4res)
-FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, true, 1f4w16res)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, true, false, 1f4res)
+FP4_DEFINE_GEMV_KERNELS(2, 4, 8, true, true, false, 2f4res)
+FP4_DEFINE_GEMV_KERNELS(4, 4, 8, true, true, false, 4f4res)
+FP4_DEFINE_GEMV_KERNELS(8, 4, 8, true, true, false, 8f4res)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, true, false, 1f4w16res)
+// "resp": the per-warp resident activation with a wait per group (gemm.py `GEMV_RESIDENT_PIPELINED`)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 8, true, true, true, 1f4resp)
+FP4_DEFINE_GEMV_KERNELS(1, 4, 16, true, true, true, 1f4w16resp)
 
 // The split-K scratch of this block's token chunk (blockIdx.z).
 __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counters, unsigned splits,

@@ -16,6 +16,21 @@
 
 namespace gemm {
 
+// Wait until at most n of this thread's cp.async commit groups are pending (n past 7: 7, i.e.
+// waits for more than asked, never fewer).
+__device__ __forceinline__ void cp_async_wait_pending(unsigned n) {
+    switch (n) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+        case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+        case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+        case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
+
 // A warp's activation buffer: token rows of F tiles (F * 64 bf16) plus 16 bytes of padding; only
 // the M rows that exist are stored (lanes of tokens past M multiply zeros without reading).
 template <int F>
@@ -108,8 +123,11 @@ struct WarpActNvfp4 {
 // scale group of M + 1 token rows (row M zero, read by the lanes of tokens past M): by the block
 // for all its warps where it has several row tiles, else by each warp for its own K slice. The
 // mainloop then has no staging, no slot hand-over and no zeroing of absent tokens. Dynamic shared
-// memory: gemm.py `gemv_resident_bytes`.
-template <int RT, int F, class Act, int W = kWarps, bool kWhole = false, bool kResident = false>
+// memory: gemm.py `gemv_resident_bytes`. kPipelined (one row tile per block, bf16 activation): each
+// group's copies are a commit group of their own and the mainloop waits for a group's just before
+// multiplying it, so a slice of several groups overlaps their arrival with the first groups' work.
+template <int RT, int F, class Act, int W = kWarps, bool kWhole = false, bool kResident = false,
+          bool kPipelined = false>
 __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in, unsigned M,
                            unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk) {
     static_assert(W % RT == 0 && W >= kWarps, "whole K slices per row tile; the code table needs 256 threads");
@@ -201,6 +219,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         // with every warp waiting for the whole block's copies, measured slower than the double
         // buffer at one row tile per block).
         constexpr bool kPerWarp = RT == 1;
+        constexpr bool kPipe = kPipelined && kPerWarp && Act::kAsyncCopies;
         const unsigned blk_begin = s_begin * kGroupChunks, blk_end = min(chunks, (s_begin + s_count) * kGroupChunks);
         const unsigned slot_elems = (M + 1) * kStride;
         const unsigned first = kPerWarp ? c_begin : blk_begin, last = kPerWarp ? c_end : blk_end;
@@ -216,20 +235,29 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
             act.start(pending, base + i * slot_elems, M, first + i * kGroupChunks, last, K, lane);
             if constexpr (!Act::kAsyncCopies) act.finish(pending, base + i * slot_elems, M);
         }
-        if constexpr (Act::kAsyncCopies) act.finish(pending, base, M);
-        if constexpr (kPerWarp) __syncwarp();  // the warp's slots, seen by all its lanes
+        if constexpr (Act::kAsyncCopies && !kPipe) act.finish(pending, base, M);
+        if constexpr (kPerWarp) __syncwarp();  // the warp's slots (pipelined: its zero rows), seen by all its lanes
         else __syncthreads();  // every slot staged, seen by every warp
         if (works) {
             auto slot_of = [&](unsigned c) { return base + (c - first) / F * slot_elems; };
+            auto arrived = [&](unsigned c) {  // pipelined: the group at chunk c has landed, for every lane
+                if constexpr (kPipe) {
+                    cp_async_wait_pending(count - 1 - (c - first) / F);
+                    __syncwarp();
+                }
+            };
             for (unsigned c = c_begin; c < c_end; c += 2 * F) {
+                arrived(c);
                 compute(first_group, slot_of(c), F);
                 if (c + 2 * F < c_end) fetch(c + 2 * F, first_group);
                 if (c + F < c_end) {
+                    arrived(c + F);
                     compute(second, slot_of(c + F), F);
                     if (c + 3 * F < c_end) fetch(c + 3 * F, second);
                 }
             }
         }
+        if constexpr (kPipe) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
     } else {
         __nv_bfloat16* slots = reinterpret_cast<__nv_bfloat16*>(smem_raw) + (size_t)warp * 2 * M * kStride;
         auto slot = [&](unsigned s) { return slots + s * M * kStride; };
