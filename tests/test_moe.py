@@ -325,3 +325,16 @@ def test_router_warps_per_expert_rule():
     assert moe_ops.router_warps_per_expert(512, 8, 1, 132) == 1
     assert moe_ops.router_warps_per_expert(2056, 8, 1, 132) == 1  # 2056 / 2 is not whole runs of 8
     assert moe_ops.router_warps_per_expert(1000, 8, 1, 132) == 1
+
+
+def test_small_whole_fetch_variant_rule(monkeypatch):
+    """The small-T launches take a variant's whole-fetch build (a "w" appended) only with the knob
+    on, for a variant that has one, over a K of whole scale groups (256)."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert moe_ops._whole_variant("d2c1", 4096) == "d2c1"  # off by default
+    monkeypatch.setattr(moe_ops, "SMALL_WHOLE_FETCHES", True)
+    assert moe_ops._whole_variant("d2c1", 4096) == "d2c1w"
+    assert moe_ops._whole_variant("d1c2b4", 2048) == "d1c2b4w"
+    assert moe_ops._whole_variant("d1c2b4", 272) == "d1c2b4"  # 5 tiles of 64: not whole groups
+    assert moe_ops._whole_variant("d2c1b2", 2048) == "d2c1b2"  # no whole-fetch build

@@ -62,3 +62,21 @@ def test_small_path_knobs_match_reference(rng, monkeypatch, quantize_where, h, i
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16)), (down, pairs)
             assert gref.calc_diff(got.astype(np.float32), want) < BOUND, (down, pairs)
 
+
+
+@pytest.mark.parametrize("h,i,top_k", [(4096, 256, 6), (7168, 512, 8), (4096, 272, 6)])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_whole_fetch_builds_are_bit_identical(rng, monkeypatch, quantize_where, h, i, top_k, mode):
+    """The small-T launches without per-tile bounds tests (`SMALL_WHOLE_FETCHES`) over K of whole
+    scale groups: the same bits as the bounds-tested builds (an I of 272 keeps those for the down
+    projection), within the bound of the reference."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    dev, host = build(rng, 16, h, i, top_k, mode)
+    x = rng.standard_normal((3, h)).astype(BF16)
+    want = host(x).astype(np.float32)
+    outs = []
+    for whole in (False, True):
+        monkeypatch.setattr(moe_ops, "SMALL_WHOLE_FETCHES", whole)
+        outs.append(cp.asnumpy(dev(cp.asarray(x))))
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    assert gref.calc_diff(outs[1].astype(np.float32), want) < BOUND

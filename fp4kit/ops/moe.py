@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import TILE_K, Nvfp4Tensor
+from ..formats import GROUP_CHUNKS, TILE_K, Nvfp4Tensor
 from ..runtime import arrays, loader, status
 from . import gemm as gemm_ops
 
@@ -128,8 +128,23 @@ SMALL_PAIRS_PER_BLOCK = None
 #: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
 SMALL_GATE_UP_VARIANT = "d2c1"
 SMALL_DOWN_VARIANT = "d1c2b4"
+#: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
+#: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
+#: -> 2.64 in the down loop; compiled and counted, not yet run on a GPU: off until
+#: tests/test_moe_small_variants_gpu.py has passed with it and bench_moe.py has timed it
+SMALL_WHOLE_FETCHES = False
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
+#: the variants with a whole-fetch build (moe.cu)
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4")
+
+
+def _whole_variant(variant: str, k: int) -> str:
+    """The small-T kernel variant to launch over a K of ``k``: its build without per-tile bounds
+    tests (``<variant>w``) where `SMALL_WHOLE_FETCHES` is on, the variant has one and K is whole scale
+    groups (256), else the variant itself."""
+    whole = SMALL_WHOLE_FETCHES and variant in SMALL_WHOLE_VARIANTS and _tile_chunks(k) % GROUP_CHUNKS == 0
+    return variant + "w" if whole else variant
 
 
 def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
@@ -193,16 +208,17 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     import cupy
 
     pp = small_pairs_per_block(inner, blocks_y, loader.sm_count(cupy.cuda.Device().id))
+    variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
     if x_amax is not None:
-        kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{SMALL_GATE_UP_VARIANT}")
+        kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
     else:
-        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{SMALL_GATE_UP_VARIANT}", common)
+        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
     grid = (-(-inner // (16 * pp)), blocks_y)
     kernel.launch(grid, 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
     return grid
@@ -227,12 +243,13 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
               _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
+    variant = _whole_variant(SMALL_DOWN_VARIANT, inner)
     if h_amax is not None:
-        kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{SMALL_DOWN_VARIANT}")
+        kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{variant}")
         args = (act, h_amax, _U32(amax_blocks[0]), _U32(amax_blocks[1]), status.device_word(), *common)
     else:
         second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
-        kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{SMALL_DOWN_VARIANT}", common, nvfp4_extra=second)
+        kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{variant}", common, nvfp4_extra=second)
     slots = top_k + (shared is not None)
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 

@@ -498,8 +498,10 @@ __device__ __forceinline__ void stage_row(const unsigned char* packed, const uns
 // 4 chunks in flight; lanes with t = 0 end with the token's sums in acc[r][0] (row g) and
 // acc[r][2] (row g + 8). The other lanes' columns repeat the token and are ignored. C = 2 splits
 // the accumulation into two chains (even and odd chunks, added at the end) so that consecutive
-// MMAs do not wait on each other.
-template <int R, int D, int C = 1>
+// MMAs do not wait on each other. kWhole: c1 - c0 is whole groups (K of whole scale groups), so
+// no tile of a group is past c1 and the per-tile bounds tests go; the same arithmetic in the same
+// order.
+template <int R, int D, int C = 1, bool kWhole = false>
 struct WarpGemv {
     struct Group {
         uint4 q[R][4];
@@ -517,7 +519,8 @@ struct WarpGemv {
         for (int r = 0; r < R; ++r) {
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                grp.q[r][j] = c + j < c1 ? gemm::load_stream(codes[r] + (c + j) * 32 + lane, policy) : make_uint4(0u, 0u, 0u, 0u);
+                grp.q[r][j] = kWhole || c + j < c1 ? gemm::load_stream(codes[r] + (c + j) * 32 + lane, policy)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
             grp.s[r] = gemm::load_stream(scales[r] + c / gemm::kGroupChunks * 32 + lane, policy);
         }
     }
@@ -534,7 +537,7 @@ struct WarpGemv {
         const unsigned t = threadIdx.x & 3;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            if (c + j >= c1) break;
+            if (!kWhole && c + j >= c1) break;
             unsigned sc_g[R], sc_g8[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -616,7 +619,7 @@ struct Swiglu {
 // routing weight as row factor); a >= routed the shared expert (one more always-selected expert,
 // its own weights and clamp) for token a - routed. Rows of `out`: the routed assignments, then
 // the shared expert's tokens.
-template <int D, int C, class Stage>
+template <int D, int C, bool kWhole, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
@@ -636,7 +639,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     const unsigned per_warp = (groups + ks - 1) / ks * gemm::kGroupChunks;
     const bool active = p < I / 16;
 
-    WarpGemv<2, D, C> gemv;
+    WarpGemv<2, D, C, kWhole> gemv;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const StackRows& st = r == 0 ? gate : up;
@@ -699,7 +702,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
 // with a folded shared expert, slot top_k is its down projection (activation row routed + t,
 // its own weight and 1 / S_a), rounded to bf16 as the dense layer's output and added last, as
 // moe_combine adds a separate shared expert's output (`shared_out`).
-template <int D, int C, class Stage>
+template <int D, int C, bool kWhole, class Stage>
 __device__ void down(Stage stage, StackRows w, StackRows s_w,
                      int has_shared, const int* ids, const float* weights, int weighted, unsigned top_k,
                      unsigned routed, const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
@@ -712,7 +715,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks, row_tiles = H / 16;
     const unsigned slots = top_k + (has_shared ? 1u : 0u);
 
-    WarpGemv<1, D, C> gemv;
+    WarpGemv<1, D, C, kWhole> gemv;
     gemv.c0 = 0;
     gemv.c1 = chunks;
     gemv.policy = gemm::evict_first_policy();
@@ -888,66 +891,69 @@ struct StageQuantizeRows {
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
         int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
-#define FP4_SMALL_GATE_UP_CALL(D, C, STAGE, OUT_AMAX)                                                    \
-    small::gate_up<D, C>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+#define FP4_SMALL_GATE_UP_CALL(D, C, W, STAGE, OUT_AMAX)                                                 \
+    small::gate_up<D, C, W>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
                          H, I, pairs_per_block, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
         unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
-#define FP4_SMALL_DOWN_CALL(D, C, STAGE)                                                                  \
-    small::down<D, C>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
+#define FP4_SMALL_DOWN_CALL(D, C, W, STAGE)                                                               \
+    small::down<D, C, W>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
                       shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
 // (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
 // the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
-#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B)                                                        \
+#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W)                                                        \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
         const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
-        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageBf16{x, H}), nullptr);                                 \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageBf16{x, H}), nullptr);                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
         const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
-        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
         const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_f32_##VARIANT(           \
         const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
     }
-#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B)                                                           \
+#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
-        FP4_SMALL_DOWN_CALL(D, C, (small::StageBf16{h, I}));                                             \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageBf16{h, I}));                                             \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
         const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global,              \
         const unsigned char* s_packed, const unsigned char* s_scales, const float* s_global, FP4_SMALL_DOWN_ARGS) { \
-        FP4_SMALL_DOWN_CALL(D, C, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, \
                                                     routed}));                                            \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_quant_##VARIANT(                  \
         const float* h, const unsigned* h_amax, unsigned routed_blocks, unsigned blocks, unsigned* status,  \
         FP4_SMALL_DOWN_ARGS) {                                                                            \
-        FP4_SMALL_DOWN_CALL(D, C, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
     }
 
 // the variants the launchers use, chosen among (D, C, B) = (2|4, 1|2, 2), (2, 2, 3), (1, 2, 4)
 // (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone): gate_up with 2 groups in flight and
 // one chain at 2 blocks per SM; down with 1 group in flight, two chains, 4 blocks per SM (18.2 ->
 // 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash against 4 groups, one chain)
-FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2)
-FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4)
+FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2, false)
+FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4, false)
+// the same without per-tile bounds tests, for K of whole scale groups (ops/moe.py SMALL_WHOLE_FETCHES)
+FP4_DEFINE_SMALL_GATE_UP(d2c1w, 2, 1, 2, true)
+FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 // down candidates with more weight groups in flight per warp, measured against d1c2b4 once the
 // activation staging no longer serialised the prologue (ops/moe.py SMALL_DOWN_VARIANTS)
-FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2)
-FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2)
-FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2)
+FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2, false)
+FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2, false)
+FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2, false)
