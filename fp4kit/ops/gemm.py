@@ -120,7 +120,7 @@ _WIDE_WARPS = 16
 #: whole 4-tile fetches (K a multiple of 256): 3.41 SASS instructions per weight in the mainloop
 #: instead of 3.80 (bf16; NVFP4 4.45 instead of 4.71), the same arithmetic in the same order.
 #: H200, same run, M = 1: 4096x7168 9.98 -> 9.02 us, 2048x7168 6.63 -> 6.46, 4096x4096 6.92 ->
-#: 6.77, 1-3 % on the other GEMV shapes, equal or better on every one but 1024x4096 at M = 8
+#: 6.77, 1-3 % on the other GEMV shapes; no GEMV shape slower, at M = 1 or 8, in two runs
 GEMV_WHOLE_FETCHES = True
 #: GEMV kernels that stage the activation once, before the mainloop (``gemv_<RT>f4[w16]res``; whole
 #: fetches, K a multiple of 256, where the slots fit): 2.48 SASS instructions per weight in the
