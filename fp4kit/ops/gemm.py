@@ -142,8 +142,9 @@ GEMV_RESIDENT_NVFP4_ACTIVATION = False
 #: just before multiplying it (``gemv_1f4[w16]resp``), at any slice length: a slice of several
 #: groups then overlaps their arrival with the first groups' work, as the double buffer does
 #: (2.95 SASS instructions per weight against 3.41 for whole fetches; the wait is a switch over the
-#: pending count). Compiled and SASS-counted, not yet run on a GPU: off until tests/test_gemm_gpu.py (engine
-#: "gemv-resident-pipelined") has passed with it and scripts/gemv_probe.py has timed it
+#: pending count). Compiled and SASS-counted, not yet run on a GPU: off until
+#: tests/test_gemm_gpu.py (engine "gemv-resident-pipelined") has passed with it and
+#: scripts/gemv_probe.py has timed it
 GEMV_RESIDENT_PIPELINED = False
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
@@ -475,9 +476,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     block holds (128) runs them as token chunks of one grid, each with its own split-K scratch.
     """
     if sms is None:
-        import cupy
-
-        sms = loader.sm_count(cupy.cuda.Device().id)
+        sms = loader.current_sm_count()
     if wgmma:
         tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
         r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
@@ -524,9 +523,7 @@ def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     if not USE_GEMV or m > GEMV_MAX_M:
         return None
     if sms is None:
-        import cupy
-
-        sms = loader.sm_count(cupy.cuda.Device().id)
+        sms = loader.current_sm_count()
     per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
     shape = gemv_config(m, n, k, sms, nvfp4_act)
     return shape if shape.row_groups <= per_sm * sms else None
@@ -555,9 +552,7 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     `GEMV_WIDE_MAX_BLOCKS_PER_SM` such blocks per SM over a K of 16+ scale groups takes 16-warp
     blocks of one row tile instead (16 K slices)."""
     if sms is None:
-        import cupy
-
-        sms = loader.sm_count(cupy.cuda.Device().id)
+        sms = loader.current_sm_count()
     row_tiles, chunks, groups = tiled_dims(n, k)
     warps = _WARPS
     slices = 1 << (min(warps, groups).bit_length() - 1)  # a power of two dividing the 8 warps

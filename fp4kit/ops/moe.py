@@ -45,12 +45,6 @@ def router_warps_per_expert(h: int, e: int, t: int, sms: int) -> int:
     return 1
 
 
-def _sm_count() -> int:
-    import cupy
-
-    return loader.sm_count(cupy.cuda.Device().id)
-
-
 def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
     """Logits (`router_warps_per_expert` warps per token and expert), then one block per token: scores, (grouped) top-k or
     hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
@@ -63,7 +57,7 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     name = f"moe_router_logits_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}"
-    wpe = router_warps_per_expert(h, e, t, _sm_count())
+    wpe = router_warps_per_expert(h, e, t, loader.current_sm_count())
     loader.get_kernel(_MODULE, name).launch((-(-e // (8 // wpe)), t), 256, (x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits))
     loader.get_kernel(_MODULE, "moe_router")(
         t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
@@ -83,7 +77,7 @@ def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, log
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     kernel = loader.get_kernel(_MODULE, f"moe_route_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}")
-    wpe = router_warps_per_expert(h, e, t, _sm_count())
+    wpe = router_warps_per_expert(h, e, t, loader.current_sm_count())
     kernel.launch((-(-e // (8 // wpe)), t), 256, (
         x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits, done, _opt(x_amax), _opt(bias), _opt(token_ids), _opt(tid2eid),
         _U32(0 if tid2eid is None else tid2eid.shape[0]), status.device_word(), _U32(cfg.top_k),
@@ -205,9 +199,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    import cupy
-
-    pp = small_pairs_per_block(inner, blocks_y, loader.sm_count(cupy.cuda.Device().id))
+    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count())
     variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),

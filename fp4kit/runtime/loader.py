@@ -158,6 +158,13 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+def current_sm_count() -> int:
+    """Multiprocessors of the current CUDA device (`sm_count`)."""
+    import cupy
+
+    return sm_count(cupy.cuda.Device().id)
+
+
 @functools.cache
 def compute_capability(device_id: int) -> str:
     """Compute capability of CUDA device ``device_id`` as CuPy spells it (``"90"`` on Hopper)."""

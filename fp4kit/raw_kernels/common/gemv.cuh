@@ -209,6 +209,14 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         if (c_begin + F < c_end) fetch(c_begin + F, second);
     }
     pdl::wait_prior();  // the weights are in flight; everything below may depend on the kernel before
+    // the mainloop: the two groups in turn, `step(group, c, s)` multiplying tiles c .. c + F - 1 held
+    // in `group` (s: its parity) and refilling it
+    auto each_group = [&](auto&& step) {
+        for (unsigned c = c_begin; c < c_end; c += 2 * F) {
+            step(first_group, c, 0u);
+            if (c + F < c_end) step(second, c + F, 1u);
+        }
+    };
     typename Act::Pending pending;
     act.init(code_table);
     __syncthreads();  // the decode table
@@ -246,16 +254,11 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
                     __syncwarp();
                 }
             };
-            for (unsigned c = c_begin; c < c_end; c += 2 * F) {
+            each_group([&](WeightGroup<1, F>& cur, unsigned c, unsigned) {
                 arrived(c);
-                compute(first_group, slot_of(c), F);
-                if (c + 2 * F < c_end) fetch(c + 2 * F, first_group);
-                if (c + F < c_end) {
-                    arrived(c + F);
-                    compute(second, slot_of(c + F), F);
-                    if (c + 3 * F < c_end) fetch(c + 3 * F, second);
-                }
-            }
+                compute(cur, slot_of(c), F);
+                if (c + 2 * F < c_end) fetch(c + 2 * F, cur);
+            });
         }
         if constexpr (kPipe) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
     } else {
@@ -266,18 +269,14 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
             act.finish(pending, slot(0), M);
             __syncwarp();
             // group `cur` (tiles c .. c + F - 1) against slot s while the next group's activation loads
-            auto step = [&](WeightGroup<1, F>& cur, unsigned c, unsigned s) {
+            each_group([&](WeightGroup<1, F>& cur, unsigned c, unsigned s) {
                 const bool more = c + F < c_end;
                 if (more) act.start(pending, slot(s ^ 1), M, c + F, c_end, K, lane);
                 compute(cur, slot(s), kWhole ? F : min(c_end - c, (unsigned)F));
                 if (c + 2 * F < c_end) fetch(c + 2 * F, cur);
                 if (more) act.finish(pending, slot(s ^ 1), M);
                 __syncwarp();  // every lane is done with slot s and sees slot s ^ 1
-            };
-            for (unsigned c = c_begin; c < c_end; c += 2 * F) {
-                step(first_group, c, 0);
-                if (c + F < c_end) step(second, c + F, 1);
-            }
+            });
         }
     }
 
