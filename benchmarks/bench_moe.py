@@ -12,7 +12,7 @@ what a user would write in PyTorch: a per-expert loop of bf16 GEMMs driven by ho
 (eager).
 
     .venv/bin/python benchmarks/bench_moe.py [--tokens=1,8,...] [--modes=w4a4,w4a16] [--configs=V4-Flash,V3]
-        [--router-warps=N] [--whole-fetches]
+        [--router-warps=N] [--whole-fetches=0]
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def main() -> None:
             configs = tuple(value.split(","))
         elif key == "--router-warps":  # warps per expert of the router's logits (default: moe.py's rule)
             moe_ops.ROUTER_WARPS_PER_EXPERT = int(value)
-        elif key == "--whole-fetches":  # the small-T builds without per-tile bounds tests (moe.py SMALL_WHOLE_FETCHES)
-            moe_ops.SMALL_WHOLE_FETCHES = True
+        elif key == "--whole-fetches":  # 0: the small-T builds with per-tile bounds tests (moe.py SMALL_WHOLE_FETCHES)
+            moe_ops.SMALL_WHOLE_FETCHES = value != "0"
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     rng = np.random.default_rng(0)

@@ -42,7 +42,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
     cubin = _cubin("gemm", "sm_90a")
     names = set()
     saved = (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-             gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED)
+             gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS)
     try:
         for clusters in (True, False):
             gemm_ops.USE_CLUSTERS = clusters
@@ -55,6 +55,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                                       f"gemm_stage_{shape.token_tiles}_nvfp4", f"gemm_{shape.kernel}_bf16"}
                         else:
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
+        gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS = (8, 16)  # every block width the knob can name
         for m, f, whole, resident, pipelined in itertools.product((1, 8), (4, 8), (False, True), (False, True),
                                                                   (False, True)):  # the GEMV kernels
             gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES = f, whole
@@ -65,7 +66,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                 names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
         (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-         gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED) = saved
+         gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS) = saved
     # 1, 2, 4, 8 row tiles per 8-warp block and the 16-warp blocks of one row tile, at both fetch
     # sizes (20), the whole-fetch and resident-activation builds of the 4-tile ones (10 each), and
     # the pipelined resident builds of one row tile (4)
@@ -200,8 +201,9 @@ def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
 # global memory instructions (loads, stores, atomics, reductions, async and bulk copies)
 _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "LD",
                "ST"}
-# kernels that issue their first weight loads (non-coherent, read-only) before they wait
-_PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_)")
+# kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
+# routers: their gate weight)
+_PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_)")
 
 
 @needs_cupy

@@ -332,9 +332,10 @@ def test_small_whole_fetch_variant_rule(monkeypatch):
     on, for a variant that has one, over a K of whole scale groups (256)."""
     from fp4kit.ops import moe as moe_ops
 
-    assert moe_ops._whole_variant("d2c1", 4096) == "d2c1"  # off by default
-    monkeypatch.setattr(moe_ops, "SMALL_WHOLE_FETCHES", True)
+    assert moe_ops.SMALL_WHOLE_FETCHES  # on by default
     assert moe_ops._whole_variant("d2c1", 4096) == "d2c1w"
     assert moe_ops._whole_variant("d1c2b4", 2048) == "d1c2b4w"
     assert moe_ops._whole_variant("d1c2b4", 272) == "d1c2b4"  # 5 tiles of 64: not whole groups
     assert moe_ops._whole_variant("d2c1b2", 2048) == "d2c1b2"  # no whole-fetch build
+    monkeypatch.setattr(moe_ops, "SMALL_WHOLE_FETCHES", False)
+    assert moe_ops._whole_variant("d2c1", 4096) == "d2c1"

@@ -124,9 +124,9 @@ SMALL_GATE_UP_VARIANT = "d2c1"
 SMALL_DOWN_VARIANT = "d1c2b4"
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
 #: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
-#: -> 2.64 in the down loop; compiled and counted, not yet run on a GPU: off until
-#: tests/test_moe_small_variants_gpu.py has passed with it and bench_moe.py has timed it
-SMALL_WHOLE_FETCHES = False
+#: -> 2.64 in the down loop. H200, back-to-back runs, V4-Flash: T = 1 50.8 -> 50.0 us (W4A16), 64.4 -> 63.3
+#: (W4A4); T = 8 240 -> 236, 272 -> 266; bit-identical (tests/test_moe_small_variants_gpu.py)
+SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)

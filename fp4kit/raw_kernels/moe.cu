@@ -118,27 +118,34 @@ __device__ unsigned block_max_bits(unsigned m) {
 // blocks and warps so that even one token reads the gate weight at full bandwidth: with one warp
 // per expert, V4-Flash's 2 MB gate ran on 32 blocks with 512 KB in flight. With H / wpe a
 // multiple of 8 and 16-byte aligned rows each lane takes runs of 8 (16-byte loads, several in
-// flight); else lanes stride over the slice one value at a time.
+// flight); else lanes stride over the slice one value at a time. The first runs of the gate
+// weight (a constant of the layer) are loaded before the wait for the kernel before (pdl), which
+// wrote x.
 template <typename XT, typename WT>
 __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits) {
     __shared__ float slice_sum[kRouterThreads / 32];
     const unsigned t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned e = blockIdx.x * (kRouterThreads / 32 / wpe) + warp / wpe, slice = warp % wpe;
     const unsigned k_lo = slice * (H / wpe), k_hi = slice + 1 == wpe ? H : k_lo + H / wpe;
+    const XT* xt = x + (size_t)t * H;
+    const WT* we = gate_w + (size_t)min(e, E - 1) * H;
+    const bool runs = (H / wpe) % 8 == 0 && H % wpe == 0 && (reinterpret_cast<size_t>(xt) | reinterpret_cast<size_t>(we)) % 16 == 0;
+    constexpr int kRuns = 4;  // runs of 8 loaded before any is multiplied
+    float a[kRuns][8], b[kRuns][8];
+    // weight runs of k0 .. (a run past the slice loads a valid run that is not added)
+    auto load_weights = [&](unsigned k0) {
+#pragma unroll
+        for (int j = 0; j < kRuns; ++j) load8_f32(we + min(k0 + j * 256, k_hi - 8), b[j]);
+    };
+    if (runs && e < E) load_weights(k_lo + 8 * lane);
+    pdl::wait_prior();
     float acc = 0.0f;
     if (e < E) {  // warp-uniform; no return before the block barrier below
-        const XT* xt = x + (size_t)t * H;
-        const WT* we = gate_w + (size_t)e * H;
-        if ((H / wpe) % 8 == 0 && H % wpe == 0 && (reinterpret_cast<size_t>(xt) | reinterpret_cast<size_t>(we)) % 16 == 0) {
-            constexpr int kRuns = 4;  // runs of 8 loaded before any is multiplied
+        if (runs) {
             for (unsigned k0 = k_lo + 8 * lane; k0 < k_hi; k0 += kRuns * 256) {
-                float a[kRuns][8], b[kRuns][8];
+                if (k0 != k_lo + 8 * lane) load_weights(k0);
 #pragma unroll
-                for (int j = 0; j < kRuns; ++j) {
-                    const unsigned k = min(k0 + j * 256, k_hi - 8);  // past the slice: a valid run, not added
-                    load8_f32(xt + k, a[j]);
-                    load8_f32(we + k, b[j]);
-                }
+                for (int j = 0; j < kRuns; ++j) load8_f32(xt + min(k0 + j * 256, k_hi - 8), a[j]);
 #pragma unroll
                 for (int j = 0; j < kRuns; ++j)
                     if (k0 + j * 256 < k_hi) {
@@ -259,7 +266,6 @@ __device__ void router(const float* logits, const float* bias, const int* token_
 #define FP4_DEFINE_ROUTER_LOGITS(SUFFIX, XT, WT)                                                          \
     extern "C" __global__ void __launch_bounds__(kRouterThreads)                                          \
         moe_router_logits_##SUFFIX(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits) { \
-        pdl::wait_prior();                                                                                     \
         router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);                                              \
     }
 
@@ -312,7 +318,6 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
         const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
         int* ids, float* weights) {                                                                       \
-        pdl::wait_prior();                                                                                     \
         route_fused<XT, WT>(x, gate_w, E, H, wpe, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
                             score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
     }
