@@ -41,6 +41,8 @@ VARIANTS = {
     "no-resident": {"GEMV_RESIDENT_ACTIVATION": False},
     "resident-nvfp4": {"GEMV_RESIDENT_NVFP4_ACTIVATION": True},
     "pipelined": {"GEMV_RESIDENT_PIPELINED": True},
+    "pipelined-8warps": {"GEMV_RESIDENT_PIPELINED": True, "GEMV_RESIDENT_PIPELINED_WARPS": (8, 16)},
+    "not-pipelined": {"GEMV_RESIDENT_PIPELINED": False},
 }
 
 

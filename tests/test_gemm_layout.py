@@ -212,7 +212,9 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
                 m, shape.chunks_per_split // 4, shape.row_tiles_per_warp, shape.warps))
             assert shape.resident or not (resident and whole_groups and k <= 7168)
             assert shape.whole == ((whole or resident) and whole_groups and (whole or shape.resident))
-            build = "res" if shape.resident else "whole" if shape.whole else ""
+            # a wait per group (pipelined) where the resident block is 16 warps over one row tile
+            assert shape.pipelined == (shape.resident and is_wide and gemm_ops.GEMV_RESIDENT_PIPELINED)
+            build = ("resp" if shape.pipelined else "res") if shape.resident else "whole" if shape.whole else ""
             assert shape.gemv and shape.family == (f"gemv_{shape.row_tiles_per_warp}f{f}" + ("w16" if is_wide else "")
                                                    + build)
             assert shape.warps in (8, 16) and (not is_wide or (groups >= 16 and shape.row_tiles_per_warp == 1))
@@ -249,34 +251,36 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
 
 def test_gemv_resident_activation_rule():
     """By default the activation is resident where every warp's K slice is one scale group (K of
-    4 groups at two row tiles per block, 8 groups over 8 warps, 16 over 16) and staged per group
-    where a slice is longer; whole fetches wherever K is whole groups."""
+    4 groups at two row tiles per block, 8 groups over 8 warps, 16 over 16) or the block has 16
+    warps (a wait per group), and staged per group where an 8-warp slice is longer; whole fetches
+    wherever K is whole groups."""
     from fp4kit.ops import gemm as gemm_ops
 
     assert gemm_ops.GEMV_RESIDENT_ACTIVATION and gemm_ops.GEMV_WHOLE_FETCHES
     for m in (1, 8):
         assert gemm_ops.gemv_config(m, 4096, 1024, sms=132).family == "gemv_2f4res"
         assert gemm_ops.gemv_config(m, 2048, 2048, sms=132).family == "gemv_1f4res"
-        assert gemm_ops.gemv_config(m, 2048, 4096, sms=132).family == "gemv_1f4w16res"
+        assert gemm_ops.gemv_config(m, 2048, 4096, sms=132).family == "gemv_1f4w16resp"
         assert gemm_ops.gemv_config(m, 4096, 4096, sms=132).family == "gemv_1f4whole"  # 2 groups per slice
-        assert gemm_ops.gemv_config(m, 2048, 7168, sms=132).family == "gemv_1f4w16whole"  # up to 2 of 28
+        assert gemm_ops.gemv_config(m, 2048, 7168, sms=132).family == "gemv_1f4w16resp"  # up to 2 of 28
         assert gemm_ops.gemv_config(m, 2048, 1040, sms=132).family.endswith("f4")  # K not whole groups
 
 
 def test_gemv_resident_pipelined_rule(monkeypatch):
-    """The pipelined resident build (a wait per group) takes one row tile per block at any slice
-    length, for a bf16 activation; several row tiles per block keep the block-shared build."""
+    """The pipelined resident build (a wait per group) takes 16-warp blocks of one row tile at any
+    slice length, for a bf16 activation; 8-warp blocks keep the double buffer (slices of 2+ groups)
+    or the one-wait build, several row tiles per block the block-shared build."""
     from fp4kit.ops import gemm as gemm_ops
 
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_PIPELINED", True)
     for m in (1, 8):
-        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132).family == "gemv_1f4resp"  # 2 groups per slice
+        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132).family == "gemv_1f4whole"  # 8 warps, 2 groups per slice
         assert gemm_ops.gemv_config(m, 2048, 7168, sms=132).family == "gemv_1f4w16resp"
-        assert gemm_ops.gemv_config(m, 2048, 2048, sms=132).family == "gemv_1f4resp"
+        assert gemm_ops.gemv_config(m, 2048, 2048, sms=132).family == "gemv_1f4res"
         assert gemm_ops.gemv_config(m, 4096, 1024, sms=132).family == "gemv_2f4res"
-        assert gemm_ops.gemv_config(m, 4096, 4096, sms=132, nvfp4_act=True).family == "gemv_1f4whole"
-        shape = gemm_ops.gemv_config(m, 4096, 4096, sms=132)
-        assert shape.shared_bytes == gemm_ops.gemv_resident_bytes(m, 16, 1, 8) <= gemm_ops._GEMV_MAX_SHARED
+        assert gemm_ops.gemv_config(m, 2048, 7168, sms=132, nvfp4_act=True).family == "gemv_1f4w16whole"
+        shape = gemm_ops.gemv_config(m, 2048, 7168, sms=132)
+        assert shape.shared_bytes == gemm_ops.gemv_resident_bytes(m, 28, 1, 16) <= gemm_ops._GEMV_MAX_SHARED
 
 
 def wgmma_pair_offset(m, kk, tiles):

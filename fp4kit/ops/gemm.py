@@ -138,14 +138,17 @@ GEMV_RESIDENT_MAX_SLICE_GROUPS = 1
 #: H200, same run, M = 1 slower on every shape (1024x4096 4.18 -> 4.50 us, 2048x2048 3.62 -> 3.96,
 #: 4096x2048 4.46 -> 4.74), M = 8 faster only at two row tiles per block (2048x1024 3.97 -> 3.77)
 GEMV_RESIDENT_NVFP4_ACTIVATION = False
-#: with one row tile per block, the resident build whose mainloop waits for each group's activation
-#: just before multiplying it (``gemv_1f4[w16]resp``), at any slice length: a slice of several
-#: groups then overlaps their arrival with the first groups' work, as the double buffer does
-#: (2.95 SASS instructions per weight against 3.41 for whole fetches; the wait is a switch over the
-#: pending count). Compiled and SASS-counted, not yet run on a GPU: off until
-#: tests/test_gemm_gpu.py (engine "gemv-resident-pipelined") has passed with it and
-#: scripts/gemv_probe.py has timed it
-GEMV_RESIDENT_PIPELINED = False
+#: with one row tile per block of 16 warps, the resident build whose mainloop waits for each
+#: group's activation just before multiplying it (``gemv_1f4w16resp``), at any slice length: a slice
+#: of several groups then overlaps their arrival with the first groups' work, as the double buffer
+#: does (2.95 SASS instructions per weight against 3.41 for whole fetches; the wait is a switch over
+#: the pending count). H200, same run, M = 1 (default -> pipelined): 16-warp blocks 1024x7168 5.38
+#: -> 5.21 us, 2048x7168 6.56 -> 6.36, 1024x4096 3.64 -> 3.58, 2048x4096 4.81 -> 4.81; 8-warp
+#: blocks slower (4096x4096 6.96 -> 7.17, 4096x7168 9.00 -> 9.28) or equal (slices of one group),
+#: so they keep the double buffer or the one-wait resident build
+GEMV_RESIDENT_PIPELINED = True
+#: the block widths (warps) that take the pipelined build; gemm.cu builds it for 8 and 16
+GEMV_RESIDENT_PIPELINED_WARPS = (_WIDE_WARPS,)
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -569,7 +572,7 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     per_split = -(-groups // splits)
     whole_groups = f == GROUP_CHUNKS and chunks % GROUP_CHUNKS == 0  # every slice whole groups
     resident_bytes = gemv_resident_bytes(m, per_split, per_block, warps)
-    pipelined = GEMV_RESIDENT_PIPELINED and per_block == 1 and not nvfp4_act
+    pipelined = GEMV_RESIDENT_PIPELINED and per_block == 1 and warps in GEMV_RESIDENT_PIPELINED_WARPS and not nvfp4_act
     short_slices = -(-per_split // slices) <= GEMV_RESIDENT_MAX_SLICE_GROUPS  # groups in a warp's K slice
     resident = (GEMV_RESIDENT_ACTIVATION and (GEMV_RESIDENT_NVFP4_ACTIVATION or not nvfp4_act) and whole_groups
                 and (short_slices or pipelined) and resident_bytes <= _GEMV_MAX_SHARED)
