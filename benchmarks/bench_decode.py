@@ -12,11 +12,13 @@ copy bandwidth, batch 8 >= 45 %, batch 32 >= 40 %; <= 15 kernels per layer. Then
 weights and the KV caches that the decode steps of each batch and the prefill add (each in a fresh
 process, through cudaMemGetInfo).
 
-    .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart]
+    .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart] [--batches=1,8] [--step-only]
 
 ``--mode`` picks the activation format of every GEMM (default W4A16); ``--projections-apart`` runs
 each attention projection as its own Linear instead of one concatenated Linear per input
-(`examples/dsv4/model.py` ``FUSE_PROJECTIONS``), to compare the two in one session.
+(`examples/dsv4/model.py` ``FUSE_PROJECTIONS``), to compare the two in one session. ``--batches``
+times those batches only; ``--step-only`` times the steps alone (no prefill, parts or memory
+probes, nothing saved), for comparing settings within one session.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ def main() -> None:
         batch, tokens = (int(v) for v in probe.split(","))
         memory_probe(mode, batch, tokens)
         return
+    batches = next((tuple(int(v) for v in a.split("=", 1)[1].split(",")) for a in sys.argv[1:]
+                    if a.startswith("--batches=")), BATCHES)
+    step_only = "--step-only" in sys.argv
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
     del ckpt
@@ -151,7 +156,7 @@ def main() -> None:
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
                    "kernels in graph", "kernels per layer", "target"])
     launches = {}  # kernel name -> launches in one step, by batch
-    for batch in BATCHES:
+    for batch in batches:
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
@@ -169,9 +174,13 @@ def main() -> None:
         table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
                      "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
                      "kernels in graph": kernels, "kernels per layer": per_layer, "target": target})
-        if batch == 1:
+        if batch == 1 and not step_only:
             parts = breakdown(model, state)
         del dec, state
+    if step_only:
+        print()
+        print(table.markdown())
+        return
     prefill = prefill_rate(model, PREFILL_TOKENS)
     print()
     print(table.markdown())
@@ -182,7 +191,7 @@ def main() -> None:
     print(parts.markdown())
     print()
     print("kernels of one step at batch 1 (launches per step, by name):")
-    for name, count in launches[1].items():
+    for name, count in launches.get(1, {}).items():
         print(f"  {count:4d}  {name}")
     meta = {"device": device_name(), "layers": LAYERS, "context": CONTEXT, "cupy": cp.__version__,
             "copy_bandwidth": copy, "mode": mode, "projections": projections, "kernels_by_name": launches,
