@@ -4,8 +4,9 @@
 Times graph replays of the layer's launch chain cut after each launch (the router alone; router +
 gate|up; the whole call) and of each launch alone over a fixed routing, so each launch's cost in
 the chain (with programmatic dependent launch overlapping it with the one before) is the
-difference between two prefixes, set beside its cost alone and its byte floor. V4-Flash widths
-by default, W4A16, T = 1.
+difference between two prefixes, set beside its cost alone and its byte floor. Where the shared
+expert is not folded into the GEMV launches (more than `FOLD_SHARED_MAX_TOKENS` tokens), its own
+launches run after the router and count in the first stage. V4-Flash widths by default, W4A16, T = 1.
 
     PYTHONPATH=. python3 scripts/moe_stages.py [--config=V4-Flash] [--mode=w4a16] [--tokens=1,8]
 """
@@ -68,13 +69,18 @@ def main() -> None:
         alone = {name: graph_us(lambda j, name=name: getattr(moe_ops, f"small_{name}")(*calls[name][0], **calls[name][1]),
                                 calls=ROTATE) for name in ("gate_up", "down")}
         touched = len(set(cp.asnumpy(layer.routed_ids(t)).ravel().tolist()))
-        gate_up_bytes = (touched * routed_bytes + shared_bytes) * 2 / 3  # gate|up: two of an expert's three matrices
+        folded = shared_bytes if layer._folds_shared(t) else 0
+        gate_up_bytes = (touched * routed_bytes + folded) * 2 / 3  # gate|up: two of an expert's three matrices
         floor = {"gate_up": gate_up_bytes / bw * 1e6, "down": gate_up_bytes / 2 / bw * 1e6,
                  "router": layer.gate_weight.nbytes / bw * 1e6}
-        rows = [("router", router, None), ("gate_up", upto_gate_up - router, alone["gate_up"]),
+        # the shared expert rides in the GEMV launches where it is folded, else it runs on its own
+        # between the router and gate|up, and the first stage carries it
+        first = "router" if layer._folds_shared(t) else "router + shared expert apart"
+        floor[first] = floor["router"] if layer._folds_shared(t) else floor["router"] + shared_bytes / bw * 1e6
+        rows = [(first, router, None), ("gate_up", upto_gate_up - router, alone["gate_up"]),
                 ("down", full - upto_gate_up, alone["down"]), ("whole call", full, None)]
         for name, chain, own in rows:
-            fl = floor.get(name, floor["gate_up"] * 1.5 + floor["router"] if name == "whole call" else None)
+            fl = floor[name] if name in floor else floor["gate_up"] * 1.5 + floor[first]
             print(f"| {t} | {name} | {chain:.1f} | {'' if own is None else f'{own:.1f}'} | {fl:.1f} |", flush=True)
 
 
