@@ -89,3 +89,24 @@ def test_precompile_builds_the_modules_the_launches_use():
             launched.add(re.search(r'^_MODULE = "(\w+)"', text, re.M).group(1))
     assert launched == set(precompile_kernels.COOPERATIVE_MODULES)
     assert set(precompile_kernels.COOPERATIVE_MODULES) <= set(loader.kernel_names())
+
+
+def test_trace_step_cuts_kernel_records_into_steps(tmp_path):
+    """scripts/trace_step.py reads the kernel records of a Chrome trace (other records ignored) in
+    start order and gives each position of a step its median start, duration and gap."""
+    import json
+
+    import trace_step
+
+    events = [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5}]
+    for step, t0 in enumerate((100.0, 200.0, 300.0)):
+        # kernel a: 10 us; kernel b starts 2 us before a ends (overlapped), lasts 20 + step us
+        events += [{"cat": "kernel", "name": "b", "ts": t0 + 8, "dur": 20 + step},
+                   {"cat": "kernel", "name": "a", "ts": t0, "dur": 10}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    records = trace_step.kernel_records(str(path))
+    assert [name for _, _, name in records] == ["a", "b"] * 3
+    rows = trace_step.per_position([records[i:i + 2] for i in range(0, 6, 2)])
+    assert rows[0] == {"kernel": "a", "start": 0.0, "us": 10.0, "gap": 0.0}
+    assert rows[1] == {"kernel": "b", "start": 8.0, "us": 21.0, "gap": -2.0}
