@@ -7,9 +7,11 @@ several calls on different inputs so that the touched experts change from call t
 token count can take both device paths (T * top_k up to 128), both are timed: the small-T GEMVs
 over the (token, slot) assignments and the expert-sorted grouped GEMMs; the layer's default is
 marked. "launches" counts the kernels of one call in a captured graph. Targets: T = 1 within 1.5x
-of the floor, T = 8 within 2x, T = 64 within 1.5x. The baseline (V4-Flash shape, W4A4 rows) is
-what a user would write in PyTorch: a per-expert loop of bf16 GEMMs driven by host-side counts
-(eager).
+of the floor, T = 8 within 2x, T = 64 within 1.5x. Peers, with PyTorch: what a user would write, a
+per-expert loop of bf16 GEMMs driven by host-side counts (eager; V4-Flash shape, W4A4 rows), and
+up to 64 tokens the same layer in FP8 (`fp8_peer.py`: `torch._scaled_mm` with row-wise scales per
+expert, graph-replayed, dispatched by the ids fp4kit's layer chose), with fp4kit's speedup over
+each.
 
     .venv/bin/python benchmarks/bench_moe.py [--tokens=1,8,...] [--modes=w4a4,w4a16] [--configs=V4-Flash,V3]
         [--router-warps=N] [--whole-fetches=0]
@@ -29,9 +31,12 @@ from fp4kit.ops import moe as moe_ops
 from fp4kit.ops.quant import quantize
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us
+    from benchmarks.common import (Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us,
+                                   torch_graph_us)
+    from benchmarks.fp8_peer import Fp8MoePeer, random_weights
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us
+    from common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us, torch_graph_us
+    from fp8_peer import Fp8MoePeer, random_weights
 
 BF16 = ml_dtypes.bfloat16
 CONFIGS = {
@@ -42,6 +47,7 @@ CONFIGS = {
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
 GOALS = {1: 1.5, 8: 2.0, 64: 1.5}  # x byte floor
+FP8_PEER_MAX_TOKENS = 64
 ROTATE = 4  # inputs per graph
 
 
@@ -112,6 +118,20 @@ def torch_baseline(torch, layer: MoE, cfg, t: int, rng) -> float:
     return ms
 
 
+def fp8_peer_us(torch, layer: MoE, cfg, xs) -> float:
+    """`Fp8MoePeer` on the inputs ``xs``, routed as ``layer`` routes them, graph-replayed: µs per call."""
+    ids = [cp.asnumpy(layer.route(x)[0]) for x in xs]
+    xs_t = [torch.from_dlpack(x) for x in xs]
+    weights = random_weights(torch, cfg["hidden"], cfg["inner"], xs_t[0].device, seed=0)
+    peer = Fp8MoePeer(torch, xs_t, ids, torch.from_dlpack(layer.gate_weight), cfg["routing"], weights,
+                      random_weights(torch, cfg["hidden"], cfg["inner"], xs_t[0].device, seed=1 << 20)(0),
+                      limit=10.0, before=cfg["before"])
+    us = torch_graph_us(torch, lambda j: peer.forward(j % len(xs)), calls=len(xs), replays=10)
+    del peer
+    torch.cuda.empty_cache()
+    return us
+
+
 def main() -> None:
     try:
         import torch
@@ -135,7 +155,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     table = Table(f"MoE layer, graph-replayed ({device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s)",
                   ["shape", "mode", "T", "path", "µs", "launches", "experts touched", "byte floor µs", "x floor",
-                   "TFLOP/s", "target", "PyTorch loop µs", "speedup"])
+                   "TFLOP/s", "target", "PyTorch loop µs", "speedup", "PyTorch FP8 µs", "x FP8"])
+    fp8_us = {}  # (shape, T) -> the FP8 peer's µs (one per shape and T: both modes' layers route alike)
     for name in configs:
         cfg = CONFIGS[name]
         for mode in modes:
@@ -152,6 +173,9 @@ def main() -> None:
                 base = None
                 if torch is not None and name == "V4-Flash" and mode == "w4a4" and t <= 512:
                     base = torch_baseline(torch, layer, cfg, t, rng)
+                if torch is not None and t <= FP8_PEER_MAX_TOKENS and (name, t) not in fp8_us:
+                    fp8_us[name, t] = fp8_peer_us(torch, layer, cfg, xs)
+                fp8 = fp8_us.get((name, t))
                 saved = layer.small_max_assignments
                 for path, limit in paths.items():
                     layer.small_max_assignments = limit
@@ -165,7 +189,8 @@ def main() -> None:
                     table.add(**{"shape": name, "mode": mode, "T": t, "path": path + (" (default)" if is_default else ""),
                                  "µs": us, "launches": n_launch, "experts touched": touched, "byte floor µs": floor_us,
                                  "x floor": ratio, "TFLOP/s": flops / us / 1e6, "target": target,
-                                 "PyTorch loop µs": base, "speedup": base / us if base else None})
+                                 "PyTorch loop µs": base, "speedup": base / us if base else None,
+                                 "PyTorch FP8 µs": fp8, "x FP8": fp8 / us if fp8 else None})
                 layer.small_max_assignments = saved
             del layer
             cp.get_default_memory_pool().free_all_blocks()
