@@ -13,12 +13,15 @@ weights and the KV caches that the decode steps of each batch and the prefill ad
 process, through cudaMemGetInfo).
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart] [--batches=1,8] [--step-only]
+        [--peer]
 
 ``--mode`` picks the activation format of every GEMM (default W4A16); ``--projections-apart`` runs
 each attention projection as its own Linear instead of one concatenated Linear per input
 (`examples/dsv4/model.py` ``FUSE_PROJECTIONS``), to compare the two in one session. ``--batches``
 times those batches only; ``--step-only`` times the steps alone (no prefill, parts or memory
-probes, nothing saved), for comparing settings within one session.
+probes, nothing saved), for comparing settings within one session. ``--peer`` (needs PyTorch) also
+times the same model's step in PyTorch with bf16 weights and cuBLAS GEMMs, graph-captured
+(`torch_decode_peer.py`), from the same state, and reports fp4kit's speedup over it.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ from fp4kit.ops import elementwise as ew  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernels
+    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernels, torch_graph_us
+    from benchmarks.torch_decode_peer import TorchDecodePeer, peer_weights
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_kernels
+    from common import Table, copy_bandwidth, device_name, events_us, graph_kernels, torch_graph_us
+    from torch_decode_peer import TorchDecodePeer, peer_weights
 
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
 PREFILL_TOKENS = 4096
@@ -146,21 +151,29 @@ def main() -> None:
     batches = next((tuple(int(v) for v in a.split("=", 1)[1].split(",")) for a in sys.argv[1:]
                     if a.startswith("--batches=")), BATCHES)
     step_only = "--step-only" in sys.argv
+    torch = None
+    if "--peer" in sys.argv:
+        import torch
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
+    peer = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
     del ckpt
     copy = copy_bandwidth()
     projections = "concatenated" if model_module.FUSE_PROJECTIONS else "apart"
     table = Table(f"Decode step, v4-flash-slice {LAYERS} layers, {mode.upper()}, projections {projections}, "
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
-                   "kernels in graph", "kernels per layer", "target"])
+                   "kernels in graph", "kernels per layer", "target", "PyTorch bf16 ms", "x PyTorch"])
     launches = {}  # kernel name -> launches in one step, by batch
     for batch in batches:
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
         ms = step_ms(dec)
+        peer_ms = None
+        if peer is not None:  # the PyTorch model from the same state (its own copy of it)
+            step = TorchDecodePeer(torch, cfg, peer, state, "cuda").step
+            peer_ms = torch_graph_us(torch, lambda i: step(), calls=1, replays=REPLAYS) / 1e3
         touched = runner.experts_touched(model, batch)
         nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
         pct = 100 * nbytes / (ms * 1e-3) / copy
@@ -173,7 +186,8 @@ def main() -> None:
                                          "<= 15 kernels/layer: " + ("met" if per_layer <= 15 else "MISSED")]))
         table.add(**{"batch": batch, "ms/step": ms, "tokens/s": batch / (ms * 1e-3), "MB read": nbytes / 1e6,
                      "experts touched": sum(touched), "GB/s": nbytes / (ms * 1e-3) / 1e9, "% of copy BW": pct,
-                     "kernels in graph": kernels, "kernels per layer": per_layer, "target": target})
+                     "kernels in graph": kernels, "kernels per layer": per_layer, "target": target,
+                     "PyTorch bf16 ms": peer_ms, "x PyTorch": peer_ms / ms if peer_ms else None})
         if batch == 1 and not step_only:
             parts = breakdown(model, state)
         del dec, state
@@ -198,7 +212,7 @@ def main() -> None:
             "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
-    del model, parts
+    del model, parts, peer
     cp.get_default_memory_pool().free_all_blocks()  # room for the probes' models
     memory = Table(f"Device memory beyond the weights and the KV caches, v4-flash-slice {LAYERS} layers, "
                    f"{mode.upper()} ({device_name()}; each run in a fresh process)", ["run", "peak MB"])
