@@ -172,6 +172,7 @@ def main() -> None:
         ms = step_ms(dec)
         peer_ms = None
         if peer is not None:  # the PyTorch model from the same state (its own copy of it)
+            cp.cuda.Device().synchronize()  # the state as the last replayed step left it
             step = TorchDecodePeer(torch, cfg, peer, state, "cuda").step
             peer_ms = torch_graph_us(torch, lambda i: step(), calls=1, replays=REPLAYS) / 1e3
         touched = runner.experts_touched(model, batch)
