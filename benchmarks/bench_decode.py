@@ -156,7 +156,7 @@ def main() -> None:
         import torch
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
-    peer = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
+    peer_w = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
     del ckpt
     copy = copy_bandwidth()
     projections = "concatenated" if model_module.FUSE_PROJECTIONS else "apart"
@@ -171,9 +171,9 @@ def main() -> None:
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
         ms = step_ms(dec)
         peer_ms = None
-        if peer is not None:  # the PyTorch model from the same state (its own copy of it)
+        if peer_w is not None:  # the PyTorch model from the same state (its own copy of it)
             cp.cuda.Device().synchronize()  # the state as the last replayed step left it
-            step = TorchDecodePeer(torch, cfg, peer, state, "cuda").step
+            step = TorchDecodePeer(torch, cfg, peer_w, state, "cuda").step
             peer_ms = torch_graph_us(torch, lambda i: step(), calls=1, replays=REPLAYS) / 1e3
         touched = runner.experts_touched(model, batch)
         nbytes = sum(model.weight_bytes(touched).values()) + runner.kv_bytes(cfg, batch, CONTEXT)
@@ -213,7 +213,7 @@ def main() -> None:
             "prefill": prefill}
     print("saved", table.save("bench_decode", meta))
     parts.save("decode_step_parts", meta)  # not "bench_*": run_all treats those as benchmarks with a floor
-    del model, parts, peer
+    del model, parts, peer_w
     cp.get_default_memory_pool().free_all_blocks()  # room for the probes' models
     memory = Table(f"Device memory beyond the weights and the KV caches, v4-flash-slice {LAYERS} layers, "
                    f"{mode.upper()} ({device_name()}; each run in a fresh process)", ["run", "peak MB"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 FP8_MAX = 448.0
 
 
@@ -53,8 +55,7 @@ class Fp8MoePeer:
         for a in ids:
             plan = []
             for e in sorted({int(v) for v in a.ravel()}):
-                tok, slot = [list(v) for v in zip(*[(t, s) for t in range(a.shape[0]) for s in range(a.shape[1])
-                                                    if int(a[t, s]) == e])]
+                tok, slot = (v.tolist() for v in np.nonzero(a == e))  # token-major, as the rows of ids
                 pad = -(-len(tok) // 16) * 16
                 plan.append((e, len(tok), torch.tensor(tok, device=device),
                              torch.tensor(tok + [tok[0]] * (pad - len(tok)), device=device),

@@ -99,7 +99,7 @@ class TorchDecodePeer:
 
     # --- row kernels -------------------------------------------------------------------------
     def _rms(self, x32, weight=None):
-        y = x32 * torch_rsqrt_mean(self.torch, x32, self.cfg.eps)
+        y = x32 * self.torch.rsqrt((x32 ** 2).mean(-1, keepdim=True) + self.cfg.eps)
         return y if weight is None else y * weight
 
     def _rope(self, x32, pos, rope_dim: int, theta: float):
@@ -276,7 +276,3 @@ class TorchDecodePeer:
         self.tokens.copy_((logits - torch.log(-torch.log(u))).argmax(1))
         return self.tokens
 
-
-def torch_rsqrt_mean(torch, x32, eps: float):
-    """``rsqrt(mean(x^2) + eps)`` over the last axis, in fp32."""
-    return torch.rsqrt((x32.float() ** 2).mean(-1, keepdim=True) + eps)

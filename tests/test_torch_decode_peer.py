@@ -24,12 +24,17 @@ def rel_rms(a, b) -> float:
     return float(np.sqrt(((a - b) ** 2).mean() / (b ** 2).mean()))
 
 
-def test_peer_follows_the_numpy_model():
+def tiny_model_and_peer():
+    """The tiny numpy model at CONTEXT, and its peer from the same state."""
     cfg = configs.tiny(4)
     model, ckpt = runner.build(cfg, device=False, seed=0)
     state = model.new_state(BATCH, history_rows=8)
     runner.fill_context(model, state, CONTEXT, seed=1)
-    peer = TorchDecodePeer(torch, cfg, peer_weights(torch, model, ckpt, "cpu"), state, "cpu")
+    return cfg, model, state, TorchDecodePeer(torch, cfg, peer_weights(torch, model, ckpt, "cpu"), state, "cpu")
+
+
+def test_peer_follows_the_numpy_model():
+    cfg, model, state, peer = tiny_model_and_peer()
     rng = np.random.default_rng(2)
     errors = []
     for _ in range(STEPS):
@@ -54,11 +59,7 @@ def test_the_comparison_sees_a_broken_layer(monkeypatch):
     monkeypatch.setattr(TorchDecodePeer, "_attend",
                         lambda self, q, swa, pos, comp, comp_len, indices, sink: original(self, q, swa, pos, None, None,
                                                                                            None, sink))
-    cfg = configs.tiny(4)
-    model, ckpt = runner.build(cfg, device=False, seed=0)
-    state = model.new_state(BATCH, history_rows=8)
-    runner.fill_context(model, state, CONTEXT, seed=1)
-    peer = TorchDecodePeer(torch, cfg, peer_weights(torch, model, ckpt, "cpu"), state, "cpu")
+    cfg, model, state, peer = tiny_model_and_peer()
     tokens = np.random.default_rng(2).integers(0, cfg.vocab, BATCH).astype(np.int32)
     want = model.feed(state, tokens).astype(np.float32)
     peer.tokens.copy_(torch.from_numpy(tokens.astype(np.int64)))

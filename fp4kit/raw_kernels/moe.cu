@@ -957,8 +957,9 @@ FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4, false)
 // the same without per-tile bounds tests, for K of whole scale groups (ops/moe.py SMALL_WHOLE_FETCHES)
 FP4_DEFINE_SMALL_GATE_UP(d2c1w, 2, 1, 2, true)
 FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
-// down candidates with more weight groups in flight per warp, measured against d1c2b4 once the
-// activation staging no longer serialised the prologue (ops/moe.py SMALL_DOWN_VARIANTS)
+// down candidates with more weight groups in flight per warp (ops/moe.py SMALL_DOWN_VARIANTS, timed by
+// scripts/sweep_moe_small.py): with the staging no longer serialising the prologue, still none faster
+// than d1c2b4 (H200, V4-Flash W4A16: T = 1 49.7-51.2 us against 49.2, T = 8 259-271 against 238)
 FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2, false)
 FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2, false)
 FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2, false)
