@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4kit  # noqa: E402
 from fp4kit.layers import (  # noqa: E402
     Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert, SparseAttention)
+from fp4kit.layers.kv_cache import append_compressed  # noqa: E402
 from fp4kit.ops import elementwise, gemm as gemm_ops, quant  # noqa: E402
 from fp4kit.reference.gemm import calc_diff  # noqa: E402
 
@@ -192,6 +193,17 @@ def run_kv_cache(be: Backend, rng) -> None:
             ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(got), np.abs(want)), 2.0**-126))) - 7)
             if not (np.abs(got - want) <= ulp + 16 * 8 * 2.0**-24).all():
                 raise AssertionError(f"KVCache ratio {ratio}: compressed entries differ by more than one bf16 ulp")
+    # two caches' compressors in one launch (bf16 inputs), against the two appends on numpy
+    kw = dict(window=8, ratio=4, max_comp=4, rope_dim=16)
+    pairs = [(KVCache(2, device=False, head_dim=d, **kw), KVCache(2, device=be.device, head_dim=d, **kw)) for d in (64, 32)]
+    for t in (5, 1, 3):
+        data = [tuple(rng.standard_normal((2, t, h.compress_width)).astype(BF16) for _ in range(2)) for h, _ in pairs]
+        for (host, _), (c, z) in zip(pairs, data):
+            host.append(None, c, z)
+        append_compressed(*((dev, be.to(c), be.to(z)) for (_, dev), (c, z) in zip(pairs, data)))
+    for host, dev in pairs:
+        same_bits(be.host(dev.pos), host.pos, "append_compressed pos")
+        same_bits(be.host(dev.comp_len), host.comp_len, "append_compressed comp_len")
 
 
 def run_indexer(be: Backend, rng) -> None:
@@ -266,6 +278,11 @@ def run_elementwise(be: Backend, rng) -> None:
     table = rng.standard_normal((10, 64)).astype(BF16)
     tokens = np.array([3, 0, 9, 12], np.int32)  # 12: out of range, reads row 0
     same_bits(be.host(elementwise.embed(be.to(table), be.to(tokens))), elementwise.embed(table, tokens), "embed")
+    d_resid = be.to(np.zeros((4, 64), np.float32))
+    got = elementwise.embed_rmsnorm(be.to(table), be.to(tokens), be.to(wt), resid=d_resid)
+    want = elementwise.add_rmsnorm(elementwise.embed(table, tokens), None, wt)
+    close(be.host(got).astype(np.float32), want.astype(np.float32), "embed_rmsnorm", 1e-5)
+    same_bits(be.host(d_resid), elementwise.embed(table, tokens), "embed_rmsnorm residual")
 
 
 def run_dist(be: Backend, rng) -> None:

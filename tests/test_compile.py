@@ -202,8 +202,9 @@ def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
 _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "LD",
                "ST"}
 # kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
-# routers: their gate weight)
-_PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_)")
+# routers: their gate weight; the residual norms: their norm weight)
+_PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
+                          r"embed_rmsnorm_bf16$)")
 
 
 @needs_cupy

@@ -73,6 +73,21 @@ def test_embed_reports_out_of_range_tokens(rng):
     assert status.read(None) & status.TOKEN_RANGE
 
 
+def test_embed_rmsnorm_is_the_embedding_then_its_norm(rng):
+    table = rng.standard_normal((10, 16)).astype(BF16)
+    w = rng.uniform(0.5, 1.5, 16).astype(np.float32)
+    tokens = np.array([3, 9, 0], np.int32)
+    resid = np.full((3, 16), np.nan, np.float32)
+    y = ew.embed_rmsnorm(table, tokens, w, eps=1e-5, resid=resid)
+    want_resid = ew.embed(table, tokens)
+    np.testing.assert_array_equal(resid, want_resid)
+    np.testing.assert_array_equal(y, ew.add_rmsnorm(want_resid.copy(), None, w, eps=1e-5))
+    status.clear(None)
+    ew.embed_rmsnorm(table, np.array([10], np.int32), w)  # out of range: row 0, reported
+    assert status.read(None) & status.TOKEN_RANGE
+    status.clear(None)
+
+
 def test_all_entries_prompt_tokens_and_log():
     np.testing.assert_array_equal(ew.all_entries(np.array([0, 2, 5], np.int32), 4),
                                   [[-1, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, 3]])
@@ -170,6 +185,10 @@ def test_rmsnorm_rope_pair_bad_inputs_are_named(call, match):
     (lambda: ew.add_rmsnorm(np.zeros((2, 8), BF16), None, np.ones(8, np.float32)), "resid: expected float32"),
     (lambda: ew.add_rmsnorm(np.zeros((2, 8), np.float32), np.zeros((2, 4), BF16), np.ones(8, np.float32)), "delta"),
     (lambda: ew.embed(np.zeros((4, 8), BF16), np.zeros(2, np.int64)), "tokens: expected int32"),
+    (lambda: ew.embed_rmsnorm(np.zeros((4, 8), BF16), np.zeros(2, np.int32), np.ones(4, np.float32)),
+     r"weight: expected float32 \[8\] \(the table's width\)"),
+    (lambda: ew.embed_rmsnorm(np.zeros((4, 8), BF16), np.zeros(2, np.int32), np.ones(8, np.float64)),
+     "weight: expected float32"),
     (lambda: ew.all_entries(np.zeros(2, np.int32), 0), "n: expected a positive"),
     (lambda: ew.prompt_tokens(np.zeros((2, 0), np.int32), np.zeros(2, np.int32), np.zeros(2, np.int32)), "prompt"),
     (lambda: ew.log_tokens(np.zeros(2, np.int32), np.zeros((3, 4), np.int32), np.zeros(1, np.int32)), "history"),

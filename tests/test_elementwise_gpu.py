@@ -94,19 +94,50 @@ def test_rmsnorm_rope_pair_into_a_window_equals_the_window_append(rng):
     assert cp.array_equal(fused.pos, apart.pos)
 
 
-def test_add_rmsnorm(rng):
-    resid = rng.standard_normal((4, 4096)).astype(np.float32)
-    delta = rng.standard_normal((4, 4096)).astype(BF16)
-    w = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
-    dres = cp.asarray(resid)
-    dev = ew.add_rmsnorm(dres, cp.asarray(delta), cp.asarray(w))
+@pytest.mark.parametrize("rows, width, offset", [
+    (4, 4096, 0), (3, 8192, 0), (2, 7168, 0),  # the quad path (16-byte rows held in registers)
+    (2, 4100, 0), (2, 9000, 0), (3, 4096, 1),  # the loop: a row past 8192, a misaligned view
+    (2, 6, 0)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rmsnorm(rng, rows, width, offset, with_delta):
+    resid = rng.standard_normal((rows, width)).astype(np.float32)
+    delta = rng.standard_normal((rows, width)).astype(BF16) if with_delta else None
+    w = rng.uniform(0.5, 1.5, width).astype(np.float32)
+    dres = cp.asarray(np.concatenate([np.zeros(offset, np.float32), resid.ravel()]))[offset:].reshape(rows, width)
+    before = resid.copy()
+    dev = ew.add_rmsnorm(dres, None if delta is None else cp.asarray(delta), cp.asarray(w))
     host = ew.add_rmsnorm(resid, delta, w)
     np.testing.assert_array_equal(cp.asnumpy(dres), resid)  # the add is exact and in place
+    if delta is None:
+        np.testing.assert_array_equal(resid, before)
     close_bf16(dev, host)
 
 
-def test_embed_and_status(rng):
-    table = rng.standard_normal((50, 96)).astype(BF16)
+@pytest.mark.parametrize("width", [4096, 96, 8192, 4100])
+def test_embed_rmsnorm_equals_the_two_launches(rng, width):
+    table = rng.standard_normal((50, width)).astype(BF16)
+    w = rng.uniform(0.5, 1.5, width).astype(np.float32)
+    tokens = cp.asarray(np.array([0, 49, 7, 7], np.int32))
+    dtable, dw = cp.asarray(table), cp.asarray(w)
+    resid = cp.full((4, width), np.nan, np.float32)
+    status.clear(device=0)
+    y = ew.embed_rmsnorm(dtable, tokens, dw, eps=1e-5, resid=resid)
+    want_resid = ew.embed(dtable, tokens)
+    np.testing.assert_array_equal(cp.asnumpy(resid), cp.asnumpy(want_resid))
+    # the same kernels' arithmetic (quad path, or the two launches it falls back to): the same bits
+    np.testing.assert_array_equal(cp.asnumpy(y).view(np.uint16),
+                                  cp.asnumpy(ew.add_rmsnorm(want_resid, None, dw, eps=1e-5)).view(np.uint16))
+    close_bf16(y, ew.add_rmsnorm(table[[0, 49, 7, 7]].astype(np.float32), None, w, eps=1e-5))
+    assert not status.read(0) & status.TOKEN_RANGE
+    ew.embed_rmsnorm(dtable, cp.asarray(np.array([50, -3], np.int32)), dw, resid=resid[:2])
+    np.testing.assert_array_equal(cp.asnumpy(resid[:2]), table[[0, 0]].astype(np.float32))
+    assert status.read(0) & status.TOKEN_RANGE
+    status.clear(device=0)
+
+
+@pytest.mark.parametrize("width", [96, 4096, 100])
+def test_embed_and_status(rng, width):
+    table = rng.standard_normal((50, width)).astype(BF16)
     tokens = np.array([0, 49, 7], np.int32)
     status.clear(device=0)
     out = ew.embed(cp.asarray(table), cp.asarray(tokens))

@@ -147,6 +147,9 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
             assert shape.shared_bytes <= 227 * 1024
     assert gemm_ops.launch_config(1, 2048, 7168, sms=132).splits > 1  # small weights split K
     assert gemm_ops.launch_config(1, 129280, 4096, sms=132).splits == 1  # the lm_head fills the GPU by itself
+    # two row groups per SM or more: no split even where the balanced rule would split (2.42 per SM)
+    assert gemm_ops.launch_config(1, 40960, 1024, sms=132).splits == 1
+    assert gemm_ops.launch_config(1, 18432, 7168, sms=132).splits == 4  # 1.09 per SM: the balanced split
 
 
 def test_wgmma_split_rule_prefers_cluster_sizes():

@@ -176,3 +176,28 @@ def test_advance_moves_the_positions_of_a_cache_whose_window_rows_are_written_el
     compressing = KVCache(2, window=4, head_dim=16, ratio=4, max_comp=4, rope_dim=0, device=False)
     with pytest.raises(ValueError, match=r"advance: a compressing cache \(ratio > 0\)"):
         compressing.advance(1)
+
+
+def test_two_compressors_together_on_numpy_are_two_appends():
+    """`append_compressed` on numpy caches (one after the other) = two `append(None, ...)` calls;
+    a bad input of either is named before anything moves."""
+    from fp4kit.layers.kv_cache import append_compressed
+
+    rng = np.random.default_rng(3)
+    caches = [[KVCache(2, ratio=4, head_dim=d, max_comp=8, rope_dim=16, device=False,
+                       ape=np.random.default_rng(d).standard_normal((4, 2 * d)).astype(np.float32),
+                       norm_weight=np.ones(d, np.float32)) for d in (64, 32)] for _ in range(2)]
+    for _ in range(5):
+        data = [(rng.standard_normal((2, 1, 2 * d)).astype(np.float32),
+                 rng.standard_normal((2, 1, 2 * d)).astype(np.float32)) for d in (64, 32)]
+        append_compressed((caches[0][0], *data[0]), (caches[0][1], *data[1]))
+        for cache, (kv, score) in zip(caches[1], data):
+            cache.append(None, kv, score)
+    for a, b in zip(*caches):
+        for name in ("pos", "comp_len", "comp", "kv_state"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert caches[0][0].comp_len.max() > 0
+    pos = caches[0][0].pos.copy()
+    with pytest.raises(ValueError, match="comp_kv"):
+        append_compressed((caches[0][0], *data[0]), (caches[0][1], data[0][0], data[0][1]))
+    np.testing.assert_array_equal(caches[0][0].pos, pos)

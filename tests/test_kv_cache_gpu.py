@@ -148,3 +148,29 @@ def test_append_without_window_rows_on_device(rng, ratio, capture_stream):
                counts=cp.asarray(np.array([3, 1], np.int32)))
     assert status.read() & status.KV_INPUT
     status.clear()
+
+
+@pytest.mark.parametrize("counts", [None, [1, 0, 3]])
+def test_two_compressors_in_one_launch_equal_two_appends(rng, counts):
+    """`append_compressed` (one kv_compress2 launch) leaves both caches bit for bit as two
+    `append(None, ...)` calls do, over steps that emit entries, with and without counts."""
+    from fp4kit.layers.kv_cache import append_compressed
+
+    b = 3
+    sets = []
+    for _ in range(2):  # (fused, apart): the same caches twice
+        sets.append([pair(b, 4, np.random.default_rng(7), head_dim=d, max_comp=8)[1] for d in (512, 128)])
+    dev_counts = None if counts is None else cp.asarray(np.array(counts, np.int32))
+    for step in range(6):
+        t = 1 if step % 2 else 3
+        data = [{k: cp.asarray(v.astype(BF16)) for k, v in inputs(rng, b, t, c)[1].items()} for c in sets[0]]
+        fused, apart = sets
+        append_compressed((fused[0], data[0]["comp_kv"], data[0]["comp_score"]),
+                          (fused[1], data[1]["comp_kv"], data[1]["comp_score"]), counts=dev_counts)
+        for cache, d in zip(apart, data):
+            cache.append(None, d["comp_kv"], d["comp_score"], counts=dev_counts)
+        for f, a in zip(fused, apart):
+            for name in ("pos", "comp_len", "kv_state", "score_state"):
+                np.testing.assert_array_equal(cp.asnumpy(getattr(f, name)), cp.asnumpy(getattr(a, name)), err_msg=name)
+            np.testing.assert_array_equal(cp.asnumpy(f.comp).view(np.uint16), cp.asnumpy(a.comp).view(np.uint16))
+    assert int(sets[0][0].comp_len.get().max()) > 0  # entries were emitted

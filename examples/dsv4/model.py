@@ -37,6 +37,7 @@ from fp4kit.checkpoint import Checkpoint
 from fp4kit.formats import to_linear
 from fp4kit.layers import (ExpertStack, Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler,
                            SharedExpert, SparseAttention)
+from fp4kit.layers.kv_cache import append_compressed
 from fp4kit.layers.linear import split_columns
 from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
@@ -251,12 +252,17 @@ class Attention:
         else:
             q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
+        # the indexer's key cache: its compressor only (its window is never read: no append)
+        index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
         if decode and not self.ratio:
             cache.advance(t)  # the window rows are written
+        elif decode and index:  # both caches' compressors in one launch
+            append_compressed((cache, *compressor), (st["index"], *index))
         else:
             cache.append(kv, *compressor)
-        if self.ratio == 4:  # the indexer's key cache: its compressor only (its window is never read: no append)
-            st["index"].append(None, *(of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")))
+            if index:
+                st["index"].append(None, *index)
+        if self.ratio == 4:
             w = of_h["indexer.weights_proj"]
         return q, kv, iq, w
 
@@ -379,10 +385,12 @@ class Model:
                 value[...] = new
             return value
 
-        ew.embed(self.embed, st.tokens, out=st.resid)
+        # the embedding and the first layer's norm in one launch
+        h = ew.embed_rmsnorm(self.embed, st.tokens, self.blocks[0].attn_norm, eps=self.cfg.eps, resid=st.resid)
         delta = None
         for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
-            h = ew.add_rmsnorm(st.resid, delta, blk.attn_norm, eps=self.cfg.eps)
+            if i:
+                h = ew.add_rmsnorm(st.resid, delta, blk.attn_norm, eps=self.cfg.eps)
             sync("resid", 2 * i, st.resid)
             h = blk.attn(sync("attn.in", i, h), caches)
             h = ew.add_rmsnorm(st.resid, sync("attn.out", i, h), blk.ffn_norm, eps=self.cfg.eps)
@@ -403,10 +411,12 @@ class Model:
         b, t = tokens.shape
         flat = tokens.reshape(-1)
         positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
-        resid = ew.embed(self.embed, flat)
+        resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
+        h = ew.embed_rmsnorm(self.embed, flat, self.blocks[0].attn_norm, eps=cfg.eps, resid=resid)
         delta = None
-        for blk, caches in zip(self.blocks, st.layers):
-            h = ew.add_rmsnorm(resid, delta, blk.attn_norm, eps=cfg.eps)
+        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
+            if i:
+                h = ew.add_rmsnorm(resid, delta, blk.attn_norm, eps=cfg.eps)
             h = ew.add_rmsnorm(resid, blk.attn.prefill(h, caches, positions, b, t), blk.ffn_norm, eps=cfg.eps)
             delta = blk.moe(h, token_ids=flat)
         h = ew.add_rmsnorm(resid, delta, self.norm, eps=cfg.eps)

@@ -109,6 +109,37 @@ class KVCache:
             is data, not an error: it is clamped to that range and recorded in the status word
             (`fp4kit.runtime.status.KV_INPUT`)
         """
+        kv, comp_kv, comp_score, counts, t = self._validate(kv, comp_kv, comp_score, counts)
+        if self.xp is np:
+            n = None if counts is None else np.clip(counts, 0, t).astype(np.int32)
+            if n is not None and not np.array_equal(n, counts):
+                status.record_host(status.KV_INPUT)
+            if kv is not None:
+                ref.append_swa(self.swa, self.pos, kv, n)
+            if self.ratio:
+                dropped = ref.append_compressed(self.comp, self.comp_len, self.kv_state, self.score_state, self.pos,
+                                                comp_kv.astype(np.float32), comp_score.astype(np.float32), self.ape,
+                                                self.ratio, self.norm_weight, eps=self.eps, rope_dim=self.rope_dim,
+                                                theta=self.rope_theta, counts=n)
+                if dropped:
+                    status.record_host(status.KV_COMP_OVERFLOW)
+            ref.advance(self.pos, t, n)
+            return
+        if kv is not None:
+            kv_ops.append_swa(self.swa, self.pos, kv, counts)
+        if self.ratio:  # the compressor moves the positions on at its end
+            kv_ops.compress(comp_kv, comp_score, counts, **self._compressor_args(report_counts=kv is None))
+        else:
+            kv_ops.advance(self.pos, counts, t)
+
+    def _compressor_args(self, report_counts: bool) -> dict:
+        """The cache's arguments of `fp4kit.ops.kv_cache.compress` (positions moved on at its end)."""
+        return dict(ape=self.ape, norm_weight=self.norm_weight, kv_state=self.kv_state, score_state=self.score_state,
+                    comp=self.comp, comp_len=self.comp_len, pos=self.pos, ratio=self.ratio, eps=self.eps,
+                    rope_dim=self.rope_dim, theta=self.rope_theta, advance=True, report_counts=report_counts)
+
+    def _validate(self, kv, comp_kv, comp_score, counts):
+        """`append`'s arguments checked against this cache: (kv, comp_kv, comp_score, counts, T)."""
         if kv is None:
             if not self.ratio:
                 raise ValueError("kv: None (no window rows) is for a compressing cache (ratio > 0); this one has "
@@ -130,29 +161,7 @@ class KVCache:
             raise ValueError("comp_kv, comp_score: this cache does not compress (ratio 0)")
         if counts is not None:
             counts = self._check("counts", counts, (self.batch,), (np.dtype(np.int32),))
-        if self.xp is np:
-            n = None if counts is None else np.clip(counts, 0, t).astype(np.int32)
-            if n is not None and not np.array_equal(n, counts):
-                status.record_host(status.KV_INPUT)
-            if kv is not None:
-                ref.append_swa(self.swa, self.pos, kv, n)
-            if self.ratio:
-                dropped = ref.append_compressed(self.comp, self.comp_len, self.kv_state, self.score_state, self.pos,
-                                                comp_kv.astype(np.float32), comp_score.astype(np.float32), self.ape,
-                                                self.ratio, self.norm_weight, eps=self.eps, rope_dim=self.rope_dim,
-                                                theta=self.rope_theta, counts=n)
-                if dropped:
-                    status.record_host(status.KV_COMP_OVERFLOW)
-            ref.advance(self.pos, t, n)
-            return
-        if kv is not None:
-            kv_ops.append_swa(self.swa, self.pos, kv, counts)
-        if self.ratio:  # the compressor moves the positions on at its end
-            kv_ops.compress(comp_kv, comp_score, counts, self.ape, self.norm_weight, self.kv_state, self.score_state,
-                            self.comp, self.comp_len, self.pos, ratio=self.ratio, eps=self.eps,
-                            rope_dim=self.rope_dim, theta=self.rope_theta, advance=True, report_counts=kv is None)
-        else:
-            kv_ops.advance(self.pos, counts, t)
+        return kv, comp_kv, comp_score, counts, t
 
     def advance(self, tokens: int = 1) -> None:
         """Move every sequence's position on by ``tokens`` after their window rows were written by
@@ -204,3 +213,23 @@ class KVCache:
             first = max(0, int(p) - w)
             out[b, : int(p) - first] = np.arange(first, int(p)) % w
         return out
+
+
+def append_compressed(first, second, *, counts=None) -> None:
+    """``cache.append(None, comp_kv, comp_score, counts=counts)`` for both ``(cache, comp_kv,
+    comp_score)`` of ``first`` and ``second``: two compressing caches whose windows are never
+    read (a ratio-4 layer's KV cache at decode, whose window rows its norm kernel wrote, and its
+    indexer's key cache). On the GPU, with bf16 inputs and the same batch, T and ``counts``, the two
+    compressors run in one launch (`fp4kit.ops.kv_cache.compress_pair`); otherwise one after the other."""
+    (a, *a_in), (b, *b_in) = first, second
+    a_kv, a_score = a._validate(None, *a_in, counts)[1:3]
+    b_kv, b_score, counts_b, t = b._validate(None, *b_in, counts)[1:]
+    arrays.check_same_device(first=a.comp, second=b.comp, counts=counts)
+    together = (a.xp is not np and a_kv.dtype == arrays.BF16 and b_kv.dtype == arrays.BF16 and a.batch == b.batch
+                and a_kv.shape[1] == t and a.eps == b.eps and a.rope_theta == b.rope_theta)
+    if not together:
+        a.append(None, a_kv, a_score, counts=counts)
+        b.append(None, b_kv, b_score, counts=counts)
+        return
+    kv_ops.compress_pair((a_kv, a_score, a._compressor_args(report_counts=True)),
+                         (b_kv, b_score, b._compressor_args(report_counts=False)), counts_b)

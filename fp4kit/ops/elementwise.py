@@ -1,5 +1,5 @@
 """Row-wise ops between the GEMMs of a decode step: RMSNorm (+ RoPE), residual add + RMSNorm, the
-embedding gather, the ratio-128 "all entries" selection and the token log.
+embedding gather (alone, or with the first RMSNorm), the ratio-128 "all entries" selection and the token log.
 
 numpy arrays run `fp4kit.reference.elementwise`; device arrays launch ``raw_kernels/elementwise.cu``
 on CuPy's current stream. Inputs are validated before any launch; device calls read positions,
@@ -180,9 +180,48 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
         return arrays.host_result(ref.add_rmsnorm(resid, delta, weight, eps=eps), out)
     out = _out(out, resid.shape, arrays.BF16, resid)
     if resid.size:
+        vec = _quad_rows(resid.shape[1], resid, weight, out, delta)
         loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
             resid.shape[0], _THREADS, (resid, 0 if delta is None else delta, weight, out, _U32(resid.shape[1]),
-                                       np.float32(eps)))
+                                       np.float32(eps), np.int32(vec)))
+    return out
+
+
+#: the row kernels' quad path (raw_kernels/elementwise.cu ``kRowQuads``): rows of up to this many
+#: channels, a multiple of 4, held in registers, the weight loaded before the wait
+QUAD_ROW_MAX = 4 * _THREADS * 8
+
+
+def _quad_rows(d: int, *arrays_) -> bool:
+    """Whether rows of ``d`` channels of these device arrays (fp32 rows 16-byte, bf16 rows 8-byte
+    aligned when their start is) take the kernels' quad path."""
+    return d % 4 == 0 and d <= QUAD_ROW_MAX and all(a is None or a.data.ptr % 16 == 0 for a in arrays_)
+
+
+def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=None):
+    """The first layer's input in one launch: ``resid [B, H]`` (fp32) = the rows of ``table`` at
+    ``tokens`` (what `embed` writes), and their bf16 RMSNorm with fp32 ``weight [H]`` (what
+    `add_rmsnorm` without a delta returns), which is returned. ``resid``: the residual stream to
+    write (allocated when None)."""
+    table = _check("table", table, arrays.BF16, (2,))
+    tokens = _check("tokens", tokens, np.int32, (1,))
+    weight = _check("weight", weight, np.float32, (1,))
+    h = table.shape[1]
+    if weight.shape[0] != h:
+        raise ValueError(f"weight: expected float32 [{h}] (the table's width), got {arrays.describe(weight)}")
+    arrays.check_same_device(table=table, tokens=tokens, weight=weight, resid=resid, out=out)
+    if not arrays.is_device_array(table) or not _quad_rows(h, table, weight):
+        resid = embed(table, tokens, out=resid)
+        return add_rmsnorm(resid, None, weight, eps=eps, out=out)
+    resid = _out(resid, (tokens.shape[0], h), np.float32, table)
+    out = _out(out, (tokens.shape[0], h), arrays.BF16, table)
+    if not _quad_rows(h, resid, out):  # views the quad path cannot write: the two launches
+        embed(table, tokens, out=resid)
+        return add_rmsnorm(resid, None, weight, eps=eps, out=out)
+    if tokens.shape[0]:
+        loader.get_kernel(_MODULE, "embed_rmsnorm_bf16")(
+            tokens.shape[0], _THREADS, (table, tokens, resid, weight, out, _U32(h), _U32(table.shape[0]),
+                                        np.float32(eps), status.device_word()))
     return out
 
 
@@ -200,9 +239,10 @@ def embed(table, tokens, *, out=None):
         return arrays.host_result(rows, out)
     out = _out(out, shape, np.float32, table)
     if tokens.shape[0]:
+        vec = table.shape[1] % 8 == 0 and table.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
         loader.get_kernel(_MODULE, "embed_bf16")(
             tokens.shape[0], _THREADS, (table, tokens, out, _U32(table.shape[1]), _U32(table.shape[0]),
-                                        status.device_word()))
+                                        status.device_word(), np.int32(vec)))
     return out
 
 

@@ -32,6 +32,22 @@ def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_l
                  np.float32(theta), status.device_word(), np.int32(int(advance) | 2 * int(report_counts))))
 
 
+def compress_pair(first, second, counts) -> None:
+    """`compress` of two caches in one launch (``kv_compress2_bf16``), each part ``(c, z, args)``
+    with bf16 ``c``, ``z [B, T, coff*D]`` of the same B and T and ``args`` the keyword arguments
+    of `compress` after ``counts`` (both with ``advance``; the same ``eps`` and ``theta``)."""
+    b, t, _ = first[0].shape
+    params = []
+    for c, z, a in (first, second):
+        flags = int(a["advance"]) | 2 * int(a["report_counts"])
+        params += [c, z, a["ape"], a["norm_weight"], a["kv_state"], a["score_state"], a["comp"], a["comp_len"], a["pos"],
+                   _U32(a["comp"].shape[2]), _U32(a["ratio"]), _U32(a["comp"].shape[1]), _U32(a["rope_dim"]),
+                   np.int32(flags)]
+    loader.get_kernel(_MODULE, "kv_compress2_bf16")(
+        2 * b, 256, (*params, 0 if counts is None else counts, _U32(b), _U32(t), np.float32(first[2]["eps"]),
+                     np.float32(first[2]["theta"]), status.device_word()))
+
+
 def advance(pos, counts, t: int) -> None:
     loader.get_kernel(_MODULE, "kv_advance", block=256)(1, 256, (pos, 0 if counts is None else counts,
                                                                    _U32(pos.shape[0]), _U32(t), status.device_word()))

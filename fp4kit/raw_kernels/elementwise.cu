@@ -106,46 +106,105 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
 
 // The residual stream step: resid[r] += delta[r] (delta may be null), then
 // y[r] = bf16(resid[r] * rsqrt(mean(resid[r]^2) + eps) * w).
-// A row of up to kRowRegs * kThreads channels is loaded into registers at once (the loads issued
-// together, not one latency per loop trip; the sum in the same order as the loop below).
-constexpr int kRowRegs = 32;
+// Rows of D = 4 * kThreads * q channels (q <= kRowQuads, 16-byte aligned: `vec`) are held in
+// registers as quads, thread t owning quads t, t + kThreads, ...: every load of the row is one
+// 16-byte (fp32) or 8-byte (bf16) load, all in flight at once, and the weight's quads are loaded
+// before the wait for the kernel before (a constant of the layer: its DRAM round trip overlaps that
+// kernel). Other rows take the loop below. Each thread sums its channels in index order.
+constexpr int kRowQuads = 8;  // D <= 8192 on the quad path
+
+struct RowQuads {
+    float4 q[kRowQuads];
+};
+
+__device__ __forceinline__ bool quad_live(int i, unsigned D) { return 4u * (threadIdx.x + i * kThreads) < D; }
+
+// The weight's quads of this thread. Every load is issued (a quad past the row re-reads the last
+// one, then reads as zero): predicated loads were scheduled after the wait by the compiler.
+__device__ __forceinline__ RowQuads load_weight_quads(const float* __restrict__ w, unsigned D) {
+    RowQuads wq;
+    const unsigned last = D / 4 - 1;
+    if (D >= 4) {
+#pragma unroll
+        for (int i = 0; i < kRowQuads; ++i)
+            wq.q[i] = __ldg(reinterpret_cast<const float4*>(w) + min(threadIdx.x + i * kThreads, last));
+    }
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i)
+        if (!quad_live(i, D)) wq.q[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    return wq;
+}
+
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 raw) {
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// y_row = bf16(v * rsqrt(mean(v^2) + eps) * w) for a row held as quads.
+__device__ __forceinline__ void norm_store_quads(const RowQuads& v, const RowQuads& wq, __nv_bfloat16* y_row,
+                                                 unsigned D, float eps, float* smem) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i) {
+        if (!quad_live(i, D)) break;
+        const float4 x = v.q[i];
+        ss = __fadd_rn(ss, __fmul_rn(x.x, x.x));
+        ss = __fadd_rn(ss, __fmul_rn(x.y, x.y));
+        ss = __fadd_rn(ss, __fmul_rn(x.z, x.z));
+        ss = __fadd_rn(ss, __fmul_rn(x.w, x.w));
+    }
+    const float inv = __frsqrt_rn(__fadd_rn(__fdiv_rn(ew_block_sum(ss, smem), (float)D), eps));
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i) {
+        if (!quad_live(i, D)) break;
+        const float4 x = v.q[i], g = wq.q[i];
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(x.x, inv), g.x),
+                                                        __fmul_rn(__fmul_rn(x.y, inv), g.y));
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(x.z, inv), g.z),
+                                                        __fmul_rn(__fmul_rn(x.w, inv), g.w));
+        uint2 packed;
+        packed.x = *reinterpret_cast<const unsigned*>(&lo);
+        packed.y = *reinterpret_cast<const unsigned*>(&hi);
+        reinterpret_cast<uint2*>(y_row)[threadIdx.x + i * kThreads] = packed;
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
-        __nv_bfloat16* __restrict__ y, unsigned D, float eps) {
-    pdl::wait_prior();
+        __nv_bfloat16* __restrict__ y, unsigned D, float eps, int vec) {
     __shared__ float smem[kWarps];
     const size_t row = blockIdx.x;
     float* r = resid + row * D;
-    float ss = 0.0f;
-    if (D <= kRowRegs * kThreads) {
-        float v[kRowRegs], d[kRowRegs];
+    if (vec) {
+        const RowQuads wq = load_weight_quads(w, D);
+        pdl::wait_prior();
+        RowQuads v;
+        uint2 d[kRowQuads];
 #pragma unroll
-        for (int i = 0; i < kRowRegs; ++i) {
+        for (int i = 0; i < kRowQuads; ++i) {
             const unsigned j = threadIdx.x + i * kThreads;
-            v[i] = j < D ? r[j] : 0.0f;
-            d[i] = delta && j < D ? __bfloat162float(delta[row * D + j]) : 0.0f;
+            const bool live = quad_live(i, D);
+            v.q[i] = live ? reinterpret_cast<const float4*>(r)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            // coherent loads (the kernel before wrote them): a read-only load may be scheduled
+            // ahead of the wait, as the weight's are on purpose
+            d[i] = live && delta ? __ldcg(reinterpret_cast<const uint2*>(delta + row * D) + j) : make_uint2(0u, 0u);
         }
+        if (delta) {
 #pragma unroll
-        for (int i = 0; i < kRowRegs; ++i) {
-            const unsigned j = threadIdx.x + i * kThreads;
-            if (j >= D) break;
-            if (delta) {
-                v[i] = __fadd_rn(v[i], d[i]);
-                r[j] = v[i];
+            for (int i = 0; i < kRowQuads; ++i) {
+                if (!quad_live(i, D)) break;
+                const float4 dv = bf16x4_to_float4(d[i]);
+                float4& x = v.q[i];
+                x = make_float4(__fadd_rn(x.x, dv.x), __fadd_rn(x.y, dv.y), __fadd_rn(x.z, dv.z), __fadd_rn(x.w, dv.w));
+                reinterpret_cast<float4*>(r)[threadIdx.x + i * kThreads] = x;
             }
-            ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
         }
-        const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
-        const float inv = __frsqrt_rn(__fadd_rn(mean, eps));
-#pragma unroll
-        for (int i = 0; i < kRowRegs; ++i) {
-            const unsigned j = threadIdx.x + i * kThreads;
-            if (j >= D) break;
-            y[row * D + j] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(v[i], inv), w[j]));
-        }
+        norm_store_quads(v, wq, y + row * D, D, eps, smem);
         return;
     }
+    pdl::wait_prior();
+    float ss = 0.0f;
     for (unsigned j = threadIdx.x; j < D; j += kThreads) {
         float v = r[j];
         if (delta) {
@@ -160,20 +219,60 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         y[row * D + j] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(r[j], inv), w[j]));
 }
 
-// resid[b] = float(table[tokens[b]]); a token outside [0, vocab) reads row 0 and records
-// FP4_STATUS_TOKEN_RANGE.
-extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
-        const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
-        unsigned H, unsigned vocab, unsigned* status) {
-    pdl::wait_prior();
-    const size_t b = blockIdx.x;
-    int t = tokens[b];
+// The table row of token b (an id outside [0, vocab) reads row 0 and records
+// FP4_STATUS_TOKEN_RANGE).
+__device__ __forceinline__ const __nv_bfloat16* token_row(const __nv_bfloat16* table, const int* tokens, unsigned b,
+                                                          unsigned H, unsigned vocab, unsigned* status) {
+    int t = __ldcg(tokens + b);  // a coherent load: a read-only one may be scheduled ahead of the wait
     if (t < 0 || (unsigned)t >= vocab) {
         if (threadIdx.x == 0) atomicOr(status, FP4_STATUS_TOKEN_RANGE);
         t = 0;
     }
-    const __nv_bfloat16* src = table + (size_t)t * H;
+    return table + (size_t)t * H;
+}
+
+// resid[b] = float(table[tokens[b]]). vec (H a multiple of 8, 16-byte aligned rows): 16-byte
+// loads, all of a thread's issued at once.
+extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
+        const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
+        unsigned H, unsigned vocab, unsigned* status, int vec) {
+    pdl::wait_prior();
+    const size_t b = blockIdx.x;
+    const __nv_bfloat16* src = token_row(table, tokens, b, H, vocab, status);
+    if (vec) {
+#pragma unroll 4
+        for (unsigned j = threadIdx.x; j < H / 8; j += kThreads) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + j);
+            float4* dst = reinterpret_cast<float4*>(resid + b * H) + 2 * j;
+            dst[0] = bf16x4_to_float4(make_uint2(raw.x, raw.y));
+            dst[1] = bf16x4_to_float4(make_uint2(raw.z, raw.w));
+        }
+        return;
+    }
     for (unsigned j = threadIdx.x; j < H; j += kThreads) resid[b * H + j] = __bfloat162float(src[j]);
+}
+
+// The first layer's input in one launch: resid[b] = float(table[tokens[b]]) as embed_bf16 writes
+// it, and y[b] its RMSNorm as add_rmsnorm_bf16 (no delta) computes it; rows on the quad path only
+// (H a multiple of 4, H <= 4 * kThreads * kRowQuads, 16-byte aligned rows of resid, w and y).
+extern "C" __global__ void __launch_bounds__(kThreads) embed_rmsnorm_bf16(
+        const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
+        const float* __restrict__ w, __nv_bfloat16* __restrict__ y, unsigned H, unsigned vocab, float eps,
+        unsigned* status) {
+    __shared__ float smem[kWarps];
+    const RowQuads wq = load_weight_quads(w, H);
+    pdl::wait_prior();
+    const unsigned b = blockIdx.x;
+    const __nv_bfloat16* src = token_row(table, tokens, b, H, vocab, status);
+    RowQuads v;
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i)
+        v.q[i] = quad_live(i, H) ? bf16x4_to_float4(__ldg(reinterpret_cast<const uint2*>(src) + threadIdx.x + i * kThreads))
+                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i)
+        if (quad_live(i, H)) reinterpret_cast<float4*>(resid + (size_t)b * H)[threadIdx.x + i * kThreads] = v.q[i];
+    norm_store_quads(v, wq, y + (size_t)b * H, H, eps, smem);
 }
 
 // The column blocks [bounds[p], bounds[p + 1]) of y [rows, cols] (bf16), each made a contiguous

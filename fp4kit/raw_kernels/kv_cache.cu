@@ -15,6 +15,7 @@
 //                   flags bit 0 (kAdvance): it then moves pos[b] on as kv_advance does (one launch
 //                   less); bit 1 (kReportCounts): it records a count out of range itself (the cache
 //                   of a window nobody reads appends without kv_append_swa, which reports it otherwise).
+//   kv_compress2    two caches' kv_compress (bf16 inputs) in one launch, grid 2B (see below).
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
 // Every kernel clamps counts[b] to [0, T]; kv_append_swa (or kv_compress with kReportCounts) records
 // one outside it (FP4_STATUS_KV_INPUT).
@@ -120,10 +121,9 @@ template <typename T>
 __device__ void compress(const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight,
                          float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos,
                          unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
-                         float theta, unsigned* status, int flags) {
+                         float theta, unsigned* status, int flags, unsigned b) {
     __shared__ float scratch[32];
     __shared__ float pooled[kPooledMax];
-    const unsigned b = blockIdx.x;
     const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
     // kv_append_swa reports a bad count unless there is none
     const unsigned n = token_count(counts, b, Tn, (flags & kReportCounts) && threadIdx.x == 0, status);
@@ -192,8 +192,29 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         int flags) {                                                                                      \
         pdl::wait_prior();                                                                                     \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
-                    capacity, eps, rope_dim, theta, status, flags);                                       \
+                    capacity, eps, rope_dim, theta, status, flags, blockIdx.x);                           \
     }
 
 FP4_DEFINE_COMPRESS(f32, float)
 FP4_DEFINE_COMPRESS(bf16, __nv_bfloat16)
+
+// Two caches' compressors over the same B sequences and T tokens in one launch (a ratio-4 layer's
+// KV cache and its indexer's key cache): grid 2B, blocks b < B run kv_compress on part 0's sequence
+// b, the others on part 1's sequence b - B, each part with its own caches and flags (counts, T,
+// eps and theta shared).
+#define FP4_COMPRESS_PART(P)                                                                                 \
+    const __nv_bfloat16 *c##P, const __nv_bfloat16 *z##P, const float *ape##P, const float *norm##P,        \
+        float *kv_state##P, float *score_state##P, __nv_bfloat16 *comp##P, int *comp_len##P, int *pos##P,     \
+        unsigned D##P, unsigned ratio##P, unsigned capacity##P, unsigned rope_dim##P, int flags##P
+#define FP4_COMPRESS_PART_CALL(P, B)                                                                          \
+    compress<__nv_bfloat16>(c##P, z##P, counts, ape##P, norm##P, kv_state##P, score_state##P, comp##P,        \
+                            comp_len##P, pos##P, Tn, D##P, ratio##P, capacity##P, eps, rope_dim##P, theta, status, \
+                            flags##P, B)
+
+extern "C" __global__ void __launch_bounds__(256) kv_compress2_bf16(FP4_COMPRESS_PART(0), FP4_COMPRESS_PART(1),
+                                                                    const int* counts, unsigned B, unsigned Tn,
+                                                                    float eps, float theta, unsigned* status) {
+    pdl::wait_prior();
+    if (blockIdx.x < B) FP4_COMPRESS_PART_CALL(0, blockIdx.x);
+    else FP4_COMPRESS_PART_CALL(1, blockIdx.x - B);
+}
