@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +111,17 @@ def test_trace_step_cuts_kernel_records_into_steps(tmp_path):
     rows = trace_step.per_position([records[i:i + 2] for i in range(0, 6, 2)])
     assert rows[0] == {"kernel": "a", "start": 0.0, "us": 10.0, "gap": 0.0}
     assert rows[1] == {"kernel": "b", "start": 8.0, "us": 21.0, "gap": -2.0}
+
+
+def test_attention_splits_builds_the_step_s_candidate_lists():
+    """scripts/attention_splits.py's inputs (numpy standing in for CuPy): full windows, and the
+    ratio-4 layer's selected entries sorted, distinct and live."""
+    import attention_splits as script
+
+    rng = np.random.default_rng(0)
+    q, swa, pos, comp, comp_len, idx, sink = script.inputs(np, rng, 2, 2048, 1024, 512)
+    assert q.shape == (2, script.HEADS, script.DIM) and swa.shape == (2, script.WINDOW, script.DIM)
+    assert (pos >= script.WINDOW).all() and (comp_len == 1024).all() and sink.shape == (script.HEADS,)
+    assert idx.shape == (2, 512) and (np.diff(idx, axis=1) > 0).all() and idx.min() >= 0 and idx.max() < 1024
+    assert script.inputs(np, rng, 1, 1, 0, 1)[5].tolist() == [[-1]]  # ratio 0: no compressed entry
+    assert script.inputs(np, rng, 1, 64, 32, None)[5] is None  # ratio 128: every live entry
