@@ -91,15 +91,20 @@ def prefill_rate(model, tokens: int) -> dict:
 def memory_probe(mode: str, batch: int, prefill_tokens: int) -> None:
     """In a fresh process: device memory (`cudaMemGetInfo`) the first decode steps at ``batch`` (eager,
     then captured and replayed) or a batched prefill of ``prefill_tokens`` add beyond the weights and
-    the KV caches; CuPy's pool keeps the blocks a step freed, so the growth is its peak. Prints
-    ``peak_mb=...``."""
+    the KV caches, allocated from a CuPy pool made after the build (which keeps the blocks a step
+    freed, so the growth is its peak). Prints ``peak_mb=...``."""
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode)
     model, ckpt = runner.build(cfg, device=True, seed=0)
     del ckpt
     state = model.new_state(batch, history_rows=64)
     cp.cuda.Device().synchronize()
     gc.collect()  # arrays of the build held in reference cycles: freed now, not into the pool mid-run
-    cp.get_default_memory_pool().free_all_blocks()  # the build's temporaries
+    build_pool = cp.get_default_memory_pool()
+    build_pool.free_all_blocks()  # the build's temporaries
+    # ... but a freed block split from a larger allocation stays in the pool, and the run would reuse
+    # it unseen by cudaMemGetInfo: the run allocates from a pool of its own
+    held = build_pool.free_bytes()
+    cp.cuda.set_allocator(cp.cuda.MemoryPool().malloc)
     free, total = cp.cuda.runtime.memGetInfo()
     if prefill_tokens:
         model.prefill(state, cp.zeros((batch, prefill_tokens), np.int32))
@@ -109,6 +114,7 @@ def memory_probe(mode: str, batch: int, prefill_tokens: int) -> None:
             dec.decode_step()
     cp.cuda.Device().synchronize()
     print(f"peak_mb={(free - cp.cuda.runtime.memGetInfo()[0]) / 1e6:.1f}")
+    print(f"build_pool_free_mb={held / 1e6:.1f}")  # what the run could have reused before it had its own pool
 
 
 def peak_memory_mb(mode: str, batch: int, prefill_tokens: int = 0) -> float:
