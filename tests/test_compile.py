@@ -227,3 +227,16 @@ def test_pdl_kernels_wait_before_touching_memory(name):
         if _PREFETCHING.match(kernel):
             early = [(op, rest) for op, rest in early if not (op == "LDG" and ".CONSTANT" in rest)]
         assert not early, f"{name}.cu {kernel}: global memory touched before the wait: {early[:4]}"
+
+
+@needs_cupy
+@pytest.mark.parametrize("kernel", ["add_rmsnorm_bf16", "embed_rmsnorm_bf16"])
+def test_row_norms_load_their_weight_before_the_wait(kernel):
+    """The residual norms' weight loads (16-byte, read-only) are issued ahead of the wait for the
+    kernel before, where the compiler is free to move them below it: the point of their layout."""
+    if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
+        pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    code = _sass_by_kernel(_cubin("elementwise", "sm_90a"))[kernel]
+    ops = [op for _, op, _ in code]
+    early = [rest for _, op, rest in code[:ops.index("ACQBULK")] if op == "LDG"]
+    assert len(early) == 8 and all(".128.CONSTANT" in rest for rest in early), early

@@ -119,8 +119,9 @@ struct RowQuads {
 
 __device__ __forceinline__ bool quad_live(int i, unsigned D) { return 4u * (threadIdx.x + i * kThreads) < D; }
 
-// The weight's quads of this thread. Every load is issued (a quad past the row re-reads the last
-// one, then reads as zero): predicated loads were scheduled after the wait by the compiler.
+// The weight's quads of this thread, unpredicated and in a branch of their own (a quad past the
+// row re-reads the last one, then reads as zero): predicated loads in straight-line code were
+// scheduled after the wait by the compiler (tests/test_compile.py reads where they land).
 __device__ __forceinline__ RowQuads load_weight_quads(const float* __restrict__ w, unsigned D) {
     RowQuads wq;
     const unsigned last = D / 4 - 1;
