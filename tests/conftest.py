@@ -90,6 +90,12 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session")
+def run_seed() -> int:
+    """The run seed (`FP4KIT_SEED`), for data drawn once per run and shared by several tests."""
+    return RUN_SEED
+
+
 @pytest.fixture
 def capture_stream():
     """A function giving a non-blocking stream to capture a CUDA graph on, once the device is idle: a

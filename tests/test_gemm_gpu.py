@@ -35,6 +35,21 @@ def weight(rng, n, k):
     return qref.quantize((rng.standard_normal((n, k)) * rng.lognormal(0, 1, (n, 1))).astype(np.float32))
 
 
+@pytest.fixture(scope="session")
+def shape_weight(run_seed):
+    """``get(n, k)``: a weight of that shape drawn once per run (from the run seed and the shape) and
+    shared by the tests that sweep engines and sizes over it: quantizing the larger ones on the host
+    (about a second at 2056 x 7168) was most of those tests' time."""
+    cache = {}
+
+    def get(n, k):
+        if (n, k) not in cache:
+            cache[(n, k)] = weight(np.random.default_rng([run_seed, n, k]), n, k)
+        return cache[(n, k)]
+
+    return get
+
+
 ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
            "wgmma-2-row-tiles"]
 
@@ -76,9 +91,9 @@ def engine(request, monkeypatch):
 @pytest.mark.parametrize("k", [16, 48, 1040, 2048, 7168])
 @pytest.mark.parametrize("engine,m", [(e, m) for e in ENGINES for m in (1, 3, 8, 17, 64, 65, 300)
                                       if m <= 8 or not e.startswith("gemv")], indirect=["engine"])
-def test_gemm_paths_match_float64(rng, m, k, engine):
+def test_gemm_paths_match_float64(rng, shape_weight, m, k, engine):
     n = 2056  # not a multiple of the 16-row tile nor of a 128-row group
-    w = weight(rng, n, k)
+    w = shape_weight(n, k)
     wd = tiled(w)
     x = (rng.standard_normal((m, k)) * 2).astype(BF16)
     bias = rng.standard_normal(n).astype(np.float32)
@@ -97,11 +112,11 @@ def test_gemm_paths_match_float64(rng, m, k, engine):
 
 @pytest.mark.parametrize("n,k", [(1, 16), (17, 48), (2048, 7168), (7168, 2048), (129, 4096)])
 @pytest.mark.parametrize("clusters", [True, False], ids=["cluster-reduction", "global-reduction"])
-def test_split_k_is_deterministic_and_exact(rng, n, k, engine, clusters, monkeypatch):
+def test_split_k_is_deterministic_and_exact(rng, shape_weight, n, k, engine, clusters, monkeypatch):
     """Small weights split K over many blocks; the reduction adds the splits in a fixed order, in a
     thread-block cluster or through the global scratch."""
     monkeypatch.setattr(gemm_ops, "USE_CLUSTERS", clusters)
-    w = weight(rng, n, k)
+    w = shape_weight(n, k)
     wd = tiled(w)
     for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64, 128):
         splits = launch_shape(m, n, k, engine).splits
