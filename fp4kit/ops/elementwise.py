@@ -19,6 +19,14 @@ from ..runtime import arrays, loader, status
 _MODULE = "elementwise"
 _THREADS = 256
 _U32 = np.uint32
+#: the row kernels (RMSNorm (+ RoPE), residual add + RMSNorm, embedding + RMSNorm) release the next
+#: kernel at their start in a captured graph (common/pdl.cuh): its blocks issue their weight loads
+#: while the row kernel runs. Built and checked on the CPU, not yet measured: off
+EARLY_RELEASE = False
+
+
+def _release() -> np.int32:
+    return np.int32(EARLY_RELEASE)
 
 
 def _check(name: str, x, dtype, ndim: tuple[int, ...]):
@@ -84,7 +92,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
         loader.get_kernel(_MODULE, "rmsnorm_rope_bf16")(
             rows, _THREADS, (x, 0 if weight is None else weight, 0 if positions is None else positions, out,
                              _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
-                             np.float32(theta)))
+                             np.float32(theta), _release()))
     return out
 
 
@@ -140,7 +148,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
              0 if positions is None else positions, np.float32(eps), np.float32(theta),
-             _U32(0 if window is None else window.shape[1])))
+             _U32(0 if window is None else window.shape[1]), _release()))
     return ys
 
 
@@ -183,7 +191,7 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
         vec = _quad_rows(resid.shape[1], resid, weight, out, delta)
         loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
             resid.shape[0], _THREADS, (resid, 0 if delta is None else delta, weight, out, _U32(resid.shape[1]),
-                                       np.float32(eps), np.int32(vec)))
+                                       np.float32(eps), np.int32(vec), _release()))
     return out
 
 
@@ -221,7 +229,7 @@ def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=N
     if tokens.shape[0]:
         loader.get_kernel(_MODULE, "embed_rmsnorm_bf16")(
             tokens.shape[0], _THREADS, (table, tokens, resid, weight, out, _U32(h), _U32(table.shape[0]),
-                                        np.float32(eps), status.device_word()))
+                                        np.float32(eps), status.device_word(), _release()))
     return out
 
 

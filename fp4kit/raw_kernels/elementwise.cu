@@ -75,7 +75,8 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
         __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
-        float theta) {
+        float theta, int release) {
+    if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
     rmsnorm_rope_row(x, w, pos, y + (size_t)blockIdx.x * D, blockIdx.x, heads, D, eps, normalize, rope_dim, theta,
@@ -91,7 +92,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
         int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
         unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta,
-        unsigned window1) {
+        unsigned window1, int release) {
+    if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
     const unsigned r = blockIdx.x;
@@ -173,8 +175,9 @@ __device__ __forceinline__ void norm_store_quads(const RowQuads& v, const RowQua
 
 extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
-        __nv_bfloat16* __restrict__ y, unsigned D, float eps, int vec) {
+        __nv_bfloat16* __restrict__ y, unsigned D, float eps, int vec, int release) {
     __shared__ float smem[kWarps];
+    if (release) pdl::release_next();
     const size_t row = blockIdx.x;
     float* r = resid + row * D;
     if (vec) {
@@ -259,8 +262,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) embed_bf16(
 extern "C" __global__ void __launch_bounds__(kThreads) embed_rmsnorm_bf16(
         const __nv_bfloat16* __restrict__ table, const int* __restrict__ tokens, float* __restrict__ resid,
         const float* __restrict__ w, __nv_bfloat16* __restrict__ y, unsigned H, unsigned vocab, float eps,
-        unsigned* status) {
+        unsigned* status, int release) {
     __shared__ float smem[kWarps];
+    if (release) pdl::release_next();
     const RowQuads wq = load_weight_quads(w, H);
     pdl::wait_prior();
     const unsigned b = blockIdx.x;

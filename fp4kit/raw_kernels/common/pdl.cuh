@@ -12,6 +12,12 @@
 //     kernel's later blocks needed (measured: V4-Flash MoE at T = 1, 56 -> 60 µs).
 // A kernel that reads nothing ahead of its inputs waits as its first statement. Launched without
 // the attribute (eager launches, or FP4KIT_PDL=0), the wait is a no-op.
+//
+// The one exception to the second rule: the small row kernels of elementwise.cu (one block per
+// row, a single wave) may release the next kernel at their start (`release_next`, when their launch
+// asks for it: ops/elementwise.py `EARLY_RELEASE`), so that the next kernel's blocks, on the SMs
+// they leave free, issue their weight loads ahead of their own wait while the row kernel runs. The
+// next kernel's `wait_prior` still waits for the row kernel's completion.
 #pragma once
 
 namespace pdl {
@@ -19,6 +25,13 @@ namespace pdl {
 __device__ __forceinline__ void wait_prior() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's blocks be scheduled now (see above); a no-op without PDL.
+__device__ __forceinline__ void release_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
