@@ -182,3 +182,50 @@ def test_split_columns_in_one_launch_equals_slices(rng, rows, sizes):
         assert p.shape == (rows, s) and p.flags.c_contiguous
         assert cp.array_equal(p.view(cp.uint16), y[:, at:at + s].view(cp.uint16))
         at += s
+
+
+def test_early_release_in_a_graph_gives_the_same_bits(rng, capture_stream, monkeypatch):
+    """With `EARLY_RELEASE` the row kernels let the next kernel launch at their start (common/pdl.cuh):
+    a captured chain embedding + norm -> GEMM -> residual add + norm -> GEMM -> norm + RoPE, replayed,
+    gives the bits of the same chain launched eagerly (the next kernel still waits for each row
+    kernel's results)."""
+    import fp4kit
+    from fp4kit.ops.gemm import gemm
+    from fp4kit.formats import to_tiled
+    from fp4kit.reference import quant as qref
+
+    h, v = 4096, 64
+    table = cp.asarray((rng.standard_normal((v, h)) * 0.5).astype(BF16))
+    w1, w2 = (cp.asarray(rng.uniform(0.5, 1.5, h).astype(np.float32)) for _ in range(2))
+    wr = cp.asarray(rng.uniform(0.5, 1.5, 512).astype(np.float32))
+    weights = []
+    for n in (h, 512):
+        q = qref.quantize((rng.standard_normal((n, h)) * 0.05).astype(np.float32))
+        weights.append(to_tiled(fp4kit.Nvfp4Tensor(cp.asarray(q.packed), cp.asarray(q.block_scales),
+                                                   cp.asarray(q.global_scale), q.scale_layout, q.shape)))
+    tokens = cp.asarray(rng.integers(0, v, 2).astype(np.int32))
+    pos = cp.asarray(rng.integers(0, 5000, 2).astype(np.int32))
+    bufs = {name: cp.empty(shape, dtype) for name, shape, dtype in [
+        ("resid", (2, h), np.float32), ("x", (2, h), BF16), ("y", (2, h), BF16), ("z", (2, h), BF16),
+        ("u", (2, 512), BF16), ("out", (2, 512), BF16)]}
+
+    def chain():
+        x = ew.embed_rmsnorm(table, tokens, w1, resid=bufs["resid"], out=bufs["x"])
+        y = gemm(x, weights[0], out=bufs["y"])
+        z = ew.add_rmsnorm(bufs["resid"], y, w2, out=bufs["z"])
+        u = gemm(z, weights[1], out=bufs["u"])
+        return ew.rmsnorm_rope(u, wr, pos, rope_dim=64, out=bufs["out"])
+
+    chain()
+    want = cp.asnumpy(bufs["out"]).view(np.uint16).copy()
+    monkeypatch.setattr(ew, "EARLY_RELEASE", True)
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        chain()
+        graph = stream.end_capture()
+    for _ in range(3):
+        bufs["out"].fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(bufs["out"]).view(np.uint16), want)
