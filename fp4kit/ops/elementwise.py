@@ -200,10 +200,15 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
 QUAD_ROW_MAX = 4 * _THREADS * 8
 
 
+def _aligned16(*arrays_) -> bool:
+    """Whether every device array given (None: skipped) starts on a 16-byte boundary."""
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays_)
+
+
 def _quad_rows(d: int, *arrays_) -> bool:
     """Whether rows of ``d`` channels of these device arrays (fp32 rows 16-byte, bf16 rows 8-byte
     aligned when their start is) take the kernels' quad path."""
-    return d % 4 == 0 and d <= QUAD_ROW_MAX and all(a is None or a.data.ptr % 16 == 0 for a in arrays_)
+    return d % 4 == 0 and d <= QUAD_ROW_MAX and _aligned16(*arrays_)
 
 
 def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=None):
@@ -218,14 +223,12 @@ def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=N
     if weight.shape[0] != h:
         raise ValueError(f"weight: expected float32 [{h}] (the table's width), got {arrays.describe(weight)}")
     arrays.check_same_device(table=table, tokens=tokens, weight=weight, resid=resid, out=out)
-    if not arrays.is_device_array(table) or not _quad_rows(h, table, weight):
-        resid = embed(table, tokens, out=resid)
-        return add_rmsnorm(resid, None, weight, eps=eps, out=out)
-    resid = _out(resid, (tokens.shape[0], h), np.float32, table)
-    out = _out(out, (tokens.shape[0], h), arrays.BF16, table)
-    if not _quad_rows(h, resid, out):  # views the quad path cannot write: the two launches
-        embed(table, tokens, out=resid)
-        return add_rmsnorm(resid, None, weight, eps=eps, out=out)
+    device = arrays.is_device_array(table)
+    if device:
+        resid = _out(resid, (tokens.shape[0], h), np.float32, table)
+        out = _out(out, (tokens.shape[0], h), arrays.BF16, table)
+    if not device or not _quad_rows(h, table, weight, resid, out):  # numpy, or rows off the quad path
+        return add_rmsnorm(embed(table, tokens, out=resid), None, weight, eps=eps, out=out)
     if tokens.shape[0]:
         loader.get_kernel(_MODULE, "embed_rmsnorm_bf16")(
             tokens.shape[0], _THREADS, (table, tokens, resid, weight, out, _U32(h), _U32(table.shape[0]),
@@ -247,7 +250,7 @@ def embed(table, tokens, *, out=None):
         return arrays.host_result(rows, out)
     out = _out(out, shape, np.float32, table)
     if tokens.shape[0]:
-        vec = table.shape[1] % 8 == 0 and table.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
+        vec = table.shape[1] % 8 == 0 and _aligned16(table, out)
         loader.get_kernel(_MODULE, "embed_bf16")(
             tokens.shape[0], _THREADS, (table, tokens, out, _U32(table.shape[1]), _U32(table.shape[0]),
                                         status.device_word(), np.int32(vec)))
@@ -307,7 +310,7 @@ def split_columns(y, sizes, *, out=None) -> list:
     elif out.dtype != arrays.BF16 or out.ndim != 1 or out.size != y.size:
         raise ValueError(f"out: expected a 1-D bfloat16 array of {y.size} elements, got {arrays.describe(out)}")
     arrays.check_same_device(y=y, out=out)
-    vec8 = all(int(b) % 8 == 0 for b in bounds) and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
+    vec8 = all(int(b) % 8 == 0 for b in bounds) and _aligned16(y, out)
     items = rows * y.shape[1] // (8 if vec8 else 1)
     loader.get_kernel(_MODULE, "split_columns_bf16")(
         (items + _THREADS - 1) // _THREADS, _THREADS,
