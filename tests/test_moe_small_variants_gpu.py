@@ -49,6 +49,7 @@ def quantize_where(request, monkeypatch):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_small_path_knobs_match_reference(rng, monkeypatch, quantize_where, h, i, top_k, t, mode):
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", 0)  # the pair groupings: the per-pair kernels
     dev, host = build(rng, 16, h, i, top_k, mode)
     x = rng.standard_normal((t, h)).astype(BF16)
     want = host(x).astype(np.float32)
@@ -71,6 +72,7 @@ def test_whole_fetch_builds_are_bit_identical(rng, monkeypatch, quantize_where, 
     scale groups: the same bits as the bounds-tested builds (an I of 272 keeps those for the down
     projection), within the bound of the reference."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", 0)  # the per-pair first launch too
     dev, host = build(rng, 16, h, i, top_k, mode)
     x = rng.standard_normal((3, h)).astype(BF16)
     want = host(x).astype(np.float32)
@@ -80,3 +82,29 @@ def test_whole_fetch_builds_are_bit_identical(rng, monkeypatch, quantize_where, 
         outs.append(cp.asnumpy(dev(cp.asarray(x))))
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     assert gref.calc_diff(outs[1].astype(np.float32), want) < BOUND
+
+
+# The streamed first launch (moe.cu stream::gate_up): H of one ring stage per item (16 scale groups)
+# and of two (V3's 28: an item's second stage has 12 groups, so 4 consumer warps idle), an H of 2
+# groups (14 of 16 warps idle every stage) with fewer items than SMs (I 32: 2 pairs x (3 tokens x
+# 2 slots + 3 shared rows)), top-k 6 with the shared expert folded in and 8 with it apart.
+@pytest.mark.parametrize("h,i,top_k,t", [(4096, 272, 6, 1), (4096, 2048, 6, 8), (7168, 256, 8, 3), (512, 32, 2, 3)])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_streamed_first_launch_matches_reference(rng, monkeypatch, quantize_where, h, i, top_k, t, mode):
+    """The streamed kernel gives the reference layer's output within the layer bound, bitwise the same
+    on a repeat, and within the same bound of the per-pair kernels' output (only the order of the K
+    parts' sums differs)."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    assert moe_ops.streams_gate_up(h, t, "90")
+    dev, host = build(rng, 16, h, i, top_k, mode)
+    x = rng.standard_normal((t, h)).astype(BF16)
+    want = host(x).astype(np.float32)
+    outs = []
+    for limit in (8, 0):
+        monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", limit)
+        got = cp.asnumpy(dev(cp.asarray(x)))
+        again = cp.asnumpy(dev(cp.asarray(x)))
+        assert np.array_equal(got.view(np.uint16), again.view(np.uint16)), limit
+        assert gref.calc_diff(got.astype(np.float32), want) < BOUND, limit
+        outs.append(got.astype(np.float32))
+    assert gref.calc_diff(outs[0], outs[1]) < BOUND

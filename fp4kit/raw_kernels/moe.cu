@@ -887,19 +887,234 @@ struct StageQuantizeRows {
 
 }  // namespace small
 
+// ---------------------------------------------------------------------------------------------
+// The streamed first launch of the small-T path (moe_stream_gate_up_*): the arithmetic of
+// small::gate_up, laid out so that HBM never waits for a block. One block per SM walks its items
+// (assignment, pair: 16 gate rows and the matching 16 up rows of one expert), b, b + G, b + 2G, ...
+// (the shared expert's items first, so most blocks begin with one whose weights need no router
+// output and are requested before the wait for the kernel before). A producer warp streams each
+// item's two row tiles, up to 16 scale groups (4096 k) at a time, into a ring of two shared-memory
+// stages with bulk copies (cp.async.bulk, evict-first) that complete on the stage's mbarrier; the
+// 16 consumer warps each take one scale group of both tiles from a stage (registers, then the stage
+// is released) and add their partial sums per item in warp order, as small::gate_up's K parts are
+// added. So the weight stream has no waves, no per-block prologue after the first, and two
+// stages (up to 144 KB) in flight per SM.
+namespace stream {
+
+constexpr int kWarps = 16;                                          // consumers; one more produces
+constexpr int kStageGroups = 16;                                    // scale groups per stage: one per consumer warp
+constexpr int kStages = 2;
+constexpr int kPartials = 4;                                        // items whose partial sums may be pending
+constexpr unsigned kGroupCodeBytes = gemm::kGroupChunks * 32 * 16;  // 4 chunks of 32 lanes x 16 bytes
+constexpr unsigned kGroupScaleBytes = 32 * 8;
+constexpr unsigned kStageBytes = 2 * kStageGroups * (kGroupCodeBytes + kGroupScaleBytes);
+
+__device__ __forceinline__ void bar_init(unsigned long long* bar, unsigned count) {
+    FP4_SM90A("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gemm::shared_address(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void bar_arrive(unsigned long long* bar) {
+    FP4_SM90A("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gemm::shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned parity) {
+    const unsigned addr = gemm::shared_address(bar);
+    unsigned ready = 0;
+    do {
+        FP4_SM90A("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                  : "=r"(ready) : "r"(addr), "r"(parity) : "memory");
+    } while (!ready);
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
+                                          unsigned long long policy) {
+    FP4_SM90A("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+              ::"r"(gemm::shared_address(dst)), "l"(src), "r"(bytes), "r"(gemm::shared_address(bar)), "l"(policy)
+              : "memory");
+}
+
+// Item i of the launch: the shared expert's items (token-major, then pair) before the routed ones.
+struct Item {
+    unsigned row;    // row of the output: the assignment, or routed + token for the shared expert
+    unsigned token;  // activation row
+    unsigned pair;
+    bool shared;
+};
+
+struct Items {
+    unsigned pairs, n_shared, routed, top_k;
+    __device__ __forceinline__ Item operator()(unsigned i) const {
+        if (i < n_shared) return Item{routed + i / pairs, i / pairs, i % pairs, true};
+        const unsigned a = (i - n_shared) / pairs;
+        return Item{a, a / top_k, (i - n_shared) % pairs, false};
+    }
+};
+
+// One stage's layout: the codes of the gate tile's groups, then the up tile's, then their scales.
+__device__ __forceinline__ uint4* stage_codes(unsigned char* stage, int r) {
+    return reinterpret_cast<uint4*>(stage + r * kStageGroups * kGroupCodeBytes);
+}
+__device__ __forceinline__ uint2* stage_scales(unsigned char* stage, int r) {
+    return reinterpret_cast<uint2*>(stage + 2 * kStageGroups * kGroupCodeBytes + r * kStageGroups * kGroupScaleBytes);
+}
+
+template <class Stage>
+__device__ void gate_up(Stage stage, unsigned* out_amax, small::StackRows r_gate, small::StackRows r_up,
+                        small::StackRows s_gate, small::StackRows s_up, const int* ids, const float* row_scale,
+                        unsigned top_k, unsigned routed, small::Swiglu r_swiglu, small::Swiglu s_swiglu, unsigned H,
+                        unsigned I, unsigned tokens, void* out, int out_f32) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageBytes);
+    __shared__ float partial[kPartials][kWarps][2][16];
+    __shared__ unsigned table[256];
+    __shared__ __align__(8) unsigned long long full[kStages], empty[kStages], parts[kPartials];
+    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned groups = H / 256, chunks = H / gemm::kTileK, per_item = (groups + kStageGroups - 1) / kStageGroups;
+    const Items items{I / 16, s_gate.codes ? tokens * (I / 16) : 0u, routed, top_k};
+    const unsigned n_items = items.n_shared + routed * items.pairs;
+    const unsigned mine = n_items > blockIdx.x ? (n_items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0u;
+    const unsigned total = mine * per_item;  // stages this block consumes
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) bar_init(full + s, 1), bar_init(empty + s, kWarps);
+        for (int s = 0; s < kPartials; ++s) bar_init(parts + s, kWarps);
+        FP4_SM90A("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // stage n: item b + G (n / per_item), groups [16 q, 16 q + 16) of its two tiles, q = n % per_item
+    const unsigned long long policy = gemm::evict_first_policy();
+    // e: the item's expert (0 for the shared expert's), read by the caller
+    auto issue = [&](unsigned n, unsigned e) {
+        const Item it = items(blockIdx.x + gridDim.x * (n / per_item));
+        const unsigned q = n % per_item, g0 = q * kStageGroups, ng = min(kStageGroups, groups - g0);
+        unsigned char* st = smem + (n % kStages) * kStageBytes;
+        unsigned long long* bar = full + n % kStages;
+        FP4_SM90A("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                  ::"r"(gemm::shared_address(bar)), "r"(2 * ng * (kGroupCodeBytes + kGroupScaleBytes)) : "memory");
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const small::StackRows w = it.shared ? (r ? s_up : s_gate) : (r ? r_up : r_gate);
+            const size_t tile = (size_t)e * (w.rows / 16) + it.pair * w.step + w.first;
+            bulk_copy(stage_codes(st, r), w.codes + (tile * chunks + g0 * gemm::kGroupChunks) * 32, ng * kGroupCodeBytes,
+                      bar, policy);
+            bulk_copy(stage_scales(st, r), w.scales + (tile * groups + g0) * 32, ng * kGroupScaleBytes, bar, policy);
+        }
+    };
+    const bool producer = warp == kWarps;
+    const unsigned first = min(total, (unsigned)kStages);
+    unsigned early = 0;  // the first stages of shared-expert items: requested before the wait
+    if (producer && lane == 0)
+        while (early < first && items(blockIdx.x + gridDim.x * (early / per_item)).shared) issue(early++, 0u);
+    pdl::wait_prior();  // the router's ids and the layer input are the kernels before's output
+    auto expert = [&](unsigned n) {
+        const Item it = items(blockIdx.x + gridDim.x * (n / per_item));
+        return it.shared ? 0u : (unsigned)__ldcg(ids + it.row);
+    };
+    if (producer && lane == 0)
+        for (unsigned n = early; n < first; ++n) issue(n, expert(n));
+    stage.prepare(table);
+    __syncthreads();
+    const unsigned kp = chunks * gemm::kTileK;
+    for (unsigned t = 0; t < tokens; ++t) stage.token(t, act_s + (size_t)t * kp, kp, table);
+    small::settle();
+    __syncthreads();
+
+    unsigned r_bits = 0, s_bits = 0;  // |SwiGLU output| maxima of this thread's epilogues (W4A4)
+    if (producer) {
+        for (unsigned n = kStages; n < total; ++n) {
+            if (lane == 0) {
+                const unsigned e = expert(n);  // its load in flight during the wait
+                bar_wait(empty + n % kStages, (n / kStages - 1) & 1);
+                issue(n, e);
+            }
+            __syncwarp();
+        }
+    } else {
+        small::WarpGemv<2, 1, 1, true> gemv;
+        typename small::WarpGemv<2, 1, 1, true>::Group grp;
+        float acc[2][4] = {}, odd[2][4];
+        for (unsigned n = 0; n < total; ++n) {
+            const unsigned k = n / per_item, q = n % per_item, g = q * kStageGroups + warp;
+            unsigned char* st = smem + (n % kStages) * kStageBytes;
+            bar_wait(full + n % kStages, (n / kStages) & 1);
+            const Item it = items(blockIdx.x + gridDim.x * k);
+            if (g < groups) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) grp.q[r][j] = stage_codes(st, r)[(warp * 4 + j) * 32 + lane];
+                    grp.s[r] = stage_scales(st, r)[warp * 32 + lane];
+                }
+            }
+            __syncwarp();
+            if (lane == 0) bar_arrive(empty + n % kStages);
+            if (g < groups) gemv.compute(grp, g * gemm::kGroupChunks, act_s + (size_t)it.token * kp, acc, odd);
+            if (q + 1 < per_item) continue;
+            // the item's last stage: publish this warp's sums, and the item's epilogue warp adds them
+            float* mine_p = &partial[k % kPartials][warp][0][0];
+            if ((lane & 3) == 0) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) mine_p[r * 16 + (lane >> 2)] = acc[r][0], mine_p[r * 16 + (lane >> 2) + 8] = acc[r][2];
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[r][v] = 0.0f;
+            __syncwarp();
+            if (lane == 0) bar_arrive(parts + k % kPartials);
+            if (warp != k % kWarps) continue;
+            bar_wait(parts + k % kPartials, (k / kPartials) & 1);
+            if (lane < 16) {
+                const small::StackRows gate = it.shared ? s_gate : r_gate, up = it.shared ? s_up : r_up;
+                const unsigned e = it.shared ? 0u : (unsigned)__ldcg(ids + it.row);
+                const float a_dec = stage.a_dec(false);
+                float y[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float sum = 0.0f;  // the K parts in order
+                    for (unsigned w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, partial[k % kPartials][w][r][lane]);
+                    const small::StackRows st_r = r == 0 ? gate : up;
+                    y[r] = __bfloat162float(__float2bfloat16_rn(
+                        __fmul_rn(sum, st_r.alpha(e, (it.pair * st_r.step + st_r.first) * 16 + lane, a_dec))));
+                }
+                const small::Swiglu sw = it.shared ? s_swiglu : r_swiglu;
+                float gv = y[0], u = y[1];
+                if (sw.has_limit) {
+                    gv = gv > sw.limit ? sw.limit : gv;
+                    u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
+                }
+                float v = __fmul_rn(fp4_silu(gv), u);
+                if (row_scale && !it.shared) v = __fmul_rn(v, fp4_ftz(row_scale[it.row]));
+                const size_t index = (size_t)it.row * I + it.pair * 16 + lane;
+                if (out_f32) static_cast<float*>(out)[index] = v;
+                else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
+                if (it.shared) s_bits = max(s_bits, fp4_abs_bits(v));
+                else r_bits = max(r_bits, fp4_abs_bits(v));
+            }
+        }
+    }
+    if (out_amax) {  // W4A4 with the quantization in the next launch: the block's routed and shared maxima
+        r_bits = block_max_bits(r_bits);
+        s_bits = block_max_bits(s_bits);
+        if (threadIdx.x == 0) out_amax[blockIdx.x] = r_bits, out_amax[gridDim.x + blockIdx.x] = s_bits;
+    }
+}
+
+}  // namespace stream
+
 #define FP4_STACK_ARGS(P) \
     const uint4 *P##codes, const uint2 *P##scales, const float *P##decode, const float *P##global, \
         const float *P##row_decode, unsigned P##rows, unsigned P##step, unsigned P##first
 #define FP4_STACK(P) small::StackRows{P##codes, P##scales, P##decode, P##global, P##row_decode, P##rows, P##step, P##first}
 
-#define FP4_SMALL_GATE_UP_ARGS                                                                            \
+// The first launch's arguments; EXTRA is the small kernels' pairs_per_block, the streamed kernel's tokens.
+#define FP4_GATE_UP_ARGS(EXTRA)                                                                           \
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
-        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
-#define FP4_SMALL_GATE_UP_CALL(D, C, W, STAGE, OUT_AMAX)                                                 \
-    small::gate_up<D, C, W>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
-                         row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
-                         H, I, pairs_per_block, out, out_f32)
+        int s_has_limit, unsigned H, unsigned I, unsigned EXTRA, void *out, int out_f32
+#define FP4_GATE_UP_CALL(FN, EXTRA, STAGE, OUT_AMAX)                                                      \
+    (FN)(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, row_scale, top_k, \
+         routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, H, I, EXTRA, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
@@ -912,25 +1127,28 @@ struct StageQuantizeRows {
 // registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
 // (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
 // the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
-#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W)                                                        \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
-        const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageBf16{x, H}), nullptr);                                 \
+// The four activation kinds of a first launch moe_<NAME>_<kind><SUFFIX> (FN: its device function).
+#define FP4_DEFINE_GATE_UP(NAME, SUFFIX, THREADS, B, EXTRA, FN)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_bf16##SUFFIX(                   \
+        const __nv_bfloat16* x, FP4_GATE_UP_ARGS(EXTRA)) {                                                \
+        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageBf16{x, H}), nullptr);                                     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
-        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_nvfp4##SUFFIX(                  \
+        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_GATE_UP_ARGS(EXTRA)) { \
+        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);         \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant_bf16##SUFFIX(             \
         const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
-        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_GATE_UP_ARGS(EXTRA)) {                                                                        \
+        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_f32_##VARIANT(           \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant_f32##SUFFIX(              \
         const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
-        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_GATE_UP_ARGS(EXTRA)) {                                                                        \
+        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax);  \
     }
+#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W) \
+    FP4_DEFINE_GATE_UP(small_gate_up, _##VARIANT, 256, B, pairs_per_block, (small::gate_up<D, C, W>))
 #define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
@@ -963,3 +1181,5 @@ FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2, false)
 FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2, false)
 FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2, false)
+// the streamed first launch: 16 consumer warps and a producer warp, one block per SM
+FP4_DEFINE_GATE_UP(stream_gate_up, , (32 * (stream::kWarps + 1)), 1, act_tokens, (stream::gate_up<>))
