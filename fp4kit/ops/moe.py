@@ -161,8 +161,9 @@ def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
 #: (moe.cu ``stream::gate_up``; Hopper, K of whole scale groups) up to this many tokens; 0: never
 STREAM_GATE_UP_MAX_TOKENS = 8
 _STREAM_THREADS = 32 * 17  # 16 consumer warps and the producer warp
-_STREAM_RING_BYTES = 2 * 2 * 16 * (GROUP_CHUNKS * TILE_K // 2 + 256)  # 2 stages x 2 tiles x 16 groups (codes + scales)
-_STREAM_DYNAMIC_MAX = 200 * 1024  # the ring and the activation rows (the kernel's static arrays take ~11 KB more)
+# 2 stages x 2 row tiles x 16 scale groups, each 16 rows x 256 k of codes (4 bits) and of E4M3 scales (one per 16)
+_STREAM_RING_BYTES = 2 * 2 * 16 * (16 * GROUP_CHUNKS * TILE_K // 2 + 16 * GROUP_CHUNKS * TILE_K // 16)
+_STREAM_DYNAMIC_MAX = 220 * 1024  # the ring and the activation rows (the kernel's static arrays take ~11 KB of the 227 KB more)
 
 
 def streams_gate_up(h: int, tokens: int, compute_capability: str) -> bool:
