@@ -87,6 +87,7 @@ def test_every_small_moe_variant_exists():
              for kind in ("bf16", "nvfp4", "quant_bf16", "quant_f32")]
     names += [f"moe_small_down_{kind}_{v}" for v in moe_ops.SMALL_DOWN_VARIANTS for kind in ("bf16", "nvfp4", "quant")]
     names += [f"moe_stream_gate_up_{kind}" for kind in ("bf16", "nvfp4", "quant_bf16", "quant_f32")]
+    names += [f"moe_stream_down_{kind}" for kind in ("bf16", "nvfp4", "quant")]
     # the whole-fetch builds the launchers name with SMALL_WHOLE_FETCHES (a "w" appended)
     assert moe_ops.SMALL_GATE_UP_VARIANT in moe_ops.SMALL_WHOLE_VARIANTS
     assert moe_ops.SMALL_DOWN_VARIANT in moe_ops.SMALL_WHOLE_VARIANTS

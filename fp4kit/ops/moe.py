@@ -174,6 +174,35 @@ def streams_gate_up(h: int, tokens: int, compute_capability: str) -> bool:
             and _STREAM_RING_BYTES + tokens * h * 2 <= _STREAM_DYNAMIC_MAX)
 
 
+#: the small-T second launch streamed likewise (moe.cu ``stream::down``; Hopper, I of whole scale
+#: groups up to 4096) up to this many tokens; 0: never
+STREAM_DOWN_MAX_TOKENS = 8
+_STREAM_DOWN_RING_BYTES = 4 * 16 * (16 * GROUP_CHUNKS * TILE_K // 2 + 16 * GROUP_CHUNKS * TILE_K // 16)  # 4 stages
+_STREAM_DOWN_PARTS = 5  # items whose partial sums a block may hold (the kernel's kParts)
+
+
+def _stream_down_shared(h: int, inner: int, tokens: int, top_k: int, slots: int, blocks: int) -> int:
+    """Dynamic shared memory of the streamed second launch: the ring, the activation rows of the
+    most tokens a block's contiguous share of the (token, row tile) items spans, the partial sums
+    and the ids of those tokens."""
+    row_tiles = h // 16
+    per_block = -(-tokens * row_tiles // blocks)
+    span = min(tokens, -(-per_block // row_tiles) + 1)
+    return (_STREAM_DOWN_RING_BYTES + span * slots * inner * 2 + _STREAM_DOWN_PARTS * slots * (inner // 256) * 16 * 4
+            + span * top_k * 4)
+
+
+def streams_down(h: int, inner: int, tokens: int, top_k: int, slots: int, sms: int, compute_capability: str) -> bool:
+    """Whether the small-T second launch takes the streamed kernel: on sm_90 up to
+    `STREAM_DOWN_MAX_TOKENS` tokens, I of whole scale groups up to 4096 (a slot's whole K in one
+    ring stage) and its shared memory within `_STREAM_DYNAMIC_MAX`."""
+    if not (compute_capability == "90" and tokens <= STREAM_DOWN_MAX_TOKENS and inner % (GROUP_CHUNKS * TILE_K) == 0
+            and inner <= 16 * GROUP_CHUNKS * TILE_K and h % 16 == 0):
+        return False
+    blocks = min(sms, tokens * (h // 16))
+    return _stream_down_shared(h, inner, tokens, top_k, slots, blocks) <= _STREAM_DYNAMIC_MAX
+
+
 def h_amax_words(inner: int, rows: int, sms: int) -> int:
     """Words of the per-block maxima buffer a W4A4 small-T first launch writes (its largest grid: one
     block per (pair, row), or two words per block of the streamed kernel)."""
@@ -265,14 +294,21 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
               _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
-    variant = _whole_variant(SMALL_DOWN_VARIANT, inner)
+    slots = top_k + (shared is not None)
+    sms = loader.current_sm_count()
+    stream = streams_down(h, inner, t, top_k, slots, sms, loader.compute_capability(ids.device.id))
+    name = "moe_stream_down_{}" if stream else f"moe_small_down_{{}}_{_whole_variant(SMALL_DOWN_VARIANT, inner)}"
     if h_amax is not None:
-        kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{variant}")
+        kernel = loader.get_kernel(_MODULE, name.format("quant"))
         args = (act, h_amax, _U32(amax_blocks[0]), _U32(amax_blocks[1]), status.device_word(), *common)
     else:
         second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
-        kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{variant}", common, nvfp4_extra=second)
-    slots = top_k + (shared is not None)
+        kernel, args = _kernel_and_args(act, name, common, nvfp4_extra=second)
+    if stream:  # one block per SM, each a contiguous share of the (token, row tile) items
+        blocks = min(sms, t * (h // 16))
+        kernel.launch((blocks,), _STREAM_THREADS, args,
+                      shared_mem=_stream_down_shared(h, inner, t, top_k, slots, blocks))
+        return
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 
 

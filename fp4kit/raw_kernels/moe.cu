@@ -1100,6 +1100,150 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, small::StackRows r_gate
     }
 }
 
+// The streamed second launch (moe_stream_down_*): the arithmetic of small::down with its weights
+// streamed as gate_up's are. Items (token t, row tile r: 16 output rows) in token order, a
+// contiguous share per block (so a block stages the activation rows of at most a few tokens). An
+// item's slots go through the ring 16 scale groups at a time: the folded shared expert's tile alone
+// first (requested before the wait for the block's first item: its weight is no kernel's output),
+// then the routed slots, 16 / groups per stage, each a slot's whole K (I up to 4096). Consumer warp
+// w multiplies group w % groups of local slot w / groups and stores its 16 sums; the item's
+// epilogue warp adds each slot's groups in order and combines the slots as small::down does.
+constexpr int kDownStages = 4;
+constexpr unsigned kDownStageBytes = kStageGroups * (kGroupCodeBytes + kGroupScaleBytes);
+
+template <class Stage>
+__device__ void down(Stage stage, small::StackRows w, small::StackRows s_w, int has_shared, const int* ids,
+                     const float* weights, int weighted, unsigned top_k, unsigned routed,
+                     const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
+    constexpr int kParts = kDownStages + 1;  // items whose partial sums may be pending
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ unsigned table[256];
+    __shared__ __align__(8) unsigned long long full[kDownStages], empty[kDownStages], parts[kParts];
+    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned groups = I / 256, chunks = I / gemm::kTileK, kp = I, row_tiles = H / 16, tokens = routed / top_k;
+    const unsigned slots = top_k + (has_shared ? 1u : 0u), per_stage = kStageGroups / groups;
+    const unsigned routed_stages = (top_k + per_stage - 1) / per_stage, per_item = (has_shared ? 1u : 0u) + routed_stages;
+    const unsigned n_items = tokens * row_tiles;
+    const unsigned i0 = (unsigned)((unsigned long long)n_items * blockIdx.x / gridDim.x);
+    const unsigned i1 = (unsigned)((unsigned long long)n_items * (blockIdx.x + 1) / gridDim.x);
+    const unsigned total = (i1 - i0) * per_item, t0 = i0 / row_tiles;
+    const unsigned t_span = i1 > i0 ? (i1 - 1) / row_tiles - t0 + 1 : 0u;
+    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem + kDownStages * kDownStageBytes);
+    float* partial = reinterpret_cast<float*>(act_s + (size_t)t_span * slots * kp);  // [kParts][slots][groups][16]
+    int* ids_s = reinterpret_cast<int*>(partial + (size_t)kParts * slots * groups * 16);  // the block's tokens' ids
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kDownStages; ++s) bar_init(full + s, 1), bar_init(empty + s, kWarps);
+        for (int s = 0; s < kParts; ++s) bar_init(parts + s, kWarps * per_item);
+        FP4_SM90A("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // stage n: item i0 + n / per_item; its q-th stage: the shared slot (q = 0 with one), else routed
+    // slots [j0, j0 + per_stage). Slot index top_k is the shared expert's.
+    auto stage_slots = [&](unsigned q, unsigned& j0, unsigned& count) {
+        if (has_shared && q == 0) {
+            j0 = top_k, count = 1;
+        } else {
+            j0 = (q - (has_shared ? 1u : 0u)) * per_stage, count = min(per_stage, top_k - j0);
+        }
+    };
+    const unsigned long long policy = gemm::evict_first_policy();
+    // the routed slots' experts from ids_s (staged after the wait; the shared slot needs none)
+    auto issue = [&](unsigned n) {
+        const unsigned item = i0 + n / per_item, r = item % row_tiles, t = item / row_tiles;
+        unsigned j0, count;
+        stage_slots(n % per_item, j0, count);
+        unsigned char* st = smem + (n % kDownStages) * kDownStageBytes;
+        unsigned long long* bar = full + n % kDownStages;
+        FP4_SM90A("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                  ::"r"(gemm::shared_address(bar)), "r"(count * groups * (kGroupCodeBytes + kGroupScaleBytes)) : "memory");
+        for (unsigned s = 0; s < count; ++s) {
+            const bool sh = j0 + s == top_k;
+            const uint4* codes = sh ? s_w.codes : w.codes;
+            const uint2* scales = sh ? s_w.scales : w.scales;
+            const size_t tile = (size_t)(sh ? 0 : ids_s[(t - t0) * top_k + j0 + s]) * row_tiles + r;
+            bulk_copy(st + s * groups * kGroupCodeBytes, codes + tile * chunks * 32, groups * kGroupCodeBytes, bar, policy);
+            bulk_copy(st + kStageGroups * kGroupCodeBytes + s * groups * kGroupScaleBytes, scales + tile * groups * 32,
+                      groups * kGroupScaleBytes, bar, policy);
+        }
+    };
+    const bool producer = warp == kWarps;
+    const unsigned first = min(total, (unsigned)kDownStages);
+    if (producer && lane == 0 && has_shared && total) issue(0);  // the shared slot's stage
+    pdl::wait_prior();  // the ids (the router's) and the activation rows (the first launch's)
+    for (unsigned i = threadIdx.x; i < t_span * top_k; i += blockDim.x) ids_s[i] = __ldcg(ids + t0 * top_k + i);
+    __syncthreads();
+    if (producer && lane == 0)
+        for (unsigned n = has_shared ? 1u : 0u; n < first; ++n) issue(n);
+    stage.prepare(table);
+    __syncthreads();
+    for (unsigned t = 0; t < t_span; ++t)
+        for (unsigned j = 0; j < slots; ++j)
+            stage.row(j == top_k ? routed + t0 + t : (t0 + t) * top_k + j, act_s + ((size_t)t * slots + j) * kp, kp, table);
+    small::settle();
+    __syncthreads();
+
+    if (producer) {
+        for (unsigned n = kDownStages; n < total; ++n) {
+            if (lane == 0) {
+                bar_wait(empty + n % kDownStages, (n / kDownStages - 1) & 1);
+                issue(n);
+            }
+            __syncwarp();
+        }
+        return;
+    }
+    small::WarpGemv<1, 1, 1, true> gemv;
+    typename small::WarpGemv<1, 1, 1, true>::Group grp;
+    const unsigned local = warp / groups, g = warp % groups;
+    for (unsigned n = 0; n < total; ++n) {
+        const unsigned k = n / per_item, item = i0 + k, t = item / row_tiles;
+        unsigned j0, count;
+        stage_slots(n % per_item, j0, count);
+        unsigned char* st = smem + (n % kDownStages) * kDownStageBytes;
+        const bool active = local < count;
+        bar_wait(full + n % kDownStages, (n / kDownStages) & 1);
+        if (active) {
+            const uint4* codes = reinterpret_cast<const uint4*>(st + local * groups * kGroupCodeBytes);
+            const uint2* scales = reinterpret_cast<const uint2*>(st + kStageGroups * kGroupCodeBytes + local * groups * kGroupScaleBytes);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) grp.q[0][j] = codes[(g * 4 + j) * 32 + lane];
+            grp.s[0] = scales[g * 32 + lane];
+        }
+        __syncwarp();
+        if (lane == 0) bar_arrive(empty + n % kDownStages);
+        float* part = partial + (size_t)(k % kParts) * slots * groups * 16;
+        if (active) {
+            float acc[1][4] = {}, odd[1][4];
+            const unsigned j = j0 + local;
+            gemv.compute(grp, g * gemm::kGroupChunks, act_s + ((size_t)(t - t0) * slots + j) * kp, acc, odd);
+            if ((lane & 3) == 0) {
+                float* row = part + ((size_t)j * groups + g) * 16;
+                row[lane >> 2] = acc[0][0], row[(lane >> 2) + 8] = acc[0][2];
+            }
+        }
+        __syncwarp();
+        if (lane == 0) bar_arrive(parts + k % kParts);
+        if (n % per_item + 1 < per_item || warp != k % kWarps) continue;
+        bar_wait(parts + k % kParts, (k / kParts) & 1);
+        if (lane >= 16) continue;
+        const unsigned n_out = (item % row_tiles) * 16 + lane;
+        float acc = 0.0f;  // moe_combine's arithmetic, in slot order
+        for (unsigned j = 0; j < slots; ++j) {
+            float sum = 0.0f;  // the slot's K groups in order
+            for (unsigned gg = 0; gg < groups; ++gg) sum = __fadd_rn(sum, part[((size_t)j * groups + gg) * 16 + lane]);
+            const bool sh = j == top_k;
+            const unsigned e = sh ? 0u : (unsigned)ids_s[(t - t0) * top_k + j];
+            const float a_dec = stage.a_dec(sh);
+            const float y = __fmul_rn(sum, sh ? s_w.alpha(e, n_out, a_dec) : w.alpha(e, n_out, a_dec));
+            if (sh) acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(y)));
+            else acc = weighted ? fmaf(y, weights[t * top_k + j], acc) : __fadd_rn(acc, y);
+        }
+        if (shared_out) acc = __fadd_rn(acc, __bfloat162float(shared_out[(size_t)t * H + n_out]));
+        out[(size_t)t * H + n_out] = __float2bfloat16_rn(acc);
+    }
+}
+
 }  // namespace stream
 
 #define FP4_STACK_ARGS(P) \
@@ -1119,9 +1263,8 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, small::StackRows r_gate
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
         unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
-#define FP4_SMALL_DOWN_CALL(D, C, W, STAGE)                                                               \
-    small::down<D, C, W>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
-                      shared_out, out, H, I)
+#define FP4_DOWN_CALL(FN, STAGE)                                                                          \
+    (FN)(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
@@ -1149,22 +1292,23 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, small::StackRows r_gate
     }
 #define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W) \
     FP4_DEFINE_GATE_UP(small_gate_up, _##VARIANT, 256, B, pairs_per_block, (small::gate_up<D, C, W>))
-#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
+// The three activation kinds of a second launch moe_<NAME>_<kind><SUFFIX> (FN: its device function).
+#define FP4_DEFINE_DOWN(NAME, SUFFIX, THREADS, B, FN)                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_bf16##SUFFIX(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
-        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageBf16{h, I}));                                             \
+        FP4_DOWN_CALL(FN, (small::StageBf16{h, I}));                                                      \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_nvfp4##SUFFIX(                  \
         const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global,              \
         const unsigned char* s_packed, const unsigned char* s_scales, const float* s_global, FP4_SMALL_DOWN_ARGS) { \
-        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, \
-                                                    routed}));                                            \
+        FP4_DOWN_CALL(FN, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, routed})); \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_quant_##VARIANT(                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant##SUFFIX(                  \
         const float* h, const unsigned* h_amax, unsigned routed_blocks, unsigned blocks, unsigned* status,  \
         FP4_SMALL_DOWN_ARGS) {                                                                            \
-        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
+        FP4_DOWN_CALL(FN, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
     }
+#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W) FP4_DEFINE_DOWN(small_down, _##VARIANT, 256, B, (small::down<D, C, W>))
 
 // the variants the launchers use, chosen among (D, C, B) = (2|4, 1|2, 2), (2, 2, 3), (1, 2, 4)
 // (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone): gate_up with 2 groups in flight and
@@ -1183,3 +1327,5 @@ FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2, false)
 FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2, false)
 // the streamed first launch: 16 consumer warps and a producer warp, one block per SM
 FP4_DEFINE_GATE_UP(stream_gate_up, , (32 * (stream::kWarps + 1)), 1, act_tokens, (stream::gate_up<>))
+// the streamed second launch, alike
+FP4_DEFINE_DOWN(stream_down, , (32 * (stream::kWarps + 1)), 1, (stream::down<>))
