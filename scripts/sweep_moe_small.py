@@ -1,7 +1,7 @@
-"""The small-T MoE launches' knobs timed against each other on the layer they serve: the defaults,
-the first launch without the streamed kernel (`STREAM_GATE_UP_MAX_TOKENS` 0) in every pair grouping,
-then every down variant with the default first launch (V4-Flash and V3 shapes, W4A16 and W4A4,
-graph-replayed as benchmarks/bench_moe.py times the layer), each output compared with the defaults'.
+"""The small-T MoE launches' knobs timed against each other on the layer they serve: every pair
+grouping of the first launch with the default down variant, then every down variant with the
+default grouping (V4-Flash and V3 shapes, W4A16 and W4A4, graph-replayed as benchmarks/bench_moe.py
+times the layer), each output compared with the defaults'.
 
     .venv/bin/python scripts/sweep_moe_small.py [--configs=V4-Flash,V3] [--tokens=1,2,8] [--modes=w4a16,w4a4]
 """
@@ -29,12 +29,11 @@ def main() -> None:
             tokens = tuple(int(v) for v in value.split(","))
         elif key == "--modes":
             modes = tuple(value.split(","))
-    knobs = ("STREAM_GATE_UP_MAX_TOKENS", "SMALL_DOWN_VARIANT", "SMALL_PAIRS_PER_BLOCK")
-    default = tuple(getattr(moe_ops, k) for k in knobs)
-    combos = [default] + [(0, default[1], p) for p in PAIRS]
+    default = moe_ops.SMALL_GATE_UP_VARIANT, moe_ops.SMALL_DOWN_VARIANT, moe_ops.SMALL_PAIRS_PER_BLOCK
+    combos = [(default[0], default[1], p) for p in PAIRS]
     combos += [(default[0], d, None) for d in moe_ops.SMALL_DOWN_VARIANTS if d != default[1]]
     rng = np.random.default_rng(0)
-    print("| shape | mode | T | streamed up to T | pairs | down | µs | vs default | max |diff| vs default |")
+    print("| shape | mode | T | gate_up | pairs | down | µs | vs default | max |diff| vs default |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in configs:
         cfg = CONFIGS[name]
@@ -45,8 +44,7 @@ def main() -> None:
                 xs = [cp.asarray(rng.standard_normal((t, cfg["hidden"])).astype(ml_dtypes.bfloat16)) for _ in range(ROTATE)]
                 base_us = base_out = None
                 for g, d, p in combos:
-                    for k, v in zip(knobs, (g, d, p)):
-                        setattr(moe_ops, k, v)
+                    moe_ops.SMALL_GATE_UP_VARIANT, moe_ops.SMALL_DOWN_VARIANT, moe_ops.SMALL_PAIRS_PER_BLOCK = g, d, p
                     out = cp.asnumpy(layer(xs[0])).astype(np.float32)
                     us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=30)
                     if base_us is None:
@@ -54,8 +52,7 @@ def main() -> None:
                     diff = float(np.abs(out - base_out).max())
                     print(f"| {name} | {mode} | {t} | {g} | {p} | {d} | {us:.1f} | {us / base_us:.3f} | {diff:.3g} |",
                           flush=True)
-                for k, v in zip(knobs, default):
-                    setattr(moe_ops, k, v)
+                moe_ops.SMALL_GATE_UP_VARIANT, moe_ops.SMALL_DOWN_VARIANT, moe_ops.SMALL_PAIRS_PER_BLOCK = default
             del layer
             cp.get_default_memory_pool().free_all_blocks()
 

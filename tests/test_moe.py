@@ -309,30 +309,6 @@ def test_small_pairs_per_block_rule():
     assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132) == 8
 
 
-def test_streamed_launch_rules():
-    """The streamed small-T launches: Hopper only, up to their token limits, K of whole scale groups,
-    the second launch's I within one ring stage per slot, and shared memory within a block's; the
-    per-block maxima buffer holds the streamed first launch's two words per block."""
-    from fp4kit.ops import moe as moe_ops
-
-    assert moe_ops.streams_gate_up(4096, 1, "90") and moe_ops.streams_gate_up(4096, 8, "90")
-    assert not moe_ops.streams_gate_up(4096, moe_ops.STREAM_GATE_UP_MAX_TOKENS + 1, "90")
-    assert not moe_ops.streams_gate_up(4096, 1, "100")  # the bulk-copy ring is built for sm_90a
-    assert not moe_ops.streams_gate_up(4096 + 64, 1, "90")  # K not whole scale groups
-    assert moe_ops.streams_gate_up(7168, 5, "90") and not moe_ops.streams_gate_up(7168, 6, "90")  # rows past the smem
-    assert moe_ops.streams_down(4096, 2048, 1, 6, 7, 132, "90")  # V4-Flash, the shared expert folded in
-    assert moe_ops.streams_down(4096, 2048, 8, 6, 6, 132, "90")
-    assert moe_ops.streams_down(4096, 4096, 1, 2, 3, 132, "90")  # I of one stage per slot
-    assert not moe_ops.streams_down(4096, 4096, 1, 6, 7, 132, "90")  # ... with 7 slots past the smem
-    assert not moe_ops.streams_down(4096, 8192, 1, 6, 7, 132, "90")  # a slot past one stage
-    assert not moe_ops.streams_down(4096, 2048 + 16, 1, 6, 7, 132, "90")
-    assert not moe_ops.streams_down(4096, 2048, 1, 6, 7, 132, "89")
-    assert not moe_ops.streams_down(7168, 2048, 8, 8, 8, 132, "90")  # V3 at T = 8: the rows past the smem
-    for inner, rows in ((2048, 7), (32, 9), (16, 1), (2048, 56)):
-        items = -(-inner // 16) * rows
-        assert moe_ops.h_amax_words(inner, rows, 132) >= max(items, 2 * min(132, items))
-
-
 def test_router_warps_per_expert_rule():
     """The router's logits: the most warps per expert (up to 8) that leave each a slice of 512+
     inputs in whole runs of 8 and keep the grid within two blocks per SM; one warp where H has no

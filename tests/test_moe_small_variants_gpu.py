@@ -49,8 +49,6 @@ def quantize_where(request, monkeypatch):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_small_path_knobs_match_reference(rng, monkeypatch, quantize_where, h, i, top_k, t, mode):
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
-    monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", 0)  # the pair groupings: the per-pair kernels
-    monkeypatch.setattr(moe_ops, "STREAM_DOWN_MAX_TOKENS", 0)  # and every down variant
     dev, host = build(rng, 16, h, i, top_k, mode)
     x = rng.standard_normal((t, h)).astype(BF16)
     want = host(x).astype(np.float32)
@@ -73,8 +71,6 @@ def test_whole_fetch_builds_are_bit_identical(rng, monkeypatch, quantize_where, 
     scale groups: the same bits as the bounds-tested builds (an I of 272 keeps those for the down
     projection), within the bound of the reference."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
-    monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", 0)  # the per-block launches
-    monkeypatch.setattr(moe_ops, "STREAM_DOWN_MAX_TOKENS", 0)
     dev, host = build(rng, 16, h, i, top_k, mode)
     x = rng.standard_normal((3, h)).astype(BF16)
     want = host(x).astype(np.float32)
@@ -84,36 +80,3 @@ def test_whole_fetch_builds_are_bit_identical(rng, monkeypatch, quantize_where, 
         outs.append(cp.asnumpy(dev(cp.asarray(x))))
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     assert gref.calc_diff(outs[1].astype(np.float32), want) < BOUND
-
-
-# The streamed launches (moe.cu stream::gate_up, stream::down). First launch: H of one ring stage
-# per item (16 scale groups) and of two (V3's 28: an item's second stage has 12 groups, so 4 consumer
-# warps idle), an H of 2 groups (14 of 16 warps idle every stage), fewer items than SMs. Second
-# launch: I of 1 group (a stage of up to 16 slots), 2 (8 slots), 8 (V4-Flash: 2 slots) and 16 (1);
-# I of 272 and 32 (not whole groups) keep the per-block kernel. Top-k 6 with the shared expert
-# folded in (its own first stage in the second launch) and 8 with it apart.
-@pytest.mark.parametrize("h,i,top_k,t", [(4096, 272, 6, 1), (4096, 2048, 6, 8), (7168, 256, 8, 3), (512, 32, 2, 3),
-                                         (1024, 512, 6, 2), (512, 4096, 2, 1)])
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_streamed_launches_match_reference(rng, monkeypatch, quantize_where, h, i, top_k, t, mode):
-    """Each streamed launch, alone and together, gives the reference layer's output within the layer
-    bound, bitwise the same on a repeat, and within the same bound of the per-block kernels' output
-    (only the order of the K parts' sums differs)."""
-    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
-    assert moe_ops.streams_gate_up(h, t, "90")
-    slots = top_k + moe_layer.fold_shared_pays(t, top_k)  # the shared expert's slot where it folds in
-    assert moe_ops.streams_down(h, i, t, top_k, slots, 132, "90") == (i % 256 == 0)
-    dev, host = build(rng, 16, h, i, top_k, mode)
-    x = rng.standard_normal((t, h)).astype(BF16)
-    want = host(x).astype(np.float32)
-    outs = []
-    for first, second in ((8, 8), (8, 0), (0, 8), (0, 0)):
-        monkeypatch.setattr(moe_ops, "STREAM_GATE_UP_MAX_TOKENS", first)
-        monkeypatch.setattr(moe_ops, "STREAM_DOWN_MAX_TOKENS", second)
-        got = cp.asnumpy(dev(cp.asarray(x)))
-        again = cp.asnumpy(dev(cp.asarray(x)))
-        assert np.array_equal(got.view(np.uint16), again.view(np.uint16)), (first, second)
-        assert gref.calc_diff(got.astype(np.float32), want) < BOUND, (first, second)
-        outs.append(got.astype(np.float32))
-    for got in outs[:-1]:
-        assert gref.calc_diff(got, outs[-1]) < BOUND

@@ -47,7 +47,7 @@ from ..reference import fp32
 from ..reference import moe as moe_ref
 from ..reference.elementwise import token_rows
 from ..reference.quant import has_nonfinite
-from ..runtime import arrays, loader, status, workspace
+from ..runtime import arrays, status, workspace
 from ..runtime.workspace import zeros_outside_capture
 from .shared_expert import SharedExpert
 
@@ -461,8 +461,7 @@ class MoE:
                          hs_act=nvfp4(t, i) if w4a4 and fold and not in_blocks else None, fold=fold,
                          done=zeros_outside_capture(t, np.uint32),
                          x_amax=cupy.empty(t, np.uint32) if in_blocks else None,
-                         h_amax=cupy.empty(moe_ops.h_amax_words(i, rows, loader.current_sm_count()), np.uint32)
-                         if in_blocks else None)
+                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if in_blocks else None)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         if not w4a4:  # the bf16 SwiGLU output, written and read within the call: shared too
@@ -558,12 +557,12 @@ class MoE:
         first = (sh.gate_up.weight, sh.gate_up.row_decode, sh.limit) if fold else None
         weighted = not self.weight_before_down
         if plan.x_amax is not None:  # W4A4, quantized in the blocks
-            amax_words = moe_ops.small_gate_up(x, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
-                                               x_amax=plan.x_amax, h_amax=plan.h_amax)
+            gx, gy = moe_ops.small_gate_up(x, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
+                                           x_amax=plan.x_amax, h_amax=plan.h_amax)
             # in-block quantization implies no shared expert or a folded one (`_quantizes_in_blocks`)
             second = (sh.down.weight, sh.down.row_decode, None) if fold else None
             moe_ops.small_down(plan.h_f32, self.w2, plan.ids, plan.weights, weighted, None, plan.out,
-                               shared=second, h_amax=plan.h_amax, amax_blocks=amax_words)
+                               shared=second, h_amax=plan.h_amax, amax_blocks=(gx * routed, gx * gy))
             return plan.out
         if self.mode == "w4a4":
             act = quant_ops.quantize(x, out=plan.x_act)

@@ -157,58 +157,6 @@ def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
     return pp
 
 
-#: the small-T first launch as one block per SM streaming its weights through a ring of bulk copies
-#: (moe.cu ``stream::gate_up``; Hopper, K of whole scale groups) up to this many tokens; 0: never
-STREAM_GATE_UP_MAX_TOKENS = 8
-_STREAM_THREADS = 32 * 17  # 16 consumer warps and the producer warp
-# 2 stages x 2 row tiles x 16 scale groups, each 16 rows x 256 k of codes (4 bits) and of E4M3 scales (one per 16)
-_STREAM_RING_BYTES = 2 * 2 * 16 * (16 * GROUP_CHUNKS * TILE_K // 2 + 16 * GROUP_CHUNKS * TILE_K // 16)
-_STREAM_DYNAMIC_MAX = 220 * 1024  # the ring and the activation rows (the kernel's static arrays take ~11 KB of the 227 KB more)
-
-
-def streams_gate_up(h: int, tokens: int, compute_capability: str) -> bool:
-    """Whether the small-T first launch over ``tokens`` tokens of width ``h`` takes the streamed
-    kernel: on sm_90 up to `STREAM_GATE_UP_MAX_TOKENS` tokens, with K of whole scale groups (256)
-    and the ring plus the ``tokens`` staged activation rows within the shared memory of a block."""
-    return (compute_capability == "90" and tokens <= STREAM_GATE_UP_MAX_TOKENS and h % (GROUP_CHUNKS * TILE_K) == 0
-            and _STREAM_RING_BYTES + tokens * h * 2 <= _STREAM_DYNAMIC_MAX)
-
-
-#: the small-T second launch streamed likewise (moe.cu ``stream::down``; Hopper, I of whole scale
-#: groups up to 4096) up to this many tokens; 0: never
-STREAM_DOWN_MAX_TOKENS = 8
-_STREAM_DOWN_RING_BYTES = 4 * 16 * (16 * GROUP_CHUNKS * TILE_K // 2 + 16 * GROUP_CHUNKS * TILE_K // 16)  # 4 stages
-_STREAM_DOWN_PARTS = 5  # items whose partial sums a block may hold (the kernel's kParts)
-
-
-def _stream_down_shared(h: int, inner: int, tokens: int, top_k: int, slots: int, blocks: int) -> int:
-    """Dynamic shared memory of the streamed second launch: the ring, the activation rows of the
-    most tokens a block's contiguous share of the (token, row tile) items spans, the partial sums
-    and the ids of those tokens."""
-    row_tiles = h // 16
-    per_block = -(-tokens * row_tiles // blocks)
-    span = min(tokens, -(-per_block // row_tiles) + 1)
-    return (_STREAM_DOWN_RING_BYTES + span * slots * inner * 2 + _STREAM_DOWN_PARTS * slots * (inner // 256) * 16 * 4
-            + span * top_k * 4)
-
-
-def streams_down(h: int, inner: int, tokens: int, top_k: int, slots: int, sms: int, compute_capability: str) -> bool:
-    """Whether the small-T second launch takes the streamed kernel: on sm_90 up to
-    `STREAM_DOWN_MAX_TOKENS` tokens, I of whole scale groups up to 4096 (a slot's whole K in one
-    ring stage) and its shared memory within `_STREAM_DYNAMIC_MAX`."""
-    if not (compute_capability == "90" and tokens <= STREAM_DOWN_MAX_TOKENS and inner % (GROUP_CHUNKS * TILE_K) == 0
-            and inner <= 16 * GROUP_CHUNKS * TILE_K and h % 16 == 0):
-        return False
-    blocks = min(sms, tokens * (h // 16))
-    return _stream_down_shared(h, inner, tokens, top_k, slots, blocks) <= _STREAM_DYNAMIC_MAX
-
-
-def h_amax_words(inner: int, rows: int, sms: int) -> int:
-    """Words of the per-block maxima buffer a W4A4 small-T first launch writes (its largest grid: one
-    block per (pair, row), or two words per block of the streamed kernel)."""
-    return max(-(-inner // 16) * rows, 2 * min(sms, -(-inner // 16) * rows))
-
-
 def _weight_rows(w, step: int = 1, first: int = 0) -> tuple:
     """Kernel arguments of one weight of the small-T launches (moe.cu ``StackRows``): a tiled
     `ExpertStack`, a ``(tiled Nvfp4Tensor, row_decode or None)`` pair (the shared expert's dense
@@ -240,8 +188,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     ``x_amax`` (W4A4 in three launches): ``act`` is the raw layer input (bf16 or fp32), quantized
     in the blocks with the global amax of `route_small`'s per-token maxima; each block writes the
     max |SwiGLU output| it produced to ``h_amax`` (uint32, one per block: grid x * y words) for
-    `small_down`. Returns ``(routed words, words)`` of ``h_amax``: the per-block maxima of the routed
-    rows come first, then the shared expert's (`small_down`'s ``amax_blocks``)."""
+    `small_down`. Returns the grid ``(x, y)``."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
     h = gs.shape[2]
     inner = out.shape[1]
@@ -252,27 +199,21 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    tokens, sms = ids.shape[0], loader.current_sm_count()
-    stream = streams_gate_up(h, tokens, loader.compute_capability(ids.device.id))
-    pp = tokens if stream else small_pairs_per_block(inner, blocks_y, sms)
+    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count())
+    variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
-    name = "moe_stream_gate_up_{}" if stream else f"moe_small_gate_up_{{}}_{_whole_variant(SMALL_GATE_UP_VARIANT, h)}"
     if x_amax is not None:
-        kernel = loader.get_kernel(_MODULE, name.format(f"quant_{_suffix(act.dtype)}"))
-        args = (act, x_amax, _U32(tokens), status.device_word(), h_amax, *common)
+        kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
+        args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
     else:
-        kernel, args = _kernel_and_args(act, name, common)
-    if stream:  # one block per SM, each walking every G-th (row, pair) item
-        blocks = min(sms, -(-inner // 16) * blocks_y)
-        kernel.launch((blocks,), _STREAM_THREADS, args, shared_mem=_STREAM_RING_BYTES + tokens * _tile_chunks(h) * TILE_K * 2)
-        return blocks, 2 * blocks
+        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
     grid = (-(-inner // (16 * pp)), blocks_y)
     kernel.launch(grid, 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
-    return grid[0] * routed, grid[0] * grid[1]
+    return grid
 
 
 def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, shared=None, h_amax=None,
@@ -294,21 +235,14 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
               _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
-    slots = top_k + (shared is not None)
-    sms = loader.current_sm_count()
-    stream = streams_down(h, inner, t, top_k, slots, sms, loader.compute_capability(ids.device.id))
-    name = "moe_stream_down_{}" if stream else f"moe_small_down_{{}}_{_whole_variant(SMALL_DOWN_VARIANT, inner)}"
+    variant = _whole_variant(SMALL_DOWN_VARIANT, inner)
     if h_amax is not None:
-        kernel = loader.get_kernel(_MODULE, name.format("quant"))
+        kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{variant}")
         args = (act, h_amax, _U32(amax_blocks[0]), _U32(amax_blocks[1]), status.device_word(), *common)
     else:
         second = (0, 0, 0) if s_act is None else (s_act.packed, s_act.block_scales, s_act.global_scale)
-        kernel, args = _kernel_and_args(act, name, common, nvfp4_extra=second)
-    if stream:  # one block per SM, each a contiguous share of the (token, row tile) items
-        blocks = min(sms, t * (h // 16))
-        kernel.launch((blocks,), _STREAM_THREADS, args,
-                      shared_mem=_stream_down_shared(h, inner, t, top_k, slots, blocks))
-        return
+        kernel, args = _kernel_and_args(act, f"moe_small_down_{{}}_{variant}", common, nvfp4_extra=second)
+    slots = top_k + (shared is not None)
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 
 

@@ -887,428 +887,66 @@ struct StageQuantizeRows {
 
 }  // namespace small
 
-// ---------------------------------------------------------------------------------------------
-// The streamed first launch of the small-T path (moe_stream_gate_up_*): the arithmetic of
-// small::gate_up, laid out so that HBM never waits for a block. One block per SM walks its items
-// (assignment, pair: 16 gate rows and the matching 16 up rows of one expert), b, b + G, b + 2G, ...
-// (the shared expert's items first, so most blocks begin with one whose weights need no router
-// output and are requested before the wait for the kernel before). A producer warp streams each
-// item's two row tiles, up to 16 scale groups (4096 k) at a time, into a ring of two shared-memory
-// stages with bulk copies (cp.async.bulk, evict-first) that complete on the stage's mbarrier; the
-// 16 consumer warps each take one scale group of both tiles from a stage (registers, then the stage
-// is released) and add their partial sums per item in warp order, as small::gate_up's K parts are
-// added. So the weight stream has no waves, no per-block prologue after the first, and two
-// stages (up to 144 KB) in flight per SM.
-namespace stream {
-
-constexpr int kWarps = 16;                                          // consumers; one more produces
-constexpr int kStageGroups = 16;                                    // scale groups per stage: one per consumer warp
-constexpr int kStages = 2;
-constexpr int kPartials = 4;                                        // items whose partial sums may be pending
-constexpr unsigned kGroupCodeBytes = gemm::kGroupChunks * 32 * 16;  // 4 chunks of 32 lanes x 16 bytes
-constexpr unsigned kGroupScaleBytes = 32 * 8;
-constexpr unsigned kStageBytes = 2 * kStageGroups * (kGroupCodeBytes + kGroupScaleBytes);
-
-__device__ __forceinline__ void bar_init(unsigned long long* bar, unsigned count) {
-    FP4_SM90A("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gemm::shared_address(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void bar_arrive(unsigned long long* bar) {
-    FP4_SM90A("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gemm::shared_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned parity) {
-    const unsigned addr = gemm::shared_address(bar);
-    unsigned ready = 0;
-    do {
-        FP4_SM90A("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                  : "=r"(ready) : "r"(addr), "r"(parity) : "memory");
-    } while (!ready);
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
-                                          unsigned long long policy) {
-    FP4_SM90A("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-              ::"r"(gemm::shared_address(dst)), "l"(src), "r"(bytes), "r"(gemm::shared_address(bar)), "l"(policy)
-              : "memory");
-}
-
-// Item i of the launch: the shared expert's items (token-major, then pair) before the routed ones.
-struct Item {
-    unsigned row;    // row of the output: the assignment, or routed + token for the shared expert
-    unsigned token;  // activation row
-    unsigned pair;
-    bool shared;
-};
-
-struct Items {
-    unsigned pairs, n_shared, routed, top_k;
-    __device__ __forceinline__ Item operator()(unsigned i) const {
-        if (i < n_shared) return Item{routed + i / pairs, i / pairs, i % pairs, true};
-        const unsigned a = (i - n_shared) / pairs;
-        return Item{a, a / top_k, (i - n_shared) % pairs, false};
-    }
-};
-
-// One stage's layout: the codes of the gate tile's groups, then the up tile's, then their scales.
-__device__ __forceinline__ uint4* stage_codes(unsigned char* stage, int r) {
-    return reinterpret_cast<uint4*>(stage + r * kStageGroups * kGroupCodeBytes);
-}
-__device__ __forceinline__ uint2* stage_scales(unsigned char* stage, int r) {
-    return reinterpret_cast<uint2*>(stage + 2 * kStageGroups * kGroupCodeBytes + r * kStageGroups * kGroupScaleBytes);
-}
-
-template <class Stage>
-__device__ void gate_up(Stage stage, unsigned* out_amax, small::StackRows r_gate, small::StackRows r_up,
-                        small::StackRows s_gate, small::StackRows s_up, const int* ids, const float* row_scale,
-                        unsigned top_k, unsigned routed, small::Swiglu r_swiglu, small::Swiglu s_swiglu, unsigned H,
-                        unsigned I, unsigned tokens, void* out, int out_f32) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageBytes);
-    __shared__ float partial[kPartials][kWarps][2][16];
-    __shared__ unsigned table[256];
-    __shared__ __align__(8) unsigned long long full[kStages], empty[kStages], parts[kPartials];
-    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned groups = H / 256, chunks = H / gemm::kTileK, per_item = (groups + kStageGroups - 1) / kStageGroups;
-    const Items items{I / 16, s_gate.codes ? tokens * (I / 16) : 0u, routed, top_k};
-    const unsigned n_items = items.n_shared + routed * items.pairs;
-    const unsigned mine = n_items > blockIdx.x ? (n_items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0u;
-    const unsigned total = mine * per_item;  // stages this block consumes
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) bar_init(full + s, 1), bar_init(empty + s, kWarps);
-        for (int s = 0; s < kPartials; ++s) bar_init(parts + s, kWarps);
-        FP4_SM90A("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-
-    // stage n: item b + G (n / per_item), groups [16 q, 16 q + 16) of its two tiles, q = n % per_item
-    const unsigned long long policy = gemm::evict_first_policy();
-    // e: the item's expert (0 for the shared expert's), read by the caller
-    auto issue = [&](unsigned n, unsigned e) {
-        const Item it = items(blockIdx.x + gridDim.x * (n / per_item));
-        const unsigned q = n % per_item, g0 = q * kStageGroups, ng = min(kStageGroups, groups - g0);
-        unsigned char* st = smem + (n % kStages) * kStageBytes;
-        unsigned long long* bar = full + n % kStages;
-        FP4_SM90A("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                  ::"r"(gemm::shared_address(bar)), "r"(2 * ng * (kGroupCodeBytes + kGroupScaleBytes)) : "memory");
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const small::StackRows w = it.shared ? (r ? s_up : s_gate) : (r ? r_up : r_gate);
-            const size_t tile = (size_t)e * (w.rows / 16) + it.pair * w.step + w.first;
-            bulk_copy(stage_codes(st, r), w.codes + (tile * chunks + g0 * gemm::kGroupChunks) * 32, ng * kGroupCodeBytes,
-                      bar, policy);
-            bulk_copy(stage_scales(st, r), w.scales + (tile * groups + g0) * 32, ng * kGroupScaleBytes, bar, policy);
-        }
-    };
-    const bool producer = warp == kWarps;
-    const unsigned first = min(total, (unsigned)kStages);
-    unsigned early = 0;  // the first stages of shared-expert items: requested before the wait
-    if (producer && lane == 0)
-        while (early < first && items(blockIdx.x + gridDim.x * (early / per_item)).shared) issue(early++, 0u);
-    pdl::wait_prior();  // the router's ids and the layer input are the kernels before's output
-    auto expert = [&](unsigned n) {
-        const Item it = items(blockIdx.x + gridDim.x * (n / per_item));
-        return it.shared ? 0u : (unsigned)__ldcg(ids + it.row);
-    };
-    if (producer && lane == 0)
-        for (unsigned n = early; n < first; ++n) issue(n, expert(n));
-    stage.prepare(table);
-    __syncthreads();
-    const unsigned kp = chunks * gemm::kTileK;
-    for (unsigned t = 0; t < tokens; ++t) stage.token(t, act_s + (size_t)t * kp, kp, table);
-    small::settle();
-    __syncthreads();
-
-    unsigned r_bits = 0, s_bits = 0;  // |SwiGLU output| maxima of this thread's epilogues (W4A4)
-    if (producer) {
-        for (unsigned n = kStages; n < total; ++n) {
-            if (lane == 0) {
-                const unsigned e = expert(n);  // its load in flight during the wait
-                bar_wait(empty + n % kStages, (n / kStages - 1) & 1);
-                issue(n, e);
-            }
-            __syncwarp();
-        }
-    } else {
-        small::WarpGemv<2, 1, 1, true> gemv;
-        typename small::WarpGemv<2, 1, 1, true>::Group grp;
-        float acc[2][4] = {}, odd[2][4];
-        for (unsigned n = 0; n < total; ++n) {
-            const unsigned k = n / per_item, q = n % per_item, g = q * kStageGroups + warp;
-            unsigned char* st = smem + (n % kStages) * kStageBytes;
-            bar_wait(full + n % kStages, (n / kStages) & 1);
-            const Item it = items(blockIdx.x + gridDim.x * k);
-            if (g < groups) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) grp.q[r][j] = stage_codes(st, r)[(warp * 4 + j) * 32 + lane];
-                    grp.s[r] = stage_scales(st, r)[warp * 32 + lane];
-                }
-            }
-            __syncwarp();
-            if (lane == 0) bar_arrive(empty + n % kStages);
-            if (g < groups) gemv.compute(grp, g * gemm::kGroupChunks, act_s + (size_t)it.token * kp, acc, odd);
-            if (q + 1 < per_item) continue;
-            // the item's last stage: publish this warp's sums, and the item's epilogue warp adds them
-            float* mine_p = &partial[k % kPartials][warp][0][0];
-            if ((lane & 3) == 0) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) mine_p[r * 16 + (lane >> 2)] = acc[r][0], mine_p[r * 16 + (lane >> 2) + 8] = acc[r][2];
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) acc[r][v] = 0.0f;
-            __syncwarp();
-            if (lane == 0) bar_arrive(parts + k % kPartials);
-            if (warp != k % kWarps) continue;
-            bar_wait(parts + k % kPartials, (k / kPartials) & 1);
-            if (lane < 16) {
-                const small::StackRows gate = it.shared ? s_gate : r_gate, up = it.shared ? s_up : r_up;
-                const unsigned e = it.shared ? 0u : (unsigned)__ldcg(ids + it.row);
-                const float a_dec = stage.a_dec(false);
-                float y[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float sum = 0.0f;  // the K parts in order
-                    for (unsigned w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, partial[k % kPartials][w][r][lane]);
-                    const small::StackRows st_r = r == 0 ? gate : up;
-                    y[r] = __bfloat162float(__float2bfloat16_rn(
-                        __fmul_rn(sum, st_r.alpha(e, (it.pair * st_r.step + st_r.first) * 16 + lane, a_dec))));
-                }
-                const small::Swiglu sw = it.shared ? s_swiglu : r_swiglu;
-                float gv = y[0], u = y[1];
-                if (sw.has_limit) {
-                    gv = gv > sw.limit ? sw.limit : gv;
-                    u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
-                }
-                float v = __fmul_rn(fp4_silu(gv), u);
-                if (row_scale && !it.shared) v = __fmul_rn(v, fp4_ftz(row_scale[it.row]));
-                const size_t index = (size_t)it.row * I + it.pair * 16 + lane;
-                if (out_f32) static_cast<float*>(out)[index] = v;
-                else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
-                if (it.shared) s_bits = max(s_bits, fp4_abs_bits(v));
-                else r_bits = max(r_bits, fp4_abs_bits(v));
-            }
-        }
-    }
-    if (out_amax) {  // W4A4 with the quantization in the next launch: the block's routed and shared maxima
-        r_bits = block_max_bits(r_bits);
-        s_bits = block_max_bits(s_bits);
-        if (threadIdx.x == 0) out_amax[blockIdx.x] = r_bits, out_amax[gridDim.x + blockIdx.x] = s_bits;
-    }
-}
-
-// The streamed second launch (moe_stream_down_*): the arithmetic of small::down with its weights
-// streamed as gate_up's are. Items (token t, row tile r: 16 output rows) in token order, a
-// contiguous share per block (so a block stages the activation rows of at most a few tokens). An
-// item's slots go through the ring 16 scale groups at a time: the folded shared expert's tile alone
-// first (requested before the wait for the block's first item: its weight is no kernel's output),
-// then the routed slots, 16 / groups per stage, each a slot's whole K (I up to 4096). Consumer warp
-// w multiplies group w % groups of local slot w / groups and stores its 16 sums; the item's
-// epilogue warp adds each slot's groups in order and combines the slots as small::down does.
-constexpr int kDownStages = 4;
-constexpr unsigned kDownStageBytes = kStageGroups * (kGroupCodeBytes + kGroupScaleBytes);
-
-template <class Stage>
-__device__ void down(Stage stage, small::StackRows w, small::StackRows s_w, int has_shared, const int* ids,
-                     const float* weights, int weighted, unsigned top_k, unsigned routed,
-                     const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
-    constexpr int kParts = kDownStages + 1;  // items whose partial sums may be pending
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ unsigned table[256];
-    __shared__ __align__(8) unsigned long long full[kDownStages], empty[kDownStages], parts[kParts];
-    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned groups = I / 256, chunks = I / gemm::kTileK, kp = I, row_tiles = H / 16, tokens = routed / top_k;
-    const unsigned slots = top_k + (has_shared ? 1u : 0u), per_stage = kStageGroups / groups;
-    const unsigned routed_stages = (top_k + per_stage - 1) / per_stage, per_item = (has_shared ? 1u : 0u) + routed_stages;
-    const unsigned n_items = tokens * row_tiles;
-    const unsigned i0 = (unsigned)((unsigned long long)n_items * blockIdx.x / gridDim.x);
-    const unsigned i1 = (unsigned)((unsigned long long)n_items * (blockIdx.x + 1) / gridDim.x);
-    const unsigned total = (i1 - i0) * per_item, t0 = i0 / row_tiles;
-    const unsigned t_span = i1 > i0 ? (i1 - 1) / row_tiles - t0 + 1 : 0u;
-    __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem + kDownStages * kDownStageBytes);
-    float* partial = reinterpret_cast<float*>(act_s + (size_t)t_span * slots * kp);  // [kParts][slots][groups][16]
-    int* ids_s = reinterpret_cast<int*>(partial + (size_t)kParts * slots * groups * 16);  // the block's tokens' ids
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kDownStages; ++s) bar_init(full + s, 1), bar_init(empty + s, kWarps);
-        for (int s = 0; s < kParts; ++s) bar_init(parts + s, kWarps * per_item);
-        FP4_SM90A("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-
-    // stage n: item i0 + n / per_item; its q-th stage: the shared slot (q = 0 with one), else routed
-    // slots [j0, j0 + per_stage). Slot index top_k is the shared expert's.
-    auto stage_slots = [&](unsigned q, unsigned& j0, unsigned& count) {
-        if (has_shared && q == 0) {
-            j0 = top_k, count = 1;
-        } else {
-            j0 = (q - (has_shared ? 1u : 0u)) * per_stage, count = min(per_stage, top_k - j0);
-        }
-    };
-    const unsigned long long policy = gemm::evict_first_policy();
-    // the routed slots' experts from ids_s (staged after the wait; the shared slot needs none)
-    auto issue = [&](unsigned n) {
-        const unsigned item = i0 + n / per_item, r = item % row_tiles, t = item / row_tiles;
-        unsigned j0, count;
-        stage_slots(n % per_item, j0, count);
-        unsigned char* st = smem + (n % kDownStages) * kDownStageBytes;
-        unsigned long long* bar = full + n % kDownStages;
-        FP4_SM90A("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                  ::"r"(gemm::shared_address(bar)), "r"(count * groups * (kGroupCodeBytes + kGroupScaleBytes)) : "memory");
-        for (unsigned s = 0; s < count; ++s) {
-            const bool sh = j0 + s == top_k;
-            const uint4* codes = sh ? s_w.codes : w.codes;
-            const uint2* scales = sh ? s_w.scales : w.scales;
-            const size_t tile = (size_t)(sh ? 0 : ids_s[(t - t0) * top_k + j0 + s]) * row_tiles + r;
-            bulk_copy(st + s * groups * kGroupCodeBytes, codes + tile * chunks * 32, groups * kGroupCodeBytes, bar, policy);
-            bulk_copy(st + kStageGroups * kGroupCodeBytes + s * groups * kGroupScaleBytes, scales + tile * groups * 32,
-                      groups * kGroupScaleBytes, bar, policy);
-        }
-    };
-    const bool producer = warp == kWarps;
-    const unsigned first = min(total, (unsigned)kDownStages);
-    if (producer && lane == 0 && has_shared && total) issue(0);  // the shared slot's stage
-    pdl::wait_prior();  // the ids (the router's) and the activation rows (the first launch's)
-    for (unsigned i = threadIdx.x; i < t_span * top_k; i += blockDim.x) ids_s[i] = __ldcg(ids + t0 * top_k + i);
-    __syncthreads();
-    if (producer && lane == 0)
-        for (unsigned n = has_shared ? 1u : 0u; n < first; ++n) issue(n);
-    stage.prepare(table);
-    __syncthreads();
-    for (unsigned t = 0; t < t_span; ++t)
-        for (unsigned j = 0; j < slots; ++j)
-            stage.row(j == top_k ? routed + t0 + t : (t0 + t) * top_k + j, act_s + ((size_t)t * slots + j) * kp, kp, table);
-    small::settle();
-    __syncthreads();
-
-    if (producer) {
-        for (unsigned n = kDownStages; n < total; ++n) {
-            if (lane == 0) {
-                bar_wait(empty + n % kDownStages, (n / kDownStages - 1) & 1);
-                issue(n);
-            }
-            __syncwarp();
-        }
-        return;
-    }
-    small::WarpGemv<1, 1, 1, true> gemv;
-    typename small::WarpGemv<1, 1, 1, true>::Group grp;
-    const unsigned local = warp / groups, g = warp % groups;
-    for (unsigned n = 0; n < total; ++n) {
-        const unsigned k = n / per_item, item = i0 + k, t = item / row_tiles;
-        unsigned j0, count;
-        stage_slots(n % per_item, j0, count);
-        unsigned char* st = smem + (n % kDownStages) * kDownStageBytes;
-        const bool active = local < count;
-        bar_wait(full + n % kDownStages, (n / kDownStages) & 1);
-        if (active) {
-            const uint4* codes = reinterpret_cast<const uint4*>(st + local * groups * kGroupCodeBytes);
-            const uint2* scales = reinterpret_cast<const uint2*>(st + kStageGroups * kGroupCodeBytes + local * groups * kGroupScaleBytes);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) grp.q[0][j] = codes[(g * 4 + j) * 32 + lane];
-            grp.s[0] = scales[g * 32 + lane];
-        }
-        __syncwarp();
-        if (lane == 0) bar_arrive(empty + n % kDownStages);
-        float* part = partial + (size_t)(k % kParts) * slots * groups * 16;
-        if (active) {
-            float acc[1][4] = {}, odd[1][4];
-            const unsigned j = j0 + local;
-            gemv.compute(grp, g * gemm::kGroupChunks, act_s + ((size_t)(t - t0) * slots + j) * kp, acc, odd);
-            if ((lane & 3) == 0) {
-                float* row = part + ((size_t)j * groups + g) * 16;
-                row[lane >> 2] = acc[0][0], row[(lane >> 2) + 8] = acc[0][2];
-            }
-        }
-        __syncwarp();
-        if (lane == 0) bar_arrive(parts + k % kParts);
-        if (n % per_item + 1 < per_item || warp != k % kWarps) continue;
-        bar_wait(parts + k % kParts, (k / kParts) & 1);
-        if (lane >= 16) continue;
-        const unsigned n_out = (item % row_tiles) * 16 + lane;
-        float acc = 0.0f;  // moe_combine's arithmetic, in slot order
-        for (unsigned j = 0; j < slots; ++j) {
-            float sum = 0.0f;  // the slot's K groups in order
-            for (unsigned gg = 0; gg < groups; ++gg) sum = __fadd_rn(sum, part[((size_t)j * groups + gg) * 16 + lane]);
-            const bool sh = j == top_k;
-            const unsigned e = sh ? 0u : (unsigned)ids_s[(t - t0) * top_k + j];
-            const float a_dec = stage.a_dec(sh);
-            const float y = __fmul_rn(sum, sh ? s_w.alpha(e, n_out, a_dec) : w.alpha(e, n_out, a_dec));
-            if (sh) acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(y)));
-            else acc = weighted ? fmaf(y, weights[t * top_k + j], acc) : __fadd_rn(acc, y);
-        }
-        if (shared_out) acc = __fadd_rn(acc, __bfloat162float(shared_out[(size_t)t * H + n_out]));
-        out[(size_t)t * H + n_out] = __float2bfloat16_rn(acc);
-    }
-}
-
-}  // namespace stream
-
 #define FP4_STACK_ARGS(P) \
     const uint4 *P##codes, const uint2 *P##scales, const float *P##decode, const float *P##global, \
         const float *P##row_decode, unsigned P##rows, unsigned P##step, unsigned P##first
 #define FP4_STACK(P) small::StackRows{P##codes, P##scales, P##decode, P##global, P##row_decode, P##rows, P##step, P##first}
 
-// The first launch's arguments; EXTRA is the small kernels' pairs_per_block, the streamed kernel's tokens.
-#define FP4_GATE_UP_ARGS(EXTRA)                                                                           \
+#define FP4_SMALL_GATE_UP_ARGS                                                                            \
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
-        int s_has_limit, unsigned H, unsigned I, unsigned EXTRA, void *out, int out_f32
-#define FP4_GATE_UP_CALL(FN, EXTRA, STAGE, OUT_AMAX)                                                      \
-    (FN)(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, row_scale, top_k, \
-         routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, H, I, EXTRA, out, out_f32)
+        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
+#define FP4_SMALL_GATE_UP_CALL(D, C, W, STAGE, OUT_AMAX)                                                 \
+    small::gate_up<D, C, W>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+                         row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
+                         H, I, pairs_per_block, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
         unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
-#define FP4_DOWN_CALL(FN, STAGE)                                                                          \
-    (FN)(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, shared_out, out, H, I)
+#define FP4_SMALL_DOWN_CALL(D, C, W, STAGE)                                                               \
+    small::down<D, C, W>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
+                      shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
 // (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
 // the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
-// The four activation kinds of a first launch moe_<NAME>_<kind><SUFFIX> (FN: its device function).
-#define FP4_DEFINE_GATE_UP(NAME, SUFFIX, THREADS, B, EXTRA, FN)                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_bf16##SUFFIX(                   \
-        const __nv_bfloat16* x, FP4_GATE_UP_ARGS(EXTRA)) {                                                \
-        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageBf16{x, H}), nullptr);                                     \
+#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
+        const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageBf16{x, H}), nullptr);                                 \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_nvfp4##SUFFIX(                  \
-        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_GATE_UP_ARGS(EXTRA)) { \
-        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);         \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
+        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant_bf16##SUFFIX(             \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
         const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
-        FP4_GATE_UP_ARGS(EXTRA)) {                                                                        \
-        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant_f32##SUFFIX(              \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_f32_##VARIANT(           \
         const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
-        FP4_GATE_UP_ARGS(EXTRA)) {                                                                        \
-        FP4_GATE_UP_CALL(FN, EXTRA, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax);  \
+        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
     }
-#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W) \
-    FP4_DEFINE_GATE_UP(small_gate_up, _##VARIANT, 256, B, pairs_per_block, (small::gate_up<D, C, W>))
-// The three activation kinds of a second launch moe_<NAME>_<kind><SUFFIX> (FN: its device function).
-#define FP4_DEFINE_DOWN(NAME, SUFFIX, THREADS, B, FN)                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_bf16##SUFFIX(                   \
+#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
         const __nv_bfloat16* h, FP4_SMALL_DOWN_ARGS) {                                                    \
-        FP4_DOWN_CALL(FN, (small::StageBf16{h, I}));                                                      \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageBf16{h, I}));                                             \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_nvfp4##SUFFIX(                  \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_nvfp4_##VARIANT(                  \
         const unsigned char* h_packed, const unsigned char* h_scales, const float* h_global,              \
         const unsigned char* s_packed, const unsigned char* s_scales, const float* s_global, FP4_SMALL_DOWN_ARGS) { \
-        FP4_DOWN_CALL(FN, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, routed})); \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageNvfp4{h_packed, h_scales, h_global, I, s_packed, s_scales, s_global, \
+                                                    routed}));                                            \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, B) moe_##NAME##_quant##SUFFIX(                  \
+    extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_quant_##VARIANT(                  \
         const float* h, const unsigned* h_amax, unsigned routed_blocks, unsigned blocks, unsigned* status,  \
         FP4_SMALL_DOWN_ARGS) {                                                                            \
-        FP4_DOWN_CALL(FN, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
+        FP4_SMALL_DOWN_CALL(D, C, W, (small::StageQuantizeRows{h, I, h_amax, routed_blocks, blocks, routed, status})); \
     }
-#define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W) FP4_DEFINE_DOWN(small_down, _##VARIANT, 256, B, (small::down<D, C, W>))
 
 // the variants the launchers use, chosen among (D, C, B) = (2|4, 1|2, 2), (2, 2, 3), (1, 2, 4)
 // (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone): gate_up with 2 groups in flight and
@@ -1325,7 +963,3 @@ FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 FP4_DEFINE_SMALL_DOWN(d2c1b2, 2, 1, 2, false)
 FP4_DEFINE_SMALL_DOWN(d2c2b2, 2, 2, 2, false)
 FP4_DEFINE_SMALL_DOWN(d4c1b2, 4, 1, 2, false)
-// the streamed first launch: 16 consumer warps and a producer warp, one block per SM
-FP4_DEFINE_GATE_UP(stream_gate_up, , (32 * (stream::kWarps + 1)), 1, act_tokens, (stream::gate_up<>))
-// the streamed second launch, alike
-FP4_DEFINE_DOWN(stream_down, , (32 * (stream::kWarps + 1)), 1, (stream::down<>))
