@@ -125,3 +125,28 @@ def test_attention_splits_builds_the_step_s_candidate_lists():
     assert idx.shape == (2, 512) and (np.diff(idx, axis=1) > 0).all() and idx.min() >= 0 and idx.max() < 1024
     assert script.inputs(np, rng, 1, 1, 0, 1)[5].tolist() == [[-1]]  # ratio 0: no compressed entry
     assert script.inputs(np, rng, 1, 64, 32, None)[5] is None  # ratio 128: every live entry
+
+
+def test_memory_trace_counts_live_bytes_by_site():
+    """scripts/memory_trace.py's bookkeeping: the peak of the live bytes, the sites live at that
+    peak (a freed block no longer counts; a free of an untracked pointer is ignored), and the site of
+    an allocation is its innermost frame in the library."""
+    import traceback
+
+    import memory_trace
+
+    live = memory_trace.LiveBytes()
+    live.malloc(1, 100, "a")
+    live.malloc(2, 50, "b")
+    live.free(1)
+    live.free(99)
+    live.malloc(3, 70, "b")
+    assert live.total == 120 and live.peak == 150
+    assert live.report(5) == [("a", 100), ("b", 50)]
+    live.malloc(4, 200, "c")
+    assert live.peak == 320 and live.report(1) == [("c", 200)]
+    root = str(memory_trace.ROOT)
+    stack = [traceback.FrameSummary(f"{root}/fp4kit/layers/moe.py", 10, "plan"),
+             traceback.FrameSummary("/usr/lib/python3/cupy.py", 5, "empty")]
+    assert memory_trace.allocation_site(stack) == "fp4kit/layers/moe.py:10 plan"
+    assert memory_trace.allocation_site(stack[1:]) == "/usr/lib/python3/cupy.py:5 empty"
