@@ -5,6 +5,7 @@
     .venv/bin/python examples/decode.py --check                # graph = eager (= numpy for tiny)
     .venv/bin/python examples/decode.py --save /tmp/m && .venv/bin/python examples/decode.py --load /tmp/m
     .venv/bin/python -m fp4kit.distributed.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
+    .venv/bin/python examples/decode.py --config DeepSeek-V4-Flash/config.json --layers 4   # its widths and layer kinds
 
 The weights are random (an integer hash of the seed, each tensor's name and index), so the token
 ids it prints are not text and mean nothing: the example measures and checks the machinery.
@@ -39,6 +40,9 @@ from fp4kit.runtime.device import cuda_available  # noqa: E402
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(configs.PRESETS), default="tiny")
+    ap.add_argument("--config", type=str, default=None,
+                    help="an official DeepSeek-V4 config.json: its widths, layer kinds and routing instead of a "
+                         "preset (what the model leaves out of it is printed)")
     ap.add_argument("--layers", type=int, default=None, help="layers (default: 4)")
     ap.add_argument("--mode", choices=("w4a16", "w4a4"), default="w4a16",
                     help="activation format of the GEMMs (W4A16: bf16 activations, the faster on Hopper)")
@@ -74,7 +78,16 @@ def make_config(args) -> configs.ModelConfig:
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
+    if args.config:
+        return configs.from_official(read_official(args.config), args.layers or 4, **overrides)
     return configs.PRESETS[args.preset](args.layers or 4, **overrides)
+
+
+def read_official(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)
 
 
 def copy_bandwidth() -> float:
@@ -232,14 +245,19 @@ def main(argv=None) -> int:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
     device = cuda_available() and not args.numpy
     cfg = make_config(args)
+    name = args.load or args.config or args.preset
+    if args.config:
+        for part in configs.official_not_built(read_official(args.config)):
+            print(f"{args.config}: not built here, so the model differs from the checkpoint's: {part}")
     if not device:
         if cfg.hidden > 1024 and not args.numpy:
-            print(f"no CUDA GPU found: preset {args.preset!r} needs one; running 'tiny' on the numpy reference")
+            print(f"no CUDA GPU found: {name!r} needs one; running 'tiny' on the numpy reference")
+            name = "tiny"
             cfg = configs.tiny(args.layers or 4, mode=args.mode)
         else:
             print("--numpy: running on the numpy reference" if args.numpy else
                   "no CUDA GPU found: running on the numpy reference")
-    print(f"model: {args.preset if not args.load else args.load}, {cfg.layers} layers, hidden {cfg.hidden}, "
+    print(f"model: {name}, {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.top_k}, vocab {cfg.vocab}, compress ratios {list(cfg.compress_ratios)}, "
           f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
     t0 = time.perf_counter()

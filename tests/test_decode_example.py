@@ -117,6 +117,28 @@ def test_decode_progress_updates_one_line_on_a_terminal(capsys, monkeypatch):
     assert re.search(r"seq 0 last token ids: \[[\d, ]+\]\n", out)  # the updated line is ended once
 
 
+def test_decode_runs_an_official_config(tmp_path, capsys):
+    """--config reads an official DeepSeek-V4 config.json (here with small widths, so numpy runs it):
+    the model takes its widths and layer kinds, and what it leaves out of the architecture is printed."""
+    import json
+
+    official = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 1024, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 128,
+                "o_lora_rank": 128, "o_groups": 2, "sliding_window": 16, "n_routed_experts": 8,
+                "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 128,
+                "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "num_hash_layers": 2, "hc_mult": 4,
+                "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16, "compress_ratios": [0, 4, 128, 4, 0]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(official))
+    assert decode.main(["--numpy", "--config", str(path), "--layers", "3", "--batch", "1", "--prompt-len", "3",
+                        "--new-tokens", "2", "--max-context", "256"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {path}, 3 layers, hidden 256, 8 experts top-2, vocab 1024, compress ratios [0, 4, 128]" in out
+    assert "not built here, so the model differs from the checkpoint's: manifold-constrained hyper-connections" in out
+    assert "RoPE scaling" not in out  # none asked for
+    assert re.search(r"^seq 0 generated token ids: \[\d+, \d+\]$", out, re.M)
+
+
 def test_decode_script_runs_on_numpy(capsys):
     assert decode.main(["--numpy", "--batch", "2", "--prompt-len", "3", "--new-tokens", "5", "--layers", "2",
                         "--print-every", "2"]) == 0

@@ -85,3 +85,63 @@ def v4_flash_slice(layers: int = 4, **overrides) -> ModelConfig:
 
 
 PRESETS = {"tiny": tiny, "v4-flash-slice": v4_flash_slice}
+
+# An official DeepSeek-V4 config.json (Hugging Face key names; the `inference/` copy's renamed keys
+# accepted too) -> this model's fields
+_OFFICIAL_KEYS = {
+    "vocab": ("vocab_size",), "hidden": ("hidden_size", "dim"), "layers": ("num_hidden_layers", "n_layers"),
+    "heads": ("num_attention_heads", "n_heads"), "head_dim": ("head_dim",), "rope_dim": ("qk_rope_head_dim",),
+    "q_lora": ("q_lora_rank",), "o_lora": ("o_lora_rank",), "o_groups": ("o_groups",),
+    "window": ("sliding_window", "window_size"), "index_heads": ("index_n_heads",),
+    "index_head_dim": ("index_head_dim",), "index_topk": ("index_topk",), "experts": ("n_routed_experts",),
+    "top_k": ("num_experts_per_tok", "n_activated_experts"), "inner": ("moe_intermediate_size", "moe_inter_dim"),
+    "hash_layers": ("num_hash_layers", "n_hash_layers"), "routed_scale": ("routed_scaling_factor", "route_scale"),
+    "swiglu_limit": ("swiglu_limit",), "rope_theta": ("rope_theta",), "compress_rope_theta": ("compress_rope_theta",),
+}
+_OPTIONAL = {"swiglu_limit", "rope_theta", "compress_rope_theta", "routed_scale"}
+
+
+def official_not_built(d: dict) -> list[str]:
+    """The parts of the architecture an official config asks for that this model does not build yet
+    (a model built from it anyway computes something else than the checkpoint was trained as)."""
+    missing = []
+    if d.get("hc_mult", 1) != 1:
+        missing.append(f"manifold-constrained hyper-connections (hc_mult {d['hc_mult']}): one residual stream here")
+    scaling = d.get("rope_scaling") or ({"type": "yarn"} if d.get("rope_factor", 1) != 1 else None)
+    if scaling:
+        missing.append(f"{scaling.get('type', scaling.get('rope_type', '?'))} RoPE scaling: plain RoPE here")
+    return missing
+
+
+def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfig:
+    """This model's configuration from an official DeepSeek-V4 ``config.json`` (V4-Flash, V4-Pro),
+    its first ``layers`` layers (all by default; the MTP layer's entry of ``compress_ratios`` is
+    dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
+    than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
+    no expert groups). What it leaves out is listed by `official_not_built`."""
+    fields, missing = {}, []
+    for name, keys in _OFFICIAL_KEYS.items():
+        key = next((k for k in keys if k in d), None)
+        if key is None:
+            if name not in _OPTIONAL:
+                missing.append(" or ".join(keys))
+            continue
+        fields[name] = d[key]
+    if missing:
+        raise ValueError(f"config: missing {', '.join(missing)}")
+    fixed = {"num_key_value_heads": 1, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus"}
+    wrong = [f"{k} {d[k]!r} (expected {v!r})" for k, v in fixed.items() if k in d and d[k] != v]
+    wrong += [f"{k} {d[k]!r} (expected none: V4 routes without expert groups)" for k in ("n_group", "topk_group")
+              if d.get(k) not in (None, 1)]
+    if wrong:
+        raise ValueError(f"config: this model builds {', '.join(wrong)}")
+    ratios = tuple(d.get("compress_ratios", ()))
+    total = fields["layers"]
+    if len(ratios) < total:
+        raise ValueError(f"config: compress_ratios has {len(ratios)} entries for {total} layers")
+    n = total if layers is None else layers
+    if not 1 <= n <= total:
+        raise ValueError(f"layers: expected 1..{total}, got {n}")
+    fields.update(layers=n, compress_ratios=ratios[:n], hash_layers=min(fields["hash_layers"], n),
+                  eps=d.get("rms_norm_eps", 1e-6))
+    return replace(ModelConfig(**fields), **overrides)
