@@ -72,14 +72,16 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_config(args) -> configs.ModelConfig:
+def make_config(args, official: dict | None = None) -> configs.ModelConfig:
+    """The model's configuration: a saved folder's, an official config.json's (``official``, read
+    from ``--config``) or a preset's."""
     if args.load:
         return runner.load_config(args.load)
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
-    if args.config:
-        return configs.from_official(read_official(args.config), args.layers or 4, **overrides)
+    if official is not None:
+        return configs.from_official(official, args.layers or 4, **overrides)
     return configs.PRESETS[args.preset](args.layers or 4, **overrides)
 
 
@@ -244,10 +246,11 @@ def main(argv=None) -> int:
     if comm is not None and comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
     device = cuda_available() and not args.numpy
-    cfg = make_config(args)
+    official = read_official(args.config) if args.config and not args.load else None
+    cfg = make_config(args, official)
     name = args.load or args.config or args.preset
-    if args.config:
-        for part in configs.official_not_built(read_official(args.config)):
+    if official is not None:
+        for part in configs.official_not_built(official):
             print(f"{args.config}: not built here, so the model differs from the checkpoint's: {part}")
     if not device:
         if cfg.hidden > 1024 and not args.numpy:

@@ -76,7 +76,7 @@ def main() -> None:
     from dsv4 import config as configs
     from dsv4 import runner
 
-    prefill, batch, decode, top = 4096, 1, False, 25
+    prefill, batch, decode, top, steps = 4096, 1, False, 25, 3
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
         if key == "--prefill":
@@ -111,12 +111,12 @@ def main() -> None:
     with Hook():
         if decode:
             dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
-            for _ in range(3):
+            for _ in range(steps):
                 dec.decode_step()
         else:
             model.prefill(state, cp.zeros((batch, prefill), np.int32))
         cp.cuda.Device().synchronize()
-    what = f"{3} decode steps at batch {batch}" if decode else f"a batched prefill of {prefill} tokens (batch {batch})"
+    what = f"{steps} decode steps at batch {batch}" if decode else f"a batched prefill of {prefill} tokens (batch {batch})"
     print(f"{what}: peak of live bytes {tracker.peak / 1e6:.1f} MB; the run's pool at the end "
           f"{pool.total_bytes() / 1e6:.1f} MB ({pool.used_bytes() / 1e6:.1f} MB in use)")
     print("| site | MB live at the peak |")
