@@ -229,3 +229,46 @@ def test_early_release_in_a_graph_gives_the_same_bits(rng, capture_stream, monke
         graph.launch(stream)
         stream.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(bufs["out"]).view(np.uint16), want)
+
+
+def test_l2_prefetch_leaves_the_norms_bits_and_the_prefetched_arrays_alone(rng, capture_stream):
+    """A prefetch table on the RoPE norms (the decode step's start of the attention chain): the
+    same bits as without it, eager and replayed from a graph, and the prefetched arrays untouched
+    (ranges of odd sizes, a prefix view, a table larger than the launch's threads)."""
+    from fp4kit.runtime.prefetch import L2Prefetch
+
+    big = cp.asarray(rng.integers(0, 256, 48 << 20, dtype=np.uint8))  # 3,072 chunks over 64 x 256 threads
+    odd = cp.asarray(rng.integers(0, 256, 4099, dtype=np.uint8))  # 4096 bytes prefetched, 3 left out
+    before = [cp.asnumpy(a) for a in (big, odd)]
+    table = L2Prefetch([big, odd, big[: 1 << 20]])
+    assert table.ranges == 3 and table.nbytes == (48 << 20) + 4096 + (1 << 20)
+    pos = cp.asarray(rng.integers(0, 100000, 1).astype(np.int32))
+    q = cp.asarray((rng.standard_normal((1, 64, 512)) * 3).astype(BF16))
+    iq = cp.asarray((rng.standard_normal((1, 64, 128)) * 3).astype(BF16))
+    kw = dict(eps=1e-6, theta=10000.0)
+    want = ew.rmsnorm_rope(q, None, pos, rope_dim=64, **kw)
+    want_pair = ew.rmsnorm_rope_pair(ew.NormRope(q, rope_dim=64), ew.NormRope(iq, normalize=False, rope_dim=64), pos,
+                                     **kw)
+
+    def launches(outs):
+        ew.rmsnorm_rope(q, None, pos, rope_dim=64, out=outs[0], prefetch=table, **kw)
+        ew.rmsnorm_rope_pair(ew.NormRope(q, rope_dim=64), ew.NormRope(iq, normalize=False, rope_dim=64), pos,
+                             outs=outs[1:], prefetch=table, **kw)
+
+    outs = [cp.full(a.shape, np.nan, BF16) for a in (want, *want_pair)]
+    launches(outs)
+    for got, w in zip(outs, (want, *want_pair)):
+        assert cp.array_equal(got.view(cp.uint16), w.view(cp.uint16))
+    for o in outs:
+        o.fill(np.nan)
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        launches(outs)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    for got, w in zip(outs, (want, *want_pair)):
+        assert cp.array_equal(got.view(cp.uint16), w.view(cp.uint16))
+    for a, host in zip((big, odd), before):
+        assert np.array_equal(cp.asnumpy(a), host)
