@@ -202,12 +202,11 @@ def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
 _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "LD",
                "ST"}
 # kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
-# routers: their gate weight; the residual norms: their norm weight; the RoPE norms: their L2
-# prefetch table)
+# routers: their gate weight; the residual norms: their norm weight)
 # the single-wave row kernels that may release the next kernel at their start (common/pdl.cuh)
 _RELEASING = {"rmsnorm_rope_bf16", "rmsnorm_rope2_bf16", "add_rmsnorm_bf16", "embed_rmsnorm_bf16"}
 _PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
-                          r"embed_rmsnorm_bf16$|rmsnorm_rope2?_bf16$)")
+                          r"embed_rmsnorm_bf16$)")
 
 
 @needs_cupy
@@ -233,21 +232,6 @@ def test_pdl_kernels_wait_before_touching_memory(name):
         if _PREFETCHING.match(kernel):
             early = [(op, rest) for op, rest in early if not (op == "LDG" and ".CONSTANT" in rest)]
         assert not early, f"{name}.cu {kernel}: global memory touched before the wait: {early[:4]}"
-
-
-@needs_cupy
-@pytest.mark.parametrize("kernel", ["rmsnorm_rope_bf16", "rmsnorm_rope2_bf16"])
-def test_rope_norms_prefetch_after_their_rows(kernel):
-    """The RoPE norms' L2 prefetches (fp4kit/runtime/prefetch.py) are issued after the wait and
-    after the row's stores: the table is loaded ahead (read-only), the bulk prefetches come last."""
-    if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
-        pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    code = _sass_by_kernel(_cubin("elementwise", "sm_90a"))[kernel]
-    ops = [op for _, op, _ in code]
-    prefetches = [i for i, op in enumerate(ops) if op == "UBLKPF"]
-    stores = [i for i, op in enumerate(ops) if op == "STG"]
-    assert prefetches and stores, (prefetches, stores)
-    assert min(prefetches) > ops.index("ACQBULK") and min(prefetches) > max(stores)
 
 
 @needs_cupy

@@ -68,30 +68,6 @@ def test_v4_flash_slice_two_layers_graph_equals_eager():
     assert np.isfinite(runs["graph"][1]).all()
 
 
-def test_output_projection_prefetch_changes_no_bit(monkeypatch):
-    """The L2 prefetch of ``wo_a`` / ``wo_b`` from the query's RoPE norm (`model.PREFETCH_OUTPUT_PROJECTION`)
-    is a hint: graph-replayed tokens and logits with it equal those without it; its table covers
-    both projections' weights (V4-Flash widths: 37.7 MB, within the L2 budget)."""
-    from dsv4 import model as model_module
-
-    cfg = configs.v4_flash_slice(2, max_context=1024)
-    prompt = runner.random_prompt(2, 6, cfg.vocab, seed=6)
-    model, ckpt = runner.build(cfg, device=True, seed=4)
-    del ckpt
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setattr(model_module, "PREFETCH_OUTPUT_PROJECTION", on)
-        model.generator.set_state(11, 0)
-        tokens, logits, _ = runner.run(model, prompt, 6, use_graph=True, keep_logits=True)
-        runs[on] = (tokens, np.stack(logits))
-    np.testing.assert_array_equal(runs[True][0], runs[False][0])
-    np.testing.assert_array_equal(runs[True][1], runs[False][1])
-    attn = model.blocks[0].attn
-    _, table = attn._prefetch
-    weights = [*attn.wo_a.weight_arrays(), *model_module._weight_arrays(attn.wo_b)]
-    assert table is not None and table.ranges == 4 and table.nbytes == sum(int(a.nbytes) // 16 * 16 for a in weights)
-
-
 def test_no_memory_growth_over_1000_replays():
     cfg = configs.tiny(max_context=4096)
     model, _ = runner.build(cfg, device=True, seed=1)

@@ -97,14 +97,6 @@ class Projections:
 GROUP_OUTPUT_PROJECTION = True
 
 
-#: in a decode step on the device, the kernel that starts the attention's latency chain (the
-#: query's RMSNorm + RoPE, right after the query projection) asks the L2 to fetch the output
-#: projection's weights (``wo_a``, ``wo_b``), which HBM would otherwise idle through until those
-#: GEMMs stream them (`fp4kit.runtime.prefetch`); at most `PREFETCH_L2_FRACTION` of the L2
-PREFETCH_OUTPUT_PROJECTION = True
-PREFETCH_L2_FRACTION = 0.65
-
-
 @dataclass
 class _GroupRows:
     """The grouped GEMM's row plan for ``b`` tokens and G groups: group g's rows are g * b .. (g +
@@ -181,43 +173,11 @@ class OutputProjection:
                             for g in range(self.groups)]
             self.stack = self.fused = None
 
-    def weight_arrays(self) -> list:
-        """The device arrays holding the weights (codes, block scales), in the order they are read."""
-        if self.fused is not None:
-            return [self.fused.weight.packed, self.fused.weight.block_scales]
-        if self.stack is not None:
-            return [self.stack.packed, self.stack.block_scales]
-        return [a for lin in self.linears for a in _weight_arrays(lin)]
-
     def weight_bytes(self) -> int:
         if self.stack is not None:
             return int(self.stack.packed.nbytes + self.stack.block_scales.nbytes + 4 * self.groups)
         weights = [getattr(lin, "local", lin).weight for lin in self.linears]  # a tensor-parallel layer's own shard
         return sum(int(w.packed.nbytes + w.block_scales.nbytes + 4) for w in weights)
-
-
-def _weight_arrays(lin) -> list:
-    """A Linear's (or a tensor-parallel layer's own shard's) codes and block scales."""
-    w = getattr(lin, "local", lin).weight
-    return [w.packed, w.block_scales]
-
-
-def output_prefetch(wo_a: OutputProjection, wo_b, budget: int):
-    """The `L2Prefetch` of the output projection's weights in the order the step reads them: whole
-    projections while their arrays fit the table, then their bytes up to ``budget`` (the last range
-    may be a prefix); None when nothing fits."""
-    from fp4kit.runtime import prefetch as l2
-
-    ranges, left = [], budget
-    for arrays_ in (wo_a.weight_arrays(), _weight_arrays(wo_b)):
-        if len(ranges) + len(arrays_) > l2.MAX_RANGES:
-            continue
-        for a in arrays_:
-            n = min(int(a.nbytes), left) // 16 * 16
-            if n:
-                ranges.append(a.reshape(-1).view(np.uint8)[:n])
-            left -= n
-    return l2.L2Prefetch(ranges) if ranges else None
 
 
 class Attention:
@@ -242,7 +202,6 @@ class Attention:
         self.q_norm, self.kv_norm = ckpt.extra[f"{p}.q_norm"], ckpt.extra[f"{p}.kv_norm"]
         self.attn = SparseAttention(cfg.heads, cfg.head_dim, sink=ckpt.extra[f"{p}.sink"])
         self.extra = {k[len(p) + 1:]: v for k, v in ckpt.extra.items() if k.startswith(p + ".")}
-        self._prefetch = (None, None)  # (the weight arrays it covers, the L2Prefetch): `_output_prefetch`
         if self.ratio == 4:
             self.index_w_scale = float(np.float32((cfg.index_head_dim * cfg.index_heads) ** -0.5))  # on the head weights
             self.indexer = Indexer(cfg.index_topk, capacity=cfg.max_comp(4), heads=cfg.index_heads,
@@ -285,14 +244,13 @@ class Attention:
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
         wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
         iq = w = None
-        ahead = self._output_prefetch() if decode else None  # the latency chain starts here
         if self.ratio == 4:  # the indexer's query, rotated at the same positions
             iq = of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim)
             q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
                                          ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
-                                         eps=cfg.eps, theta=self.theta, prefetch=ahead)
+                                         eps=cfg.eps, theta=self.theta)
         else:
-            q = ew.rmsnorm_rope(wq_b, None, positions, **rope, prefetch=ahead)
+            q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         # the indexer's key cache: its compressor only (its window is never read: no append)
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
@@ -322,24 +280,6 @@ class Attention:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
         return self._project_out(o)
-
-    def _output_prefetch(self):
-        """The L2 prefetch of ``wo_a`` and ``wo_b`` (`PREFETCH_OUTPUT_PROJECTION`), on the device:
-        built at first use and again whenever the layers holding those weights change (e.g. after
-        `Model.parallelize`)."""
-        if not PREFETCH_OUTPUT_PROJECTION or self.xp is np:
-            return None
-        weights = [*self.wo_a.weight_arrays(), *_weight_arrays(self.wo_b)]
-        covered, table = self._prefetch
-        if covered is None or len(covered) != len(weights) or any(a is not b for a, b in zip(covered, weights)):
-            import cupy
-
-            if cupy.cuda.get_current_stream().is_capturing():  # the table's upload cannot be captured
-                return None
-            l2_bytes = cupy.cuda.Device().attributes["L2CacheSize"]
-            table = output_prefetch(self.wo_a, self.wo_b, int(PREFETCH_L2_FRACTION * l2_bytes))
-            self._prefetch = (weights, table)
-        return table
 
     def _project_out(self, o):
         """The grouped low-rank output projection of the attention output ``o [rows, heads, D]``."""

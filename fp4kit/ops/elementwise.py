@@ -15,7 +15,6 @@ import numpy as np
 from ..reference import elementwise as ref
 from ..reference import kv_cache as kv_ref
 from ..runtime import arrays, loader, status
-from ..runtime import prefetch as l2
 
 _MODULE = "elementwise"
 _THREADS = 256
@@ -76,18 +75,15 @@ def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
 
 
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
-                 theta: float = 10000.0, out=None, prefetch=None):
+                 theta: float = 10000.0, out=None):
     """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
 
     ``weight`` fp32 ``[D]`` or None; ``positions`` int32 ``[B]`` (the token's index in its
-    sequence; read on the device), required when ``rope_dim > 0``. ``prefetch``: an
-    `fp4kit.runtime.prefetch.L2Prefetch` whose bytes the launch asks the L2 to fetch after its rows
-    (e.g. the weights of the GEMM after the latency chain this norm starts); no effect on the result.
+    sequence; read on the device), required when ``rope_dim > 0``.
     """
     x, weight, positions = _norm_rope_args(x, weight, positions, rope_dim)
     d = x.shape[-1]
-    table = l2.check(prefetch)
-    arrays.check_same_device(x=x, weight=weight, positions=positions, out=out, prefetch=None if prefetch is None else table)
+    arrays.check_same_device(x=x, weight=weight, positions=positions, out=out)
     if not arrays.is_device_array(x):
         y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
         return arrays.host_result(y, out)
@@ -98,7 +94,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
         loader.get_kernel(_MODULE, "rmsnorm_rope_bf16")(
             rows, _THREADS, (x, 0 if weight is None else weight, 0 if positions is None else positions, out,
                              _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
-                             np.float32(theta), _release(), table))
+                             np.float32(theta), _release()))
     return out
 
 
@@ -112,7 +108,7 @@ class NormRope(NamedTuple):
 
 
 def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps: float = 1e-6,
-                      theta: float = 10000.0, outs=None, window=None, prefetch=None) -> tuple:
+                      theta: float = 10000.0, outs=None, window=None) -> tuple:
     """`rmsnorm_rope` of two arrays in one launch (e.g. two parts of one concatenated projection's
     output), each exactly as `rmsnorm_rope` computes it, with the same ``positions``, ``eps`` and
     ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs).
@@ -120,8 +116,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
     ``window``: a sliding-window ring bf16 ``[B, W, D]`` (`KVCache.swa`) that takes the second
     part's rows instead of a new array: ``second.x`` is one row per sequence ``[B, D]``, and row b
     goes to slot ``positions[b] % W`` of sequence b, where `KVCache.append` puts a decode token's
-    row (the cache is then appended with ``kv=None``). ``y1`` is then ``window``. ``prefetch``: as in
-    `rmsnorm_rope`."""
+    row (the cache is then appended with ``kv=None``). ``y1`` is then ``window``."""
     parts = []
     for name, part in (("first", first), ("second", second)):
         if not isinstance(part, NormRope):
@@ -136,10 +131,8 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
     (x0, w0, n0, r0), (x1, w1, n1, r1) = parts
     if window is not None:
         window, positions = _window_ring(window, x1, positions, outs[1])
-    table = l2.check(prefetch)
     arrays.check_same_device(**{"first.x": x0, "first.weight": w0, "second.x": x1, "second.weight": w1,
-                                "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1], "window": window,
-                                "prefetch": None if prefetch is None else table})
+                                "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1], "window": window})
     if not arrays.is_device_array(x0):
         ys = tuple(arrays.host_result(ref.rmsnorm_rope(x, w, positions if r else None, eps=eps, normalize=n,
                                                        rope_dim=r, theta=theta), out)
@@ -157,7 +150,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
              0 if positions is None else positions, np.float32(eps), np.float32(theta),
-             _U32(0 if window is None else window.shape[1]), _release(), table))
+             _U32(0 if window is None else window.shape[1]), _release()))
     return ys
 
 

@@ -11,7 +11,6 @@
 
 #include "common/status.cuh"
 #include "common/pdl.cuh"
-#include "common/l2_prefetch.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -76,14 +75,12 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
         __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
-        float theta, int release, const unsigned long long* __restrict__ prefetch) {
-    const l2::Ranges ahead = l2::load_ranges(prefetch);  // a constant of the layer: before the wait
+        float theta, int release) {
     if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
     rmsnorm_rope_row(x, w, pos, y + (size_t)blockIdx.x * D, blockIdx.x, heads, D, eps, normalize, rope_dim, theta,
                      smem);
-    l2::prefetch_share(ahead);
 }
 
 // Two parts in one launch (e.g. two outputs of one concatenated projection), each as
@@ -95,8 +92,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
         int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
         unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta,
-        unsigned window1, int release, const unsigned long long* __restrict__ prefetch) {
-    const l2::Ranges ahead = l2::load_ranges(prefetch);  // a constant of the layer: before the wait
+        unsigned window1, int release) {
     if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
@@ -108,7 +104,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const size_t dst = window1 ? (size_t)r1 * window1 + (unsigned)pos[r1] % window1 : r1;
         rmsnorm_rope_row(x1, w1, pos, y1 + dst * D1, r1, heads1, D1, eps, normalize1, rope_dim1, theta, smem);
     }
-    l2::prefetch_share(ahead);
 }
 
 // The residual stream step: resid[r] += delta[r] (delta may be null), then
