@@ -50,7 +50,7 @@ def shape_weight(run_seed):
     return get
 
 
-ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
+ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-held", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
            "wgmma-2-row-tiles"]
 
 
@@ -60,7 +60,8 @@ def engine(request, monkeypatch):
     block, or over 16 wherever K has 16+ scale groups with "16-warps"; 4 or 8 weight tiles per
     fetch; without per-tile bounds tests on a K of whole scale groups with "whole", and with the
     block's activation staged once, resident in shared memory, with "resident"; K split over
-    blocks too, at every size, with "split"),
+    blocks too, at every size, with "split"; every grid held to 4 blocks, i.e. up to 8 row tiles
+    per block over fewer K slices, with "held"),
     the mma.sync kernels (an NVFP4 activation decoded in the blocks, or dequantized by its own
     launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
     warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
@@ -72,7 +73,11 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "GEMV_MAX_BLOCKS_PER_SM", {gemm_ops.GEMV_MAX_M: float("inf")})
     monkeypatch.setattr(gemm_ops, "GEMV_FETCH_TILES", 8 if request.param == "gemv-f8" else 4)
     monkeypatch.setattr(gemm_ops, "GEMV_WIDE_MAX_BLOCKS_PER_SM", float("inf") if request.param.endswith("16-warps") else 0.0)
-    monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", request.param == "gemv-whole")
+    monkeypatch.setattr(gemm_ops, "GEMV_WHOLE_FETCHES", request.param in ("gemv-whole", "gemv-held"))
+    if request.param == "gemv-held":
+        monkeypatch.setattr(gemm_ops, "GEMV_HELD_MAX_ROW_TILES", 8)
+        monkeypatch.setattr(gemm_ops, "gemv_launch", lambda m, n, k, sms=None, nvfp4_act=False: gemm_ops.gemv_config(
+            m, n, k, sms, nvfp4_act, max_blocks=4) if m <= gemm_ops.GEMV_MAX_M else None)
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_ACTIVATION", request.param.startswith("gemv-resident"))
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_MAX_SLICE_GROUPS", 1 << 30)  # long K slices too
     monkeypatch.setattr(gemm_ops, "GEMV_RESIDENT_NVFP4_ACTIVATION", True)  # W4A4 through the resident build too
@@ -129,8 +134,7 @@ def test_split_k_is_deterministic_and_exact(rng, shape_weight, n, k, engine, clu
             again = cp.full((m, n), np.nan, np.float32)
             gemm(cp.asarray(x), wd, out=again)
             assert cp.array_equal(first.view(cp.uint32), again.view(cp.uint32)), (m, splits)
-    if engine not in ("gemv", "gemv-f8", "gemv-16-warps", "gemv-whole", "gemv-resident", "gemv-resident-16-warps",
-                      "gemv-resident-pipelined"):  # the split path is exercised
+    if not engine.startswith("gemv") or engine == "gemv-split":  # the split path is exercised
         assert launch_shape(1, 2048, 7168, engine).splits > 1
 
 
@@ -283,6 +287,34 @@ def test_grouped_gemm_equals_one_gemm_per_group(rng, m, groups, n_g, k):
     for g in range(groups):
         want = gemm(cp.ascontiguousarray(x[:, g * k:(g + 1) * k]), parts[g], out_dtype=np.float32)
         assert cp.array_equal(got[:, g * n_g:(g + 1) * n_g].view(cp.uint32), want.view(cp.uint32)), g
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("per_sm", [2.0, 1.0, 0.0])
+def test_grouped_gemm_held_to_a_grid_against_float64(rng, m, per_sm, monkeypatch):
+    """A grouped GEMM of more row tiles than `GROUPED_GEMV_MAX_BLOCKS_PER_SM` allows (8 groups of
+    1024 x 4096: 512 row tiles) on fewer K slices per row tile: each group against a float64 GEMM
+    of its dequantized operands, fp32 output; bitwise equal on repeat."""
+    monkeypatch.setattr(gemm_ops, "GROUPED_GEMV_MAX_BLOCKS_PER_SM", {1: per_sm, 8: per_sm})
+    groups, n_g, k = 8, 1024, 4096
+    shape = gemm_ops.gemv_config(m, groups * n_g, k, max_blocks=gemm_ops.grouped_gemv_max_blocks(m))
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    rt = 1
+    while per_sm and -(-512 // rt) > per_sm * sms and rt < gemm_ops.GEMV_HELD_MAX_ROW_TILES:
+        rt *= 2
+    assert shape.row_tiles_per_warp == rt
+    host = [qref.quantize((rng.standard_normal((n_g, k)) * (g + 1)).astype(np.float32)) for g in range(groups)]
+    from fp4kit.formats import fuse_rows
+
+    fused, row_decode = fuse_rows(host, "concatenated")
+    fused, row_decode = tiled(fused), cp.asarray(row_decode)
+    x = (rng.standard_normal((m, groups * k)) * 3).astype(BF16)
+    got = gemm_ops.gemm_grouped(cp.asarray(x), fused, groups, row_decode=row_decode, out_dtype=np.float32)
+    again = gemm_ops.gemm_grouped(cp.asarray(x), fused, groups, row_decode=row_decode, out_dtype=np.float32)
+    assert cp.array_equal(got.view(cp.uint32), again.view(cp.uint32))
+    for g in range(groups):
+        expect = ref.gemm(x[:, g * k:(g + 1) * k], host[g], None, None, np.float64)
+        assert ref.calc_diff(cp.asnumpy(got[:, g * n_g:(g + 1) * n_g]), expect) < BOUND_F32, g
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

@@ -252,6 +252,35 @@ def test_gemv_config_covers_every_tile_once_within_the_scratch(m, split_below, w
     assert gemm_ops.gemv_config(1, 1024, 4096, sms=132).splits == 2  # 64 row tiles of 8 warps: two splits
 
 
+def test_gemv_holds_its_grid_by_taking_fewer_k_slices(monkeypatch):
+    """A GEMV grid above `max_blocks` (a grouped GEMV, with no tiled kernel to fall back to; a dense
+    one at M = 1 before it does) halves the K slices of each row tile (twice the row tiles per block)
+    up to `GEMV_HELD_MAX_ROW_TILES`; the launch still covers every (row tile, chunk) once; grids
+    within the limit are unchanged."""
+    from fp4kit.formats import tiled_dims
+    from fp4kit.ops import gemm as gemm_ops
+
+    assert gemm_ops.grouped_gemv_max_blocks(1, sms=132) == 264  # GROUPED_GEMV_MAX_BLOCKS_PER_SM
+    assert gemm_ops.GEMV_HELD_MAX_ROW_TILES == 2
+    assert gemm_ops.gemv_launch(1, 7168, 2048, sms=132).family == "gemv_2f4whole"  # 448 row tiles in 224 blocks
+    assert gemm_ops.gemv_launch(8, 7168, 2048, sms=132) is None  # M = 8: the tiled kernel
+    assert gemm_ops.gemv_launch(1, 32768, 1024, sms=132) is None  # 1024 blocks of two row tiles: tiled
+    for m, max_blocks, rt in [(1, None, 1), (1, 264, 2), (1, 132, 2), (8, 64, 2)]:
+        assert gemm_ops.gemv_config(m, 8192, 4096, sms=132, max_blocks=max_blocks).row_tiles_per_warp == rt
+    monkeypatch.setattr(gemm_ops, "GEMV_HELD_MAX_ROW_TILES", 8)
+    for m, max_blocks, rt in [(1, None, 1), (1, 264, 2), (1, 132, 4), (8, 64, 8), (8, 10, 8)]:
+        shape = gemm_ops.gemv_config(m, 8192, 4096, sms=132, max_blocks=max_blocks)  # wo_a, V4-Flash: 512 row tiles
+        assert (shape.row_tiles_per_warp, shape.row_groups, shape.warps) == (rt, 512 // rt, 8), (m, max_blocks, shape)
+        seen = np.zeros(tiled_dims(8192, 4096)[:2], np.int32)
+        for block_row in range(shape.row_groups):
+            for warp in range(shape.warps):
+                tile, c_begin, c_end = gemv_warp_chunks(shape, 8192, 4096, block_row, 0, warp)
+                seen[tile, c_begin:c_end] += 1
+        assert (seen == 1).all()
+    # small grids keep their slices (and their 16-warp blocks)
+    assert gemm_ops.gemv_config(1, 2048, 7168, sms=132, max_blocks=264) == gemm_ops.gemv_config(1, 2048, 7168, sms=132)
+
+
 def test_gemv_resident_activation_rule():
     """By default the activation is resident where every warp's K slice is one scale group (K of
     4 groups at two row tiles per block, 8 groups over 8 warps, 16 over 16) or the block has 16

@@ -109,6 +109,22 @@ _WARPS = 8
 GEMV_MAX_M = 8
 USE_GEMV = True
 GEMV_MAX_BLOCKS_PER_SM = {1: 2.0, 8: 1.0}  # by the largest M of each entry
+#: a grid of more GEMV blocks than allowed may be held to the limit by giving each row tile fewer
+#: K slices, i.e. more row tiles per block, up to this many (two row tiles of 4 K slices each in
+#: place of one of 8). H200, M = 1, same run: 7168x2048 (448 -> 224 blocks) 7.41 us on the tiled
+#: kernel -> 6.80, 8192x4096 (512 -> 256) 10.85 -> 10.57; four and eight row tiles per block were
+#: slower than the tiled kernel (8192x4096 13.5 us, 32768x1024 17.3 against 9.0), and at M = 8
+#: every held grid was (4160x4096 10.5 against 8.6)
+GEMV_HELD_MAX_ROW_TILES = 2
+#: dense calls of up to this many rows hold their GEMV grid (`GEMV_HELD_MAX_ROW_TILES`) before
+#: falling back to the tiled kernels
+GEMV_HELD_MAX_M = 1
+#: a grouped GEMV (`gemm_grouped`, e.g. the attention's ``wo_a``: 8 groups, 512 row tiles at
+#: V4-Flash widths) has no tiled kernel to go to: its grid is held to this many blocks per SM (by
+#: M; 0 or absent: 8 slices per row tile at any grid). H200, 8 x 1024 x 4096: M = 1 11.54 us in 512
+#: blocks -> 9.60 in 256, M = 8 15.39 -> 13.31; the replayed v4-flash-slice step 0.588 -> 0.578 ms
+#: at batch 1, 1.437 -> 1.426 at batch 8
+GROUPED_GEMV_MAX_BLOCKS_PER_SM = {1: 2.0, 8: 2.0}
 #: weight tiles a GEMV warp fetches at once (4 or 8; 8 measured slower or equal but on two shapes)
 GEMV_FETCH_TILES = 4
 #: split K over blocks too while the grid has fewer blocks than this many per SM (0: never; the
@@ -534,8 +550,17 @@ def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     if sms is None:
         sms = loader.current_sm_count()
     per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
-    shape = gemv_config(m, n, k, sms, nvfp4_act)
+    held = m <= GEMV_HELD_MAX_M and per_sm * sms < 1 << 30  # a finite limit to hold the grid to
+    shape = gemv_config(m, n, k, sms, nvfp4_act, max_blocks=int(per_sm * sms) if held else None)
     return shape if shape.row_groups <= per_sm * sms else None
+
+
+def grouped_gemv_max_blocks(m: int, sms: int | None = None) -> int | None:
+    """The grid a grouped GEMV (`gemm_grouped`) is held to by `GROUPED_GEMV_MAX_BLOCKS_PER_SM`
+    (None: no limit, 8 K slices per row tile whatever the grid)."""
+    per_sm = GROUPED_GEMV_MAX_BLOCKS_PER_SM.get(min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m))
+    blocks = per_sm * (sms or loader.current_sm_count()) if per_sm else 0
+    return max(1, int(blocks)) if 0 < blocks < 1 << 30 else None
 
 
 def gemv_shared_bytes(m: int, fetch_tiles: int, warps: int = _WARPS) -> int:
@@ -553,13 +578,16 @@ def gemv_resident_bytes(m: int, groups: int, row_tiles: int, warps: int) -> int:
     return groups * slot if row_tiles > 1 else warps * -(-groups // warps) * slot
 
 
-def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False) -> LaunchShape:
+def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False,
+                max_blocks: int | None = None) -> LaunchShape:
     """The GEMV launch of ``m <= 8`` rows: the K range of a row tile is split over 8, 4, 2 or 1
     warps (whole scale groups of 256 k each, as many as K has, up to 8), the block holds the rest
     of its 8 warps as more row tiles, and K is split over blocks as well only while the grid has
     fewer than `GEMV_SPLIT_BELOW_BLOCKS_PER_SM` blocks per SM. A grid of at most
     `GEMV_WIDE_MAX_BLOCKS_PER_SM` such blocks per SM over a K of 16+ scale groups takes 16-warp
-    blocks of one row tile instead (16 K slices)."""
+    blocks of one row tile instead (16 K slices). ``max_blocks``: half the K slices per row tile
+    (twice the row tiles per block, up to `GEMV_HELD_MAX_ROW_TILES`) while the grid has more blocks
+    than that."""
     if sms is None:
         sms = loader.current_sm_count()
     row_tiles, chunks, groups = tiled_dims(n, k)
@@ -569,6 +597,9 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
     if (groups >= _WIDE_WARPS and -(-row_tiles // (warps // slices)) <= GEMV_WIDE_MAX_BLOCKS_PER_SM * sms
             and gemv_shared_bytes(m, f, _WIDE_WARPS) <= _GEMV_MAX_SHARED):
         warps = slices = _WIDE_WARPS
+    while (max_blocks and slices > 1 and -(-row_tiles // (warps // slices)) > max_blocks
+           and 2 * warps // slices <= GEMV_HELD_MAX_ROW_TILES):
+        slices //= 2
     per_block = warps // slices
     blocks = -(-row_tiles // per_block)
     splits = 1
@@ -594,8 +625,8 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     """One engine launch; ``grouped`` = (activation row stride, weight rows per group) takes the
     GEMV kernel of a grouped GEMM (`gemm_grouped`)."""
     kind = "nvfp4" if len(act) == 3 else "bf16"
-    if grouped is not None:
-        shape = gemv_config(m, n, k)
+    if grouped is not None:  # the GEMV kernels at any grid: one wave where the K slices allow
+        shape = gemv_config(m, n, k, max_blocks=grouped_gemv_max_blocks(m))
     else:
         shape = (None if wgmma else gemv_launch(m, n, k, nvfp4_act=kind == "nvfp4")) or launch_config(m, n, k, wgmma=wgmma)
     if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
