@@ -74,6 +74,20 @@ def test_buffer_cache_makes_each_buffer_once():
     assert cache.peek(("out", None, 3)) is a and cache.peek(("out", None, 5)) is None and len(made) == 2
 
 
+def test_buffer_cache_keeps_no_buffer_above_the_limit(monkeypatch):
+    """A buffer larger than `KEEP_MAX_BYTES` (a batched prefill's) is made for each call and not
+    kept, so the layers share that memory through the pool instead of each holding its own."""
+    import numpy as np
+
+    from fp4kit.runtime import workspace
+
+    monkeypatch.setattr(workspace, "KEEP_MAX_BYTES", 64)
+    cache = workspace.BufferCache()
+    small, large = cache.get("small", lambda: np.empty(8)), cache.get("large", lambda: np.empty(9))
+    assert cache.get("small", lambda: np.empty(8)) is small and cache.peek("small") is small
+    assert cache.get("large", lambda: np.empty(9)) is not large and cache.peek("large") is None and len(cache) == 1
+
+
 def test_host_result_writes_into_out():
     import numpy as np
 

@@ -129,7 +129,8 @@ class OutputProjection:
     def __init__(self, linears: list[Linear], group: bool):
         self.groups, self.mode = len(linears), linears[0].mode
         self.k, self.n = linears[0].in_features, linears[0].out_features
-        self.linears, self.stack, self.fused, self._buffers = linears, None, None, {}
+        self.linears, self.stack, self.fused = linears, None, None
+        self._plans, self._buffers = {}, workspace.BufferCache()
         if group and self.mode == "w4a16" and arrays.is_device_array(linears[0].weight.packed):
             if self.n % 128 == 0:  # the row tiles of a GEMV block stay in one group
                 self.fused = Linear.concatenate(linears)
@@ -145,9 +146,7 @@ class OutputProjection:
             parts = xp.ascontiguousarray(o.reshape(b, self.groups, self.k).transpose(1, 0, 2))
             return xp.concatenate([self.linears[g](parts[g]) for g in range(self.groups)], axis=1)
         if self.fused is not None and b <= gemm_ops.GEMV_MAX_M:
-            out = self._buffers.get(("grouped", b))
-            if out is None:
-                out = self._buffers[("grouped", b)] = xp.empty((b, self.groups * self.n), arrays.BF16)
+            out = self._buffers.get(("grouped", b), lambda: xp.empty((b, self.groups * self.n), arrays.BF16))
             return gemm_ops.gemm_grouped(o, self.fused.weight, self.groups, row_decode=self.fused.row_decode, out=out)
         plan, y = self._device_buffers(b)
         rows = o.reshape(b * self.groups, self.k)  # row t * G + g: group g of token t
@@ -155,15 +154,16 @@ class OutputProjection:
         return xp.ascontiguousarray(y.reshape(self.groups, b, self.n).transpose(1, 0, 2)).reshape(b, -1)
 
     def _device_buffers(self, b: int):
-        if b not in self._buffers:
-            import cupy
+        """The row plan for ``b`` tokens (kept) and the expert GEMM's output (kept up to
+        `workspace.KEEP_MAX_BYTES`)."""
+        import cupy
 
-            g = self.groups
+        g = self.groups
+        if b not in self._plans:
             u32 = lambda a: cupy.asarray(np.asarray(a, np.uint32))  # noqa: E731
             row_token = u32((np.arange(b)[None, :] * g + np.arange(g)[:, None]).reshape(-1))
-            plan = _GroupRows(u32(np.arange(g + 1) * b), u32(np.arange(g)), u32([g]), row_token, row_token)
-            self._buffers[b] = (plan, cupy.empty((g * b, self.n), arrays.BF16))
-        return self._buffers[b]
+            self._plans[b] = _GroupRows(u32(np.arange(g + 1) * b), u32(np.arange(g)), u32([g]), row_token, row_token)
+        return self._plans[b], self._buffers.get(("rows", b), lambda: cupy.empty((g * b, self.n), arrays.BF16))
 
     def ungroup(self) -> None:
         """One Linear per group again (e.g. before sharding each of them): the same arithmetic."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..formats import Nvfp4Tensor, fuse_rows, interleave_rows  # noqa: F401 (interleave_rows: re-exported)
 from ..ops import quant as quant_ops
-from ..runtime import arrays
+from ..runtime import arrays, workspace
 from .linear import MODES, Linear
 
 
@@ -57,7 +57,7 @@ class SharedExpert:
             raise ValueError(f"gate_up and down must share a mode, got {gate_up.mode!r} and {down.mode!r}")
         quant_ops.check_limit(limit)
         self.gate_up, self.down, self.limit = gate_up, down, limit
-        self._buffers: dict[tuple, object] = {}
+        self._buffers = workspace.BufferCache()
 
     @property
     def mode(self) -> str:
@@ -117,7 +117,4 @@ class SharedExpert:
             return self.down._activation_buffer(lead)
         import cupy
 
-        buf = self._buffers.get(lead)
-        if buf is None:
-            buf = self._buffers[lead] = cupy.empty((*lead, inner), arrays.BF16)
-        return buf
+        return self._buffers.get(lead, lambda: cupy.empty((*lead, inner), arrays.BF16))

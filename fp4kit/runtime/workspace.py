@@ -67,19 +67,32 @@ def zeros_outside_capture(n: int, dtype):
     return buf
 
 
+#: a layer keeps its buffers (`BufferCache`) up to this many bytes each: a decode step's outputs,
+#: which a captured graph keeps using. A larger one (a batched prefill's: every projection's
+#: output at 4096 tokens, e.g. 335 MB for the 40960-wide query projection) is made per call from
+#: CuPy's pool and returned there when the caller drops it, so the layers share that memory instead
+#: of each holding its own (a 4096-token prefill of the 4-layer example held 2.7 GB of them)
+KEEP_MAX_BYTES = 16 << 20
+
+
 class BufferCache:
     """The buffers a layer owns, one per key (device, batch size, ...), made on first use and then
     kept: the next call with the same key allocates nothing, and a CUDA graph captured over a call
-    keeps pointing at live memory."""
+    keeps pointing at live memory. A buffer of more than `KEEP_MAX_BYTES` is not kept: each call
+    makes its own (capture such calls with a memory pool private to the graph, as
+    ``examples/dsv4/runner.CapturedStep`` does)."""
 
     def __init__(self) -> None:
         self._buffers: dict = {}
 
     def get(self, key, make: Callable[[], object]):
-        """The buffer for ``key``, made by ``make()`` the first time."""
+        """The buffer for ``key``, made by ``make()`` the first time (every time when it is larger
+        than `KEEP_MAX_BYTES`)."""
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = make()
+            buf = make()
+            if getattr(buf, "nbytes", 0) <= KEEP_MAX_BYTES:
+                self._buffers[key] = buf
         return buf
 
     def peek(self, key):
