@@ -207,16 +207,22 @@ def test_the_top_k_kernel_rule(monkeypatch):
     """The cluster select for long caches while the clusters fit in one wave (sm_90+), one block
     per row otherwise; the knob forces a path, and refuses the cluster where it cannot run."""
     pick = ops.select_kernel
-    assert pick(1, 32768, 132) == pick(16, ops.CLUSTER_MIN_CAPACITY, 132) == "indexer_topk_cluster"
+    assert pick(1, 32768, 132) == pick(16, 8193, 132) == "indexer_topk_cluster"
+    assert pick(16, 8192, 132) == "indexer_topk_registers_small"  # 256 threads: faster than the cluster
     assert pick(1, 131072, 132) == "indexer_topk_cluster"
-    assert pick(1, ops.CLUSTER_MIN_CAPACITY - 1, 132) == "indexer_topk_registers"
-    assert pick(17, 32768, 132) == "indexer_topk_registers"  # 136 blocks: more than one wave
+    assert pick(1, ops.CLUSTER_MIN_CAPACITY - 1, 132) == "indexer_topk_registers_small"  # 256 threads
+    assert pick(17, 8192, 132) == "indexer_topk_registers_small"  # 136 clusters: more than one wave
+    assert pick(17, 8193, 132) == pick(17, 32768, 132) == "indexer_topk_registers"
     assert pick(17, 65536, 132) == "indexer_topk_global"
     assert pick(1, 131073, 132) == "indexer_topk_global"  # beyond the cluster's registers
     assert pick(1, 32768, 132, compute_capability=80) == "indexer_topk_registers"
     monkeypatch.setattr(ops, "TOPK_SELECT", "block")
     assert pick(1, 32768, 132) == "indexer_topk_registers" and pick(1, 40000, 132) == "indexer_topk_global"
+    assert pick(1, 8192, 132) == "indexer_topk_registers_small"
+    monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", 0)
+    assert pick(1, 2048, 132) == "indexer_topk_registers"
     monkeypatch.setattr(ops, "TOPK_SELECT", "cluster")
+    monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", 0)
     assert pick(64, 100, 132) == "indexer_topk_cluster"
     with pytest.raises(ValueError, match="capacity up to 131072"):
         pick(1, 131073, 132)

@@ -35,11 +35,13 @@ POISON_INDEX = -7
 FLAG = status.INDEXER_INPUT
 
 
-@pytest.fixture(params=["block", "cluster"])
+@pytest.fixture(params=["block", "small-block", "cluster"])
 def select_path(request, monkeypatch):
     """Runs the test with the top-k forced onto one path (the rule in `ops.select_kernel` picks the
-    cluster for the long caches of most tests here, one block for short ones)."""
-    monkeypatch.setattr(ops, "TOPK_SELECT", request.param)
+    cluster for the long caches of most tests here, one block for short ones; "small-block": one
+    block of 256 threads wherever the capacity is at most 8192)."""
+    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster" if request.param == "cluster" else "block")
+    monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", 8192 if request.param == "small-block" else 0)
     return request.param
 
 
@@ -322,7 +324,7 @@ def test_the_rule_picks_the_cluster_for_long_rows_at_small_batch():
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     assert ops.select_kernel(1, C, sms) == "indexer_topk_cluster"
     assert ops.select_kernel(8, C, sms) == "indexer_topk_cluster"
-    assert ops.select_kernel(1, 1024, sms) == "indexer_topk_registers"
+    assert ops.select_kernel(1, 1024, sms) == "indexer_topk_registers_small"
 
 
 LONG = 65536  # above the one-block register kernel: its global-memory twin runs on the block path
@@ -361,6 +363,22 @@ def test_k_equal_to_the_live_length(select_path, rng):
     q, w, keys = exact_inputs(rng, 4, C)
     lengths = np.array([k, k - 1, k + 1, C], np.int32)
     assert_exact(q, w, keys, lengths, k, run(q, w, keys, lengths, k))
+
+
+@pytest.mark.parametrize("capacity, k", [(2048, 512), (8192, 2048), (1000, 7)])
+def test_the_small_block_agrees_bit_for_bit_with_the_block(rng, monkeypatch, capacity, k):
+    """The 256-thread select (`indexer_topk_registers_small`) and the 1024-thread one on random
+    data with live lengths below, at and above k: identical indices and values."""
+    q, w, keys = float_inputs(rng, 5, capacity)
+    lengths = np.array([capacity, capacity // 2 + 1, k, k + 1, 0], np.int32)
+    monkeypatch.setattr(ops, "TOPK_SELECT", "block")
+    got = {}
+    for small in (0, 8192):
+        monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", small)
+        assert ops.select_kernel(5, capacity, 132) == ("indexer_topk_registers_small" if small else "indexer_topk_registers")
+        got[small] = run(q, w, keys, lengths, k)
+    for x, y in zip(got[0], got[8192]):
+        assert x.tobytes() == y.tobytes()
 
 
 def test_the_two_paths_agree_bit_for_bit_on_random_data(rng, monkeypatch):

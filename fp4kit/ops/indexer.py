@@ -32,6 +32,7 @@ _SCORE_THREADS = 128
 _KEYS_PER_BLOCK = 128
 _TOPK_THREADS = 1024
 _REGISTER_CAPACITY = 32 * _TOPK_THREADS  # indexer_topk_registers holds up to 32 scores per thread
+_SMALL_TOPK_THREADS = 256  # indexer_topk_registers_small: 8 warps, up to 32 scores per thread
 _CLUSTER_BLOCKS = 8  # indexer_topk_cluster: blocks per sequence (one thread-block cluster)
 _CLUSTER_CAPACITY = 16 * _TOPK_THREADS * _CLUSTER_BLOCKS  # ... holding up to 16 scores per thread
 
@@ -43,6 +44,16 @@ _CLUSTER_CAPACITY = 16 * _TOPK_THREADS * _CLUSTER_BLOCKS  # ... holding up to 16
 #: saves (an estimate, to be replaced by a measured crossover). The capacity, not the live length,
 #: decides: lengths stay on the device.
 CLUSTER_MIN_CAPACITY = 8192
+#: capacities up to this one select in one block of 256 threads (`indexer_topk_registers_small`)
+#: instead of 1024: the same radix passes, the same selection bit for bit, with 8 warps at each
+#: barrier and block scan instead of 32 (0: never; at most 32 * 256). H200, score_topk (scores +
+#: select) graph-replayed, same run: 2048 entries, 1024 live, k = 512: 14.81 -> 10.19 us at B = 1,
+#: 16.74 -> 11.68 at B = 8; 8192 live, k = 2048: 18.26 -> 15.51; the v4-flash-slice step 0.576 ->
+#: 0.567 ms at batch 1, 1.419 -> 1.409 at batch 8. It also beats the cluster select where both
+#: run (taken first): another run, 8192 live entries, k = 2048: 15.47 us against 18.82 (cluster)
+#: and 18.18 (1024 threads); k = 512 14.98 against 17.29 (B = 8: 22.91 against 25.37); 4096 live,
+#: k = 512: 13.00 against 17.77
+TOPK_SMALL_MAX_CAPACITY = 32 * _SMALL_TOPK_THREADS
 #: and only while the clusters of all rows fit in one wave (8 * B blocks <= SMs): when the rows alone
 #: fill the GPU, spreading each over 8 SMs only adds barriers and blocks
 CLUSTER_MAX_WAVES = 1
@@ -135,9 +146,11 @@ def _outputs(out_indices, out_scores, workspace, bsz: int, capacity: int, k: int
 
 
 def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 90) -> str:
-    """The top-k kernel for ``bsz`` rows of ``capacity`` entries on a GPU of ``sms`` SMs: the
-    cluster select (sm_90+) for long rows while the clusters fit in one wave, else one block per row
-    (registers up to 32768 entries, global memory beyond). `TOPK_SELECT` forces a path."""
+    """The top-k kernel for ``bsz`` rows of ``capacity`` entries on a GPU of ``sms`` SMs: one block
+    of 256 threads per row up to `TOPK_SMALL_MAX_CAPACITY` entries, the cluster select (sm_90+) for
+    longer rows while the clusters fit in one wave, else one block of 1024 threads per row
+    (registers up to 32768 entries, global memory beyond). `TOPK_SELECT` forces the cluster, or
+    ("block") one block per row."""
     if TOPK_SELECT not in ("auto", "block", "cluster"):
         raise ValueError(f"TOPK_SELECT: expected 'auto', 'block' or 'cluster', got {TOPK_SELECT!r}")
     fits = capacity <= _CLUSTER_CAPACITY and compute_capability >= 90
@@ -146,6 +159,8 @@ def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 9
             raise ValueError(f"TOPK_SELECT='cluster': the cluster select needs sm_90+ and a capacity up to "
                              f"{_CLUSTER_CAPACITY}, got capacity {capacity} on compute capability {compute_capability}")
         return "indexer_topk_cluster"
+    if capacity <= min(TOPK_SMALL_MAX_CAPACITY, 32 * _SMALL_TOPK_THREADS):  # before the cluster: faster
+        return "indexer_topk_registers_small"
     if (TOPK_SELECT == "auto" and fits and capacity >= CLUSTER_MIN_CAPACITY
             and bsz * _CLUSTER_BLOCKS <= CLUSTER_MAX_WAVES * sms):
         return "indexer_topk_cluster"
@@ -223,8 +238,9 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
                                                _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
     device = arrays.device_id(q)
     name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
-    topk_kernel = loader.get_kernel(_MODULE, name, block=_TOPK_THREADS)
+    threads = _SMALL_TOPK_THREADS if name == "indexer_topk_registers_small" else _TOPK_THREADS
+    topk_kernel = loader.get_kernel(_MODULE, name, block=threads)
     blocks = bsz * _CLUSTER_BLOCKS if name == "indexer_topk_cluster" else bsz  # clusters: blocks 8b .. 8b+7
-    topk_kernel(blocks, _TOPK_THREADS, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
+    topk_kernel(blocks, threads, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
                                         out_indices, out_scores, status.device_word()))
     return out_indices, out_scores

@@ -30,6 +30,8 @@
 //   (greater, equal) counts then gives every thread its output position: entries above T, and the
 //   first ones equal to T in index order (the tie rule: larger score first, equal scores lower
 //   index first), are written in ascending index order. No sort, one read of the scores (registers).
+//   indexer_topk_registers_small (C <= 8192): the same with 256 threads (fewer warps at every
+//   barrier and block scan), the same selection bit for bit.
 // indexer_topk_cluster (C <= 131072): grid 8B, 1024 threads, one thread-block cluster of 8 blocks
 //   per row (blocks 8b .. 8b+7, cluster rank r). The same select spread over 8 SMs: thread
 //   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
@@ -300,10 +302,12 @@ __device__ __forceinline__ void write_selection(const Keys& keys, unsigned mask,
     }
 }
 
-template <class Keys>
+template <class Keys, int kThreads = kTopkThreads>
 __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const int* __restrict__ lengths,
                                          unsigned C, unsigned k, int vec4, int* __restrict__ indices,
                                          float* __restrict__ values, unsigned* __restrict__ status) {
+    static_assert(kBins % kThreads == 0, "whole bins per thread");
+    constexpr unsigned kBinsEach = kBins / kThreads;
     __shared__ unsigned hist[kBins];
     __shared__ unsigned scan32[32];
     __shared__ unsigned long long scan64[32];
@@ -312,7 +316,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
     const unsigned b = blockIdx.x, tid = threadIdx.x;
     const unsigned n = live_length(lengths, b, C);
     Keys keys;
-    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, tid, kTopkThreads);
+    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, tid, kThreads);
     if (tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
@@ -328,20 +332,25 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
         for (int pass = 0; pass < 3; ++pass) {
             const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
             const unsigned digit_mask = pass == 2 ? 0x3FFu : 0x7FFu;
-            hist[tid] = 0u;
-            hist[tid + kTopkThreads] = 0u;
+#pragma unroll
+            for (unsigned i = 0; i < kBinsEach; ++i) hist[tid + i * kThreads] = 0u;
             __syncthreads();
             keys.for_each([&](unsigned, unsigned key) {
                 if ((key & resolved_mask) == resolved_bits) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
             });
             __syncthreads();
-            // thread j holds bins 2047 - 2j and 2046 - 2j: the scan counts entries in larger bins
-            const unsigned d_hi = kBins - 1 - 2 * tid, d_lo = d_hi - 1;
-            const unsigned c_hi = hist[d_hi], c_lo = hist[d_lo];
-            const unsigned above_hi = block_inclusive_scan(c_hi + c_lo, scan32) - c_hi - c_lo;
-            const unsigned above_lo = above_hi + c_hi;
-            if (above_hi < need && need <= above_hi + c_hi) s_digit = d_hi, s_need = need - above_hi, s_count = c_hi;
-            if (above_lo < need && need <= above_lo + c_lo) s_digit = d_lo, s_need = need - above_lo, s_count = c_lo;
+            // thread j holds bins 2047 - kBinsEach j down to 2048 - kBinsEach (j + 1): the scan
+            // counts the entries in larger bins
+            const unsigned top = kBins - 1 - kBinsEach * tid;
+            unsigned counts[kBinsEach], sum = 0u;
+#pragma unroll
+            for (unsigned i = 0; i < kBinsEach; ++i) sum += counts[i] = hist[top - i];
+            unsigned above = block_inclusive_scan(sum, scan32) - sum;
+#pragma unroll
+            for (unsigned i = 0; i < kBinsEach; ++i) {
+                if (above < need && need <= above + counts[i]) s_digit = top - i, s_need = need - above, s_count = counts[i];
+                above += counts[i];
+            }
             __syncthreads();
             resolved_bits |= s_digit << shift;
             resolved_mask |= digit_mask << shift;
@@ -353,8 +362,19 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
 
     const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long before = block_inclusive_scan(mine, scan64) - mine;
-    write_selection(keys, resolved_mask, resolved_bits, need, before, n, k, tid, kTopkThreads, indices + (size_t)b * k,
+    write_selection(keys, resolved_mask, resolved_bits, need, before, n, k, tid, kThreads, indices + (size_t)b * k,
                     values + (size_t)b * k);
+}
+
+// The one-block select in a block of kSmallTopkThreads (8 warps) for rows of up to 32 * 256 entries:
+// the same passes, with a quarter of the warps at every barrier and block scan (ops/indexer.py
+// `TOPK_SMALL_MAX_CAPACITY`).
+constexpr int kSmallTopkThreads = 256;
+extern "C" __global__ void __launch_bounds__(kSmallTopkThreads, 1) indexer_topk_registers_small(
+    const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    pdl::wait_prior();
+    topk_row<RegisterKeys<kRegisterItems>, kSmallTopkThreads>(scores, lengths, C, k, vec4, indices, values, status);
 }
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_registers(

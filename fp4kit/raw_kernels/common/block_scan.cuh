@@ -1,5 +1,5 @@
-// Prefix sums over one block of 1024 threads (32 warps): a shuffle scan within each warp, then one
-// over the 32 warp totals. The order of additions is fixed, so results are deterministic. Every
+// Prefix sums over one block of up to 1024 threads (32 warps): a shuffle scan within each warp,
+// then one over the warp totals. The order of additions is fixed, so results are deterministic. Every
 // thread of the block must call; each call ends with a barrier, so its scratch can be reused at once.
 #pragma once
 
@@ -16,7 +16,7 @@ __device__ __forceinline__ T block_scan_open(T v, T* warp_totals) {
     if (lane == 31) warp_totals[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        T x = warp_totals[lane];
+        T x = lane < blockDim.x / 32 ? warp_totals[lane] : T(0);  // blocks of fewer than 32 warps
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
             const T y = __shfl_up_sync(0xFFFFFFFFu, x, off);
