@@ -42,3 +42,26 @@ def test_capturable_buffer_grows_in_powers_of_two_and_keeps_what_it_outgrew():
     retired = len(workspace._retired)
     assert workspace.device_buffer("test.grow.dev", 100).size == 100
     assert workspace.device_buffer("test.grow.dev", 300).size == 300 and len(workspace._retired) == retired
+
+
+def test_buffer_cache_keeps_a_large_buffer_made_during_a_capture(monkeypatch, capture_stream):
+    """Above `KEEP_MAX_BYTES` a buffer made outside a capture is not kept (each call makes its own),
+    but one made while a graph is captured is: the graph writes it at every replay."""
+    from fp4kit.runtime import workspace
+
+    monkeypatch.setattr(workspace, "KEEP_MAX_BYTES", 0)
+    cache = workspace.BufferCache()
+    cache.get("eager", lambda: cp.empty(16, cp.float32))
+    assert cache.peek("eager") is None
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        try:
+            made = cache.get("captured", lambda: cp.empty(16, cp.float32))
+            made.fill(1.0)
+        finally:
+            graph = stream.end_capture()
+    assert cache.peek("captured") is made
+    graph.launch(stream)
+    stream.synchronize()
+    assert (made == 1.0).all()

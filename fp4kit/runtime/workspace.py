@@ -8,6 +8,7 @@ launches on different streams get different buffers.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable
 
@@ -67,31 +68,37 @@ def zeros_outside_capture(n: int, dtype):
     return buf
 
 
-#: a layer keeps its buffers (`BufferCache`) up to this many bytes each: a decode step's outputs,
-#: which a captured graph keeps using. A larger one (a batched prefill's: every projection's
-#: output at 4096 tokens, e.g. 335 MB for the 40960-wide query projection) is made per call from
-#: CuPy's pool and returned there when the caller drops it, so the layers share that memory instead
-#: of each holding its own (a 4096-token prefill of the 4-layer example held 2.7 GB of them)
+#: a layer keeps its buffers (`BufferCache`) up to this many bytes each: a decode step's outputs.
+#: A larger one made outside a graph capture (a batched prefill's: every projection's output at
+#: 4096 tokens, e.g. 335 MB for the 40960-wide query projection) is made per call from CuPy's pool
+#: and returned there when the caller drops it, so the layers share that memory instead of each
+#: holding its own (a 4096-token prefill of the 4-layer example held 2.7 GB of them)
 KEEP_MAX_BYTES = 16 << 20
+
+
+def _capturing(buf) -> bool:
+    """Whether ``buf`` is a CuPy array made while the current stream is being captured."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(buf, cupy.ndarray) and cupy.cuda.get_current_stream().is_capturing()
 
 
 class BufferCache:
     """The buffers a layer owns, one per key (device, batch size, ...), made on first use and then
     kept: the next call with the same key allocates nothing, and a CUDA graph captured over a call
-    keeps pointing at live memory. A buffer of more than `KEEP_MAX_BYTES` is not kept: each call
-    makes its own (capture such calls with a memory pool private to the graph, as
-    ``examples/dsv4/runner.CapturedStep`` does)."""
+    keeps pointing at live memory. A buffer of more than `KEEP_MAX_BYTES` made outside a capture is
+    not kept: each call makes its own (one made during a capture is kept, since the graph writes it
+    at every replay)."""
 
     def __init__(self) -> None:
         self._buffers: dict = {}
 
     def get(self, key, make: Callable[[], object]):
         """The buffer for ``key``, made by ``make()`` the first time (every time when it is larger
-        than `KEEP_MAX_BYTES`)."""
+        than `KEEP_MAX_BYTES` and made outside a capture)."""
         buf = self._buffers.get(key)
         if buf is None:
             buf = make()
-            if getattr(buf, "nbytes", 0) <= KEEP_MAX_BYTES:
+            if getattr(buf, "nbytes", 0) <= KEEP_MAX_BYTES or _capturing(buf):
                 self._buffers[key] = buf
         return buf
 
