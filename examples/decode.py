@@ -75,11 +75,11 @@ def parse_args(argv=None):
 def make_config(args, official: dict | None = None) -> configs.ModelConfig:
     """The model's configuration: a saved folder's, an official config.json's (``official``, read
     from ``--config``) or a preset's."""
-    if args.load:
-        return runner.load_config(args.load)
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
+    if args.load:  # a saved folder's own config, or an official config.json beside converted weights
+        return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:
         return configs.from_official(official, args.layers or 4, **overrides)
     return configs.PRESETS[args.preset](args.layers or 4, **overrides)
@@ -249,9 +249,11 @@ def main(argv=None) -> int:
     official = read_official(args.config) if args.config and not args.load else None
     cfg = make_config(args, official)
     name = args.load or args.config or args.preset
+    if args.load:  # converted official weights: their config.json says what this model leaves out
+        official = runner.official_config(args.load)
     if official is not None:
         for part in configs.official_not_built(official):
-            print(f"{args.config}: not built here, so the model differs from the checkpoint's: {part}")
+            print(f"{args.load or args.config}: not built here, so the model differs from the checkpoint's: {part}")
     if not device:
         if cfg.hidden > 1024 and not args.numpy:
             print(f"no CUDA GPU found: {name!r} needs one; running 'tiny' on the numpy reference")
@@ -267,8 +269,10 @@ def main(argv=None) -> int:
     model, ckpt = runner.build(cfg, device=device, seed=args.seed, load=args.load, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p)
     print(f"built in {time.perf_counter() - t0:.1f} s; weights: "
-          + (f"read from {args.load}" if args.load else f"random (seed {args.seed})")
-          + ", so the generated token ids mean nothing")
+          + (f"read from {args.load}" if args.load else f"random (seed {args.seed}), so the generated token ids "
+                                                         "mean nothing"))
+    for line in model.load_report:
+        print(f"{args.load}: {line}")
     if comm is not None:
         whole = model.parallelize(comm, tp=args.tp is not None, ep=args.ep is not None)
         print(f"sharded over {comm.world_size} rank(s): tensor-parallel {args.tp is not None} "

@@ -13,19 +13,29 @@ from fp4kit.checkpoint import load_nvfp4, save_nvfp4
 from fp4kit.ops import elementwise as ew
 
 from . import config as configs
+from . import official
 from .init import random_checkpoint
 from .model import DecodeState, Model
 
 CONFIG_FILE = "fp4kit_model.json"
+OFFICIAL_CONFIG_FILE = "config.json"  # an official checkpoint's, which `fp4kit convert` copies
 
 
 def build(cfg: configs.ModelConfig, *, device: bool, seed: int = 0, load: str | None = None, **sampling):
-    """``(model, checkpoint)``: seeded random weights, or a checkpoint saved by `save`."""
+    """``(model, checkpoint)``: seeded random weights, or a checkpoint saved by `save`, or a
+    converted official DeepSeek-V4 checkpoint (``fp4kit convert``; its names mapped by
+    `official.from_official`, what that did beyond renaming in ``model.load_report``)."""
+    report = []
     if load is not None:
         ckpt = load_nvfp4(load, device="cuda" if device else None)
+        if official.is_official(ckpt):
+            ckpt, done = official.from_official(ckpt, cfg)
+            report = done.lines()
     else:
         ckpt = random_checkpoint(cfg, seed, device=device)
-    return Model(cfg, ckpt, device=device, seed=seed, **sampling), ckpt
+    model = Model(cfg, ckpt, device=device, seed=seed, **sampling)
+    model.load_report = report
+    return model, ckpt
 
 
 def save(path, cfg: configs.ModelConfig, ckpt) -> Path:
@@ -35,10 +45,30 @@ def save(path, cfg: configs.ModelConfig, ckpt) -> Path:
     return written
 
 
-def load_config(path) -> configs.ModelConfig:
+def _folder(path) -> Path:
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    return configs.ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+    return path if path.is_dir() else path.parent
+
+
+def official_config(path) -> dict | None:
+    """The official ``config.json`` beside converted weights (none beside a checkpoint `save` wrote)."""
+    folder = _folder(path)
+    if (folder / CONFIG_FILE).is_file() or not (folder / OFFICIAL_CONFIG_FILE).is_file():
+        return None
+    return json.loads((folder / OFFICIAL_CONFIG_FILE).read_text())
+
+
+def load_config(path, layers: int | None = None, **overrides) -> configs.ModelConfig:
+    """The configuration beside a checkpoint: the one `save` wrote (``fp4kit_model.json``), else an
+    official ``config.json`` (`config.from_official`: its first ``layers`` layers, all by default)."""
+    folder = _folder(path)
+    if (folder / CONFIG_FILE).is_file():
+        return configs.ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+    d = official_config(folder)
+    if d is not None:
+        return configs.from_official(d, layers, **overrides)
+    raise FileNotFoundError(f"{folder}: no {CONFIG_FILE} (a checkpoint saved by this example) and no "
+                            f"{OFFICIAL_CONFIG_FILE} (an official one) beside the weights")
 
 
 class CapturedStep:

@@ -1,0 +1,167 @@
+"""A converted official DeepSeek-V4 checkpoint as this model's checkpoint.
+
+``fp4kit convert`` keeps the official tensor names (the ``inference/`` layout) and writes the
+quantized linears in the ModelOpt NVFP4 layout. `from_official` maps such a checkpoint onto the
+names `Model` reads (`init.random_checkpoint`'s), for the architecture of ``cfg``:
+
+* linears keep their prefixes (``layers.{i}.attn.wq_a``, ``...ffn.experts.{e}.w1`` ...), but for
+  ``attn.wo_a`` (one ``[G * o_lora, H * D / G]`` weight, split here into its G group weights
+  ``wo_a.{g}`` by rows: exact, the block scales run along K), ``attn.indexer.wq_b`` (``indexer.wq``),
+  the shared expert ``ffn.shared_experts.{w1,w3,w2}`` (``ffn.shared.{gate,up,down}_proj``), the
+  routed experts' ``w1 / w3 / w2`` (``gate_proj / up_proj / down_proj``) and ``head`` (``lm_head``);
+* a linear the official checkpoint keeps in high precision (the compressors' fp32 ``wkv`` and
+  ``wgate``, a bf16 head or indexer projection) is quantized here with `fp4kit.quantize` (the TE
+  recipe) and listed in the report: this model runs every linear in NVFP4;
+* norms (``P.weight``) become fp32 ``P``, ``embed.weight`` ``embed``, ``attn.attn_sink``
+  ``attn.sink``, ``ffn.gate.tid2eid`` ``ffn.tid2eid``; the router's weight and bias keep theirs;
+* tensors of parts this model does not build (the hyper-connections' ``hc_*``, the MTP layers)
+  are left out and listed.
+
+Every tensor ``cfg`` needs is checked for presence and shape before anything is converted; a
+missing or misshapen one is refused naming it and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+import fp4kit
+from fp4kit.checkpoint import Checkpoint
+from fp4kit.formats import Nvfp4Tensor, to_linear
+
+from .config import ModelConfig
+
+#: official names of the shared expert's and the routed experts' three linears, and this model's
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@dataclass
+class Report:
+    """What `from_official` did beyond renaming."""
+
+    quantized_here: list[str] = field(default_factory=list)  # high-precision linears quantized at load
+    left_out: list[str] = field(default_factory=list)  # tensors of parts this model does not build
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.quantized_here:
+            out.append(f"quantized at load ({len(self.quantized_here)}, kept in high precision by the checkpoint): "
+                       + ", ".join(self.quantized_here[:6]) + (" ..." if len(self.quantized_here) > 6 else ""))
+        if self.left_out:
+            out.append(f"left out ({len(self.left_out)}, parts this model does not build): "
+                       + ", ".join(self.left_out[:6]) + (" ..." if len(self.left_out) > 6 else ""))
+        return out
+
+
+def is_official(ckpt: Checkpoint) -> bool:
+    """Whether ``ckpt`` uses the official names (``embed.weight``) rather than this model's (``embed``)."""
+    return "embed.weight" in ckpt.extra and "embed" not in ckpt.extra
+
+
+def _linears(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """``{official prefix: (this model's prefix, (out, in))}`` of every linear ``cfg`` needs."""
+    d, hd = cfg.hidden, cfg.heads * cfg.head_dim
+    out = {"head": ("lm_head", (cfg.vocab, d))}
+    for i, ratio in enumerate(cfg.compress_ratios):
+        p = f"layers.{i}.attn"
+        parts = {"wq_a": ("wq_a", (cfg.q_lora, d)), "wq_b": ("wq_b", (hd, cfg.q_lora)),
+                 "wkv": ("wkv", (cfg.head_dim, d)), "wo_a": ("wo_a", (cfg.o_groups * cfg.o_lora, hd // cfg.o_groups)),
+                 "wo_b": ("wo_b", (d, cfg.o_groups * cfg.o_lora))}
+        coff = 2 if ratio == 4 else 1
+        if ratio:
+            parts.update({f"compressor.{n}": (f"compressor.{n}", (coff * cfg.head_dim, d)) for n in ("wkv", "wgate")})
+        if ratio == 4:
+            parts["indexer.wq_b"] = ("indexer.wq", (cfg.index_heads * cfg.index_head_dim, cfg.q_lora))
+            parts["indexer.weights_proj"] = ("indexer.weights_proj", (cfg.index_heads, d))
+            parts.update({f"indexer.compressor.{n}": (f"indexer.compressor.{n}", (coff * cfg.index_head_dim, d))
+                          for n in ("wkv", "wgate")})
+        out.update({f"{p}.{k}": (f"{p}.{name}", shape) for k, (name, shape) in parts.items()})
+        f = f"layers.{i}.ffn"
+        shapes = {"w1": (cfg.inner, d), "w3": (cfg.inner, d), "w2": (d, cfg.inner)}
+        for w, shape in shapes.items():
+            out[f"{f}.shared_experts.{w}"] = (f"{f}.shared.{_EXPERT_NAMES[w]}", shape)
+            for e in range(cfg.experts):
+                out[f"{f}.experts.{e}.{w}"] = (f"{f}.experts.{e}.{_EXPERT_NAMES[w]}", shape)
+    return out
+
+
+def _others(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], object]]:
+    """``{official name: (this model's name, shape, dtype)}`` of every other tensor ``cfg`` needs."""
+    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+    out = {"embed.weight": ("embed", (cfg.vocab, cfg.hidden), bf16), "norm.weight": ("norm", (cfg.hidden,), f32)}
+    for i, ratio in enumerate(cfg.compress_ratios):
+        p = f"layers.{i}"
+        out[f"{p}.attn_norm.weight"] = (f"{p}.attn_norm", (cfg.hidden,), f32)
+        out[f"{p}.ffn_norm.weight"] = (f"{p}.ffn_norm", (cfg.hidden,), f32)
+        out[f"{p}.attn.q_norm.weight"] = (f"{p}.attn.q_norm", (cfg.q_lora,), f32)
+        out[f"{p}.attn.kv_norm.weight"] = (f"{p}.attn.kv_norm", (cfg.head_dim,), f32)
+        out[f"{p}.attn.attn_sink"] = (f"{p}.attn.sink", (cfg.heads,), f32)
+        coff = 2 if ratio == 4 else 1
+        if ratio:
+            out[f"{p}.attn.compressor.ape"] = (f"{p}.attn.compressor.ape", (ratio, coff * cfg.head_dim), f32)
+            out[f"{p}.attn.compressor.norm.weight"] = (f"{p}.attn.compressor.norm", (cfg.head_dim,), f32)
+        if ratio == 4:
+            c = f"{p}.attn.indexer.compressor"
+            out[f"{c}.ape"] = (f"{c}.ape", (ratio, 2 * cfg.index_head_dim), f32)
+            out[f"{c}.norm.weight"] = (f"{c}.norm", (cfg.index_head_dim,), f32)
+        f = f"{p}.ffn"
+        out[f"{f}.gate.weight"] = (f"{f}.gate.weight", (cfg.experts, cfg.hidden), None)  # bf16 or fp32, as stored
+        out[f"{f}.gate.bias"] = (f"{f}.gate.bias", (cfg.experts,), f32)
+        if i < cfg.hash_layers:
+            out[f"{f}.gate.tid2eid"] = (f"{f}.tid2eid", (cfg.vocab, cfg.top_k), np.dtype(np.int32))
+    return out
+
+
+def _split_rows(w: Nvfp4Tensor, parts: int) -> list[Nvfp4Tensor]:
+    """``parts`` equal row blocks of a weight, exactly (same codes, block scales and global scale)."""
+    w = to_linear(w)
+    n, k = w.shape
+    rows = n // parts
+    return [Nvfp4Tensor(w.packed[g * rows:(g + 1) * rows].copy(), w.block_scales[g * rows:(g + 1) * rows].copy(),
+                        w.global_scale, "linear", (rows, k)) for g in range(parts)]
+
+
+def from_official(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[Checkpoint, Report]:
+    """``(checkpoint in this model's names, report)`` of a converted official checkpoint (host or
+    device arrays, as loaded). Raises KeyError naming the first missing tensor, ValueError naming
+    the first one of the wrong shape."""
+    linears, others = _linears(cfg), _others(cfg)
+    for name, (_, shape) in linears.items():  # every check before any conversion
+        if name in ckpt.weights:
+            have = tuple(ckpt.weights[name].shape)
+        elif f"{name}.weight" in ckpt.extra:
+            have = tuple(ckpt.extra[f"{name}.weight"].shape)
+        else:
+            raise KeyError(f"checkpoint: no weight {name!r} (expected [{shape[0]}, {shape[1]}] for this config)")
+        if have != shape:
+            raise ValueError(f"checkpoint: {name!r} has shape {list(have)}, expected {list(shape)} for this config")
+    for name, (_, shape, _) in others.items():
+        if name not in ckpt.extra:
+            raise KeyError(f"checkpoint: no tensor {name!r} (expected shape {list(shape)} for this config)")
+        if tuple(ckpt.extra[name].shape) != shape:
+            raise ValueError(f"checkpoint: {name!r} has shape {list(ckpt.extra[name].shape)}, expected {list(shape)} "
+                             f"for this config")
+    out, report = Checkpoint(layout=ckpt.layout, quant_config=ckpt.quant_config, files=list(ckpt.files)), Report()
+    for name, (ours, _) in linears.items():
+        if name in ckpt.weights:
+            w = ckpt.weights[name]
+        else:  # kept in high precision by the checkpoint
+            w = fp4kit.quantize(ckpt.extra[f"{name}.weight"].astype(np.float32))
+            report.quantized_here.append(name)
+        if ours.endswith(".wo_a"):
+            for g, part in enumerate(_split_rows(w, cfg.o_groups)):
+                out.weights[f"{ours}.{g}"] = part
+        else:
+            out.weights[ours] = w
+        if name in ckpt.input_scales:
+            out.input_scales[ours] = ckpt.input_scales[name]
+    for name, (ours, _, dtype) in others.items():
+        v = ckpt.extra[name]
+        out.extra[ours] = v if dtype is None or v.dtype == dtype else v.astype(dtype)
+    used = set(others) | {f"{n}.weight" for n in linears}
+    report.left_out = sorted(n for n in ckpt.extra if n not in used)
+    report.left_out += sorted(n for n in ckpt.weights if n not in linears)
+    return out, report
