@@ -85,6 +85,19 @@ def test_save_load_round_trip_is_exact(rng, tmp_path):
         assert loaded.extra[name].dtype == a.dtype and np.array_equal(loaded.extra[name], a)
 
 
+def test_load_reads_only_what_keep_keeps(rng, tmp_path):
+    """``keep``: a predicate on quantized prefixes and other tensors' names; the rest is not read."""
+    weights = {f"layers.{i}.w": fp4kit.quantize(rng.standard_normal((4, 64)).astype(np.float32)) for i in range(3)}
+    extra = {f"layers.{i}.norm": np.ones(4, np.float32) for i in range(3)} | {"embed": np.zeros((2, 4), np.float32)}
+    path = ck.save_nvfp4(tmp_path / "ckpt", weights, extra=extra)
+    loaded = ck.load_nvfp4(path, keep=lambda name: not name.startswith("layers.2."))
+    assert sorted(loaded.weights) == ["layers.0.w", "layers.1.w"]
+    assert sorted(loaded.extra) == ["embed", "layers.0.norm", "layers.1.norm"]
+    assert np.array_equal(loaded.weights["layers.1.w"].packed, weights["layers.1.w"].packed)
+    with pytest.raises(TypeError, match="keep: expected a callable name -> bool or None, got list"):
+        ck.load_nvfp4(path, keep=["embed"])
+
+
 def test_tiled_load_is_the_gemm_layout_and_saves_back_the_same_bytes(rng, tmp_path):
     """load_nvfp4(tiled=True) gives the layout the layers use (one copy in a model built from it);
     saving a tiled weight writes the checkpoint layout, byte for byte."""

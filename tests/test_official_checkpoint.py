@@ -147,6 +147,24 @@ def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
     assert "decode:" in out
 
 
+def test_a_slice_reads_only_its_layers(tmp_path):
+    """`runner.build` on converted official weights with a two-layer configuration reads neither the
+    third layer's tensors nor the MTP layer's (`official.needed`)."""
+    cfg3 = configs.tiny(3)
+    src = miniature(cfg3)
+    src.extra["mtp.0.enorm.weight"] = np.ones(cfg3.hidden, BF16)
+    folder = tmp_path / "v4-mini"
+    save_nvfp4(folder, src.weights, extra=src.extra)
+    (folder / "config.json").write_text(json.dumps(official_json(3)))
+    cfg = runner.load_config(folder, 2)
+    model, ckpt = runner.build(cfg, device=False, load=str(folder))
+    assert not any(n.startswith("layers.2.") for n in [*ckpt.weights, *ckpt.extra])
+    assert any("left out (2, " in line for line in model.load_report)  # the two layers' hc_attn_fn only
+    keep = official.needed(cfg)
+    assert keep("layers.1.attn.wq_a") and keep("embed.weight") and keep("head")
+    assert not keep("layers.2.attn.wq_a") and not keep("mtp.0.enorm.weight") and not keep("layers.x.y")
+
+
 def test_a_folder_without_a_config_is_refused(tmp_path):
     folder = tmp_path / "bare"
     folder.mkdir()

@@ -18,7 +18,8 @@ names `Model` reads (`init.random_checkpoint`'s), for the architecture of ``cfg`
   are left out and listed.
 
 Every tensor ``cfg`` needs is checked for presence and shape before anything is converted; a
-missing or misshapen one is refused naming it and what was expected.
+missing or misshapen one is refused naming it and what was expected. `needed` selects what to read
+of a checkpoint for ``cfg`` (its layers only), so a slice of V4-Flash does not read the whole model.
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ class Report:
 def is_official(ckpt: Checkpoint) -> bool:
     """Whether ``ckpt`` uses the official names (``embed.weight``) rather than this model's (``embed``)."""
     return "embed.weight" in ckpt.extra and "embed" not in ckpt.extra
+
+
+def needed(cfg: ModelConfig):
+    """``keep(name)`` for `fp4kit.checkpoint.load_nvfp4`: the tensors of ``cfg``'s layers and the
+    model-wide ones (embedding, final norm, head, ...); not those of later layers or of the MTP
+    layers, so a slice of a large checkpoint reads only what it runs."""
+    def keep(name: str) -> bool:
+        if name.startswith("mtp."):
+            return False
+        if name.startswith("layers."):
+            index = name.split(".", 2)[1]
+            return index.isdigit() and int(index) < cfg.layers
+        return True
+
+    return keep
 
 
 def _linears(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:

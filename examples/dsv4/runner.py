@@ -27,7 +27,8 @@ def build(cfg: configs.ModelConfig, *, device: bool, seed: int = 0, load: str | 
     `official.from_official`, what that did beyond renaming in ``model.load_report``)."""
     report = []
     if load is not None:
-        ckpt = load_nvfp4(load, device="cuda" if device else None)
+        keep = official.needed(cfg) if official_config(load) is not None else None  # a slice reads its layers only
+        ckpt = load_nvfp4(load, device="cuda" if device else None, keep=keep)
         if official.is_official(ckpt):
             ckpt, done = official.from_official(ckpt, cfg)
             report = done.lines()

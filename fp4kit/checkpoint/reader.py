@@ -224,7 +224,7 @@ class CheckpointFiles:
         return not scales.any()
 
 
-def load_nvfp4(path, *, device=None, tiled: bool = False) -> Checkpoint:
+def load_nvfp4(path, *, device=None, tiled: bool = False, keep=None) -> Checkpoint:
     """Load an NVFP4 checkpoint (ModelOpt or compressed-tensors layout).
 
     Parameters
@@ -238,6 +238,9 @@ def load_nvfp4(path, *, device=None, tiled: bool = False) -> Checkpoint:
         from the file. The one meaning of ``device=`` in fp4kit (`fp4kit.runtime.device`): without
         a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``,
         before any file is opened.
+    keep : callable or None
+        ``keep(name) -> bool`` on each quantized prefix and each other tensor's name: only those it
+        keeps are read (e.g. the first layers of a model too large for one GPU); None reads all.
     tiled : bool
         Put every weight in the tiled GEMM layout (`fp4kit.formats.to_tiled`) as it is placed, the
         layout fp4kit's layers convert their device weights to when they are built: a model built
@@ -265,7 +268,11 @@ def load_nvfp4(path, *, device=None, tiled: bool = False) -> Checkpoint:
         )
     put = _placer(ordinal)
     result = Checkpoint(ckpt.layout, quant_config=ckpt.quant_config, files=[f.path for f in ckpt.files])
+    if keep is not None and not callable(keep):
+        raise TypeError(f"keep: expected a callable name -> bool or None, got {type(keep).__name__}")
     for prefix, q in ckpt.quantized.items():
+        if keep is not None and not keep(prefix):
+            continue
         packed = ckpt.read_packed(q)
         scales = ckpt.read_block_scales(q)
         stored, s = ckpt.read_scale(q.global_scale, q.layout, all_zero=not scales.any())
@@ -280,7 +287,8 @@ def load_nvfp4(path, *, device=None, tiled: bool = False) -> Checkpoint:
         if LAYOUTS[q.layout].stores_decode:
             result.decode_scales.update(scalars)
     for name in ckpt.extra_names:
-        result.extra[name] = put(ckpt.read(name))
+        if keep is None or keep(name):
+            result.extra[name] = put(ckpt.read(name))
     return result
 
 
