@@ -26,11 +26,15 @@ sys.path.insert(0, str(ROOT / "examples"))
 _OURS = (str(ROOT / "fp4kit"), str(ROOT / "examples"))
 
 
+_HELPERS = (str(ROOT / "fp4kit" / "runtime" / "workspace.py"),)  # allocate for their callers
+
+
 def allocation_site(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frame of ``stack`` in the library or the example model (``file:line
-    function``, the path relative to the repository), else the innermost frame."""
+    function``, the path relative to the repository), else the innermost frame. A workspace
+    helper's frames are passed over, so its buffers are named by the code that asked for them."""
     for frame in reversed(stack):
-        if frame.filename.startswith(_OURS):
+        if frame.filename.startswith(_OURS) and not frame.filename.startswith(_HELPERS):
             return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} {frame.name}"
     frame = stack[-1]
     return f"{frame.filename}:{frame.lineno} {frame.name}"

@@ -150,3 +150,8 @@ def test_memory_trace_counts_live_bytes_by_site():
              traceback.FrameSummary("/usr/lib/python3/cupy.py", 5, "empty")]
     assert memory_trace.allocation_site(stack) == "fp4kit/layers/moe.py:10 plan"
     assert memory_trace.allocation_site(stack[1:]) == "/usr/lib/python3/cupy.py:5 empty"
+    # a workspace helper allocates for its caller, which names the buffer
+    helper = [traceback.FrameSummary(f"{root}/fp4kit/ops/gemm.py", 20, "_stage_image"),
+              traceback.FrameSummary(f"{root}/fp4kit/runtime/workspace.py", 125, "_growing"),
+              traceback.FrameSummary("/usr/lib/python3/cupy.py", 5, "empty")]
+    assert memory_trace.allocation_site(helper) == "fp4kit/ops/gemm.py:20 _stage_image"
