@@ -49,8 +49,8 @@ def uniform(xp, seed: int, name: str, shape: tuple[int, ...], std: float, dtype=
     return ((u * np.float32(2.0) - np.float32(1.0)) * a).astype(dtype).reshape(shape)
 
 
-def _quant_names(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, int]]:
-    """Quantized linear weights ``{prefix: (out, in)}`` of layer i."""
+def linear_shapes(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, int]]:
+    """Quantized linear weights ``{prefix: (out, in)}`` of layer i (the routed experts too)."""
     p = f"layers.{i}.attn"
     d, hd = cfg.hidden, cfg.heads * cfg.head_dim
     shapes = {f"{p}.wq_a": (cfg.q_lora, d), f"{p}.wq_b": (hd, cfg.q_lora), f"{p}.wkv": (cfg.head_dim, d),
@@ -66,8 +66,9 @@ def _quant_names(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, i
         shapes[f"{p}.indexer.weights_proj"] = (cfg.index_heads, d)
         shapes[f"{p}.indexer.compressor.wkv"] = (coff * cfg.index_head_dim, d)
         shapes[f"{p}.indexer.compressor.wgate"] = (coff * cfg.index_head_dim, d)
-    f = f"layers.{i}.ffn.shared"
-    shapes.update({f"{f}.gate_proj": (cfg.inner, d), f"{f}.up_proj": (cfg.inner, d), f"{f}.down_proj": (d, cfg.inner)})
+    expert = {"gate_proj": (cfg.inner, d), "up_proj": (cfg.inner, d), "down_proj": (d, cfg.inner)}
+    for owner in ["shared"] + [f"experts.{e}" for e in range(cfg.experts)]:
+        shapes.update({f"layers.{i}.ffn.{owner}.{proj}": shape for proj, shape in expert.items()})
     return shapes
 
 
@@ -88,7 +89,7 @@ def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoin
 
     extra("embed", (cfg.vocab, cfg.hidden), 1.0, dtype=BF16)
     for i, ratio in enumerate(cfg.compress_ratios):
-        for name, shape in _quant_names(cfg, i, ratio).items():
+        for name, shape in linear_shapes(cfg, i, ratio).items():
             quantized(name, shape)
         p = f"layers.{i}"
         extra(f"{p}.attn_norm", (cfg.hidden,), 0.1, 1.0)
@@ -108,10 +109,6 @@ def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoin
         extra(f"{f}.gate.bias", (cfg.experts,), 0.01)
         if i < cfg.hash_layers:
             ckpt.extra[f"{f}.tid2eid"] = _hash_table(xp, seed, f"{f}.tid2eid", cfg)
-        for e in range(cfg.experts):
-            for proj, shape in (("gate_proj", (cfg.inner, cfg.hidden)), ("up_proj", (cfg.inner, cfg.hidden)),
-                                ("down_proj", (cfg.hidden, cfg.inner))):
-                quantized(f"{f}.experts.{e}.{proj}", shape)
     extra("norm", (cfg.hidden,), 0.1, 1.0)
     quantized("lm_head", (cfg.vocab, cfg.hidden))
     return ckpt

@@ -34,9 +34,12 @@ from fp4kit.checkpoint import Checkpoint
 from fp4kit.formats import Nvfp4Tensor, to_linear
 
 from .config import ModelConfig
+from .init import linear_shapes
 
-#: official names of the shared expert's and the routed experts' three linears, and this model's
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+#: this model's names -> the official ones, where they differ (a suffix of the prefix)
+_RENAMED = {".shared.gate_proj": ".shared_experts.w1", ".shared.up_proj": ".shared_experts.w3",
+            ".shared.down_proj": ".shared_experts.w2", ".gate_proj": ".w1", ".up_proj": ".w3", ".down_proj": ".w2",
+            ".indexer.wq": ".indexer.wq_b"}
 
 
 @dataclass
@@ -77,30 +80,25 @@ def needed(cfg: ModelConfig):
     return keep
 
 
+def _official_name(ours: str) -> str:
+    for suffix, theirs in _RENAMED.items():  # the shared expert's before the routed experts'
+        if ours.endswith(suffix):
+            return ours[: -len(suffix)] + theirs
+    return ours
+
+
 def _linears(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
-    """``{official prefix: (this model's prefix, (out, in))}`` of every linear ``cfg`` needs."""
-    d, hd = cfg.hidden, cfg.heads * cfg.head_dim
-    out = {"head": ("lm_head", (cfg.vocab, d))}
+    """``{official prefix: (this model's prefix, (out, in))}`` of every linear ``cfg`` needs (from
+    `init.linear_shapes`; the G groups of ``wo_a`` as one official weight)."""
+    out = {"head": ("lm_head", (cfg.vocab, cfg.hidden))}
     for i, ratio in enumerate(cfg.compress_ratios):
-        p = f"layers.{i}.attn"
-        parts = {"wq_a": ("wq_a", (cfg.q_lora, d)), "wq_b": ("wq_b", (hd, cfg.q_lora)),
-                 "wkv": ("wkv", (cfg.head_dim, d)), "wo_a": ("wo_a", (cfg.o_groups * cfg.o_lora, hd // cfg.o_groups)),
-                 "wo_b": ("wo_b", (d, cfg.o_groups * cfg.o_lora))}
-        coff = 2 if ratio == 4 else 1
-        if ratio:
-            parts.update({f"compressor.{n}": (f"compressor.{n}", (coff * cfg.head_dim, d)) for n in ("wkv", "wgate")})
-        if ratio == 4:
-            parts["indexer.wq_b"] = ("indexer.wq", (cfg.index_heads * cfg.index_head_dim, cfg.q_lora))
-            parts["indexer.weights_proj"] = ("indexer.weights_proj", (cfg.index_heads, d))
-            parts.update({f"indexer.compressor.{n}": (f"indexer.compressor.{n}", (coff * cfg.index_head_dim, d))
-                          for n in ("wkv", "wgate")})
-        out.update({f"{p}.{k}": (f"{p}.{name}", shape) for k, (name, shape) in parts.items()})
-        f = f"layers.{i}.ffn"
-        shapes = {"w1": (cfg.inner, d), "w3": (cfg.inner, d), "w2": (d, cfg.inner)}
-        for w, shape in shapes.items():
-            out[f"{f}.shared_experts.{w}"] = (f"{f}.shared.{_EXPERT_NAMES[w]}", shape)
-            for e in range(cfg.experts):
-                out[f"{f}.experts.{e}.{w}"] = (f"{f}.experts.{e}.{_EXPERT_NAMES[w]}", shape)
+        for ours, (n, k) in linear_shapes(cfg, i, ratio).items():
+            base, _, group = ours.rpartition(".")
+            if base.endswith(".wo_a"):  # wo_a.{g}: one [G * o_lora, K] weight, split by rows at load
+                if group == "0":
+                    out[base] = (base, (cfg.o_groups * n, k))
+                continue
+            out[_official_name(ours)] = (ours, (n, k))
     return out
 
 

@@ -549,18 +549,27 @@ def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
         return None
     if sms is None:
         sms = loader.current_sm_count()
-    per_sm = GEMV_MAX_BLOCKS_PER_SM[min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)]
-    held = m <= GEMV_HELD_MAX_M and per_sm * sms < 1 << 30  # a finite limit to hold the grid to
-    shape = gemv_config(m, n, k, sms, nvfp4_act, max_blocks=int(per_sm * sms) if held else None)
+    per_sm = GEMV_MAX_BLOCKS_PER_SM[_m_bucket(m)]
+    limit = _grid_limit(per_sm, sms) if m <= GEMV_HELD_MAX_M else None
+    shape = gemv_config(m, n, k, sms, nvfp4_act, max_blocks=limit)
     return shape if shape.row_groups <= per_sm * sms else None
+
+
+def _m_bucket(m: int) -> int:
+    """The key of the GEMV tables (`GEMV_MAX_BLOCKS_PER_SM`, ...) that covers ``m`` rows."""
+    return min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m)
+
+
+def _grid_limit(per_sm, sms: int) -> int | None:
+    """``per_sm`` blocks per SM as a grid to hold a launch to; None for no limit (0, None or infinite)."""
+    blocks = per_sm * sms if per_sm else 0
+    return max(1, int(blocks)) if 0 < blocks < 1 << 30 else None
 
 
 def grouped_gemv_max_blocks(m: int, sms: int | None = None) -> int | None:
     """The grid a grouped GEMV (`gemm_grouped`) is held to by `GROUPED_GEMV_MAX_BLOCKS_PER_SM`
     (None: no limit, 8 K slices per row tile whatever the grid)."""
-    per_sm = GROUPED_GEMV_MAX_BLOCKS_PER_SM.get(min(rows for rows in GEMV_MAX_BLOCKS_PER_SM if rows >= m))
-    blocks = per_sm * (sms or loader.current_sm_count()) if per_sm else 0
-    return max(1, int(blocks)) if 0 < blocks < 1 << 30 else None
+    return _grid_limit(GROUPED_GEMV_MAX_BLOCKS_PER_SM.get(_m_bucket(m)), sms or loader.current_sm_count())
 
 
 def gemv_shared_bytes(m: int, fetch_tiles: int, warps: int = _WARPS) -> int:
