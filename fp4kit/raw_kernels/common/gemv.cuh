@@ -209,6 +209,20 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         if (c_begin + F < c_end) fetch(c_begin + F, second);
     }
     pdl::wait_prior();  // the weights are in flight; everything below may depend on the kernel before
+    // The raw output factors and bias of this lane's two rows (g, g + 8), loaded now so that their
+    // round trip overlaps the mainloop instead of following it (`Epilogue::preload`)
+    // (4-tile fetches only: the 8-tile builds would spill the registers)
+    constexpr bool kPreload = F == kGroupChunks;
+    Epilogue ep = ep_in;
+    Epilogue::Row out_rows[2] = {};
+    if constexpr (kPreload) {
+        ep.preload();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned n = tile * 16 + g + 8 * h;
+            if (sk.splits == 1 && active && n < N) out_rows[h] = ep.row(n);
+        }
+    }
     // the mainloop: the two groups in turn, `step(group, c, s)` multiplying tiles c .. c + F - 1 held
     // in `group` (s: its parity) and refilling it
     auto each_group = [&](auto&& step) {
@@ -293,15 +307,15 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
             acc[v] = sum;
         }
     }
-    Epilogue ep = ep_in;
-    ep.init();
+    if constexpr (kPreload) ep.init_preloaded();
+    else ep.init();
     // D fragment: acc = (row g, tokens 2t, 2t + 1), (row g + 8, the same tokens)
     if (sk.splits == 1) {
         if (slice != 0 || !active) return;
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
             const unsigned n = tile * 16 + g + 8 * (v >> 1), token = 2 * t + (v & 1);
-            if (token < M && n < N) ep.store(token, n, N, acc[v]);
+            if (token < M && n < N) ep.store_row(token, n, N, acc[v], kPreload ? out_rows[v >> 1] : ep.row(n));
         }
         return;
     }
