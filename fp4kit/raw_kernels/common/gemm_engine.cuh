@@ -443,12 +443,16 @@ struct Epilogue {
     float w_dec, a_dec;  // 1 / S_w (unused with row_decode) and 1 / S_a (1 for W4A16)
 
     __device__ __forceinline__ void init() {
-        w_dec = row_decode ? 0.0f : (w_decode ? *w_decode : __fdiv_rn(1.0f, *w_global));
-        a_dec = act_global ? __fdiv_rn(1.0f, *act_global) : 1.0f;
+        preload();
+        init_preloaded();
     }
 
     __device__ __forceinline__ float alpha(unsigned n, float unscale) const {
-        return __fmul_rn(__fmul_rn(row_decode ? row_decode[n] : w_dec, a_dec), unscale);
+        return row_alpha(row_decode ? row_decode[n] : 0.0f, unscale);
+    }
+    // alpha of a row whose row_decode entry (ignored without row_decode) is `decode`
+    __device__ __forceinline__ float row_alpha(float decode, float unscale) const {
+        return __fmul_rn(__fmul_rn(row_decode ? decode : w_dec, a_dec), unscale);
     }
 
     // y = sum * alpha * unscale (+ bias) into out[token, n]
@@ -482,8 +486,7 @@ struct Epilogue {
     }
     __device__ __forceinline__ void store_row(unsigned token, unsigned n, unsigned N, float sum, Row r,
                                               float unscale = kWeightUnscale) const {
-        const float a = __fmul_rn(__fmul_rn(row_decode ? r.decode : w_dec, a_dec), unscale);  // = alpha(n, unscale)
-        float y = __fmul_rn(sum, a);
+        float y = __fmul_rn(sum, row_alpha(r.decode, unscale));
         if (bias_kind) y = __fadd_rn(y, r.bias);
         const size_t index = (size_t)(out_row_base + token) * (out_ld ? out_ld : N) + out_col + n;
         if (out_f32) static_cast<float*>(out)[index] = y;
