@@ -8,6 +8,7 @@ import pytest
 
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
 from fp4kit.layers import moe as moe_layer
+from fp4kit.ops import moe as moe_ops
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import moe as ref
 from fp4kit.runtime import status
@@ -64,8 +65,6 @@ def test_routing_matches_reference(rng, routing, t):
         gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
         bias = rng.standard_normal(e).astype(np.float32) * 0.1
         x = rng.standard_normal((t, h)).astype(BF16)
-        from fp4kit.ops import moe as moe_ops
-
         ids = cp.empty((t, routing.top_k), cp.int32)
         weights = cp.empty((t, routing.top_k), cp.float32)
         counts = cp.zeros(e, cp.uint32)
@@ -133,6 +132,27 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
     x = (rng.standard_normal((t, h)) * 2).astype(BF16)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
     assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+
+
+@pytest.mark.parametrize("t", [2, 5, 8, 9, 19])
+def test_folded_shared_expert_rows_equal_single_token_calls(rng, monkeypatch, t):
+    """A folded shared expert's gate|up blocks take up to 8 tokens, one per MMA column (the
+    routed blocks repeat their one token there): in W4A16 every launch of the small-T path is per
+    token, so each output row is bit for bit the layer's output for that token alone, whichever
+    column and block (9 and 19 tokens: two and three blocks, the last part-filled) it took."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    monkeypatch.setattr(moe_layer, "FOLD_SHARED_MAX_TOKENS", 1 << 30)
+    monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", 2)  # the same K split (summation order) at every T
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
+    shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode="w4a16")
+    dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, mode="w4a16", shared=shared)
+    assert dev._folds_shared(t) and dev._folds_shared(1)
+    x = cp.asarray((rng.standard_normal((t, 512)) * 2).astype(BF16))
+    y = dev(x).copy()
+    assert float(cp.abs(y.astype(cp.float32)).max()) > 0
+    for i in range(t):
+        alone = dev(x[i:i + 1])
+        assert cp.array_equal(y[i:i + 1].view(cp.uint16), alone.view(cp.uint16)), f"token {i} of {t}"
 
 
 @pytest.mark.parametrize("x_dtype", [BF16, np.float32])
@@ -304,7 +324,6 @@ def _plan_buffers(e, pairs):
 
 @pytest.mark.parametrize("t, k, e", [(1, 6, 256), (37, 6, 64), (300, 8, 256), (5, 2, 1024)])
 def test_dispatch_kernel_matches_reference(rng, t, k, e):
-    from fp4kit.ops import moe as moe_ops
     from fp4kit.reference import dist as dist_ref
 
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
@@ -348,8 +367,6 @@ def test_dispatch_after_the_device_router_is_a_consistent_plan(rng):
 @pytest.mark.parametrize("with_shared", [False, True])
 @pytest.mark.parametrize("t, k, h", [(1, 6, 4096), (33, 8, 7168), (64, 2, 16)])
 def test_combine_kernel_matches_reference(rng, weighted, with_shared, t, k, h):
-    from fp4kit.ops import moe as moe_ops
-
     pairs = t * k
     y = (rng.standard_normal((pairs, h)) * rng.lognormal(0, 2, (pairs, 1))).astype(np.float32)
     slot_row = rng.permutation(pairs).astype(np.uint32)

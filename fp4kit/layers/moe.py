@@ -59,12 +59,15 @@ SCORE_FUNCS = moe_ref.SCORE_FUNCS
 SMALL_MAX_ASSIGNMENTS = 64
 #: on the small-T path, a `SharedExpert` rides in the two launches as one more expert that every
 #: token selects, instead of its own launches (gate_up, SwiGLU + quantize, down) -- up to
-#: `FOLD_SHARED_MAX_TOKENS` tokens (its weights are streamed once per token) and while the routed
-#: slots and the shared one fit the 8 warps of a down-projection block. H200, W4A4, V4-Flash:
-#: 87 -> 74 us at T = 1, 110 -> 103 at T = 2, 169 -> 166 at T = 4, 266 -> 281 at T = 8; V3
-#: (top-8: 9 slots) 131 -> 138 at T = 1
+#: `FOLD_SHARED_MAX_TOKENS` tokens and while the routed slots and the shared one fit the 8 warps of
+#: a down-projection block. Its gate|up blocks take 8 tokens each (one per MMA column), so its
+#: gate|up weights are streamed once per 8 tokens; its down weights once per token (from L2 after
+#: the first). H200, V4-Flash, graph-replayed, apart -> folded: W4A16 64.8 -> 50.4 us at T = 1,
+#: 94.4 -> 78.8 at T = 2, 142.6 -> 140.5 at T = 4, 199.8 -> 186.9 at T = 6, 238.1 -> 227.4 at
+#: T = 8; W4A4 78.3 -> 61.5, 110.5 -> 93.0, 163.1 -> 157.3, 223.1 -> 207.9, 263.5 -> 251.3.
+#: (With one block per token it lost at T = 8: W4A4 266 -> 281.) V3 (top-8: 9 slots) never folds.
 FOLD_SHARED = True
-FOLD_SHARED_MAX_TOKENS = 4
+FOLD_SHARED_MAX_TOKENS = 8
 #: W4A4 on the small-T path in three launches: the router launch writes each token's max |x|, the
 #: gate|up launch quantizes the input in its blocks (the global amax from those maxima, the
 #: quantize kernels' recipe bit for bit) and writes each block's max |SwiGLU output|, the down

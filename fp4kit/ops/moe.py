@@ -119,6 +119,9 @@ def _tile_chunks(k: int) -> int:
 #: gate|up pairs (16 inner rows each) per block of the small-T first launch: its 8 warps split K
 #: 8 / pairs ways; None picks by size (`small_pairs_per_block`)
 SMALL_PAIRS_PER_BLOCK = None
+#: tokens per block of a folded shared expert in the small-T first launch: the 8 columns of the
+#: m16n8k16 MMA (moe.cu kSharedTokens)
+SHARED_TOKENS_PER_BLOCK = 8
 #: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
 SMALL_GATE_UP_VARIANT = "d2c1"
 SMALL_DOWN_VARIANT = "d1c2b4"
@@ -183,7 +186,9 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
 
     ``shared``: ``(gate_up weight [2I, H] interleaved, its row_decode or None, its limit)`` of a
     shared expert folded in as one more expert that every token selects: rows ``T * top_k + t`` of
-    ``out`` are its SwiGLU output for token ``t`` (no routing weight).
+    ``out`` are its SwiGLU output for token ``t`` (no routing weight). Its blocks take up to
+    `SHARED_TOKENS_PER_BLOCK` tokens each (one per MMA column), so its weights are streamed once
+    per 8 tokens.
 
     ``x_amax`` (W4A4 in three launches): ``act`` is the raw layer input (bf16 or fp32), quantized
     in the blocks with the global amax of `route_small`'s per-token maxima; each block writes the
@@ -193,7 +198,10 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     h = gs.shape[2]
     inner = out.shape[1]
     routed = ids.size
-    blocks_y = routed + (0 if shared is None else ids.shape[0])
+    tokens = ids.shape[0]
+    # a shared expert's blocks take up to SHARED_TOKENS_PER_BLOCK tokens each (moe.cu gate_up)
+    shared_rows = 1 if shared is None else min(tokens, SHARED_TOKENS_PER_BLOCK)
+    blocks_y = routed + (0 if shared is None else -(-tokens // SHARED_TOKENS_PER_BLOCK))
     s_gate = s_up = None
     s_limit = None
     if shared is not None:
@@ -212,7 +220,8 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     else:
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
     grid = (-(-inner // (16 * pp)), blocks_y)
-    kernel.launch(grid, 256, args, shared_mem=_tile_chunks(h) * TILE_K * 2)
+    # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
+    kernel.launch(grid, 256, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
     return grid
 
 

@@ -433,11 +433,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
 // The small-T path (decode): no dispatch. Every (token, slot) assignment is a GEMV work item read
 // straight from the router's ids; the weights of an expert are streamed once per assignment.
 //
-//   moe_small_gate_up_{bf16,nvfp4}  grid (I / 16, T * top_k), 256 threads: block (p, a) computes
-//                  gate rows 16p .. 16p + 15 and the matching up rows of expert ids[a] for the token
-//                  of assignment a (its 8 warps split K and add their partials in warp order), then
-//                  SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k, I] for the
-//                  amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
+//   moe_small_gate_up_{bf16,nvfp4}  grid (I / 16, T * top_k [+ ceil(T / 8)]), 256 threads: block
+//                  (p, a) computes gate rows 16p .. 16p + 15 and the matching up rows of expert ids[a]
+//                  for the token of assignment a (its 8 warps split K and add their partials in warp
+//                  order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
+//                  I] for the amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
+//                  A folded shared expert's blocks take up to 8 tokens each, one per column of the
+//                  MMA's 8 (a routed block repeats its one token there), so its weights are streamed
+//                  once for up to 8 tokens with the same instructions.
 //   moe_small_down_{bf16,nvfp4}     grid (H / 16, T), 256 threads: block (r, t) computes output rows
 //                  16r .. 16r + 15 of token t: warp j the down projection of slot j (full K, as the
 //                  grouped GEMM's warps do), then the weighted sum over the slots in slot order (the
@@ -620,10 +623,18 @@ struct Swiglu {
     int has_limit;
 };
 
+// Tokens of the shared expert per block: the 8 columns of an m16n8k16 MMA.
+constexpr unsigned kSharedTokens = 8;
+
+// The staged rows of a block: the row of MMA column n is n (below `count`), else row 0; rows are
+// `ld` bf16 apart, ld = Kp + 8 so that the 8 columns' 16-byte loads of one MMA step fall in
+// distinct banks (a multiple of 128 bytes apart, they would all hit the same ones).
+__device__ __forceinline__ unsigned staged_ld(unsigned kp) { return kp + 8; }
+
 // Blocks (p, a) with a < routed take the routed assignment a (expert ids[a], token a / top_k, the
 // routing weight as row factor); a >= routed the shared expert (one more always-selected expert,
-// its own weights and clamp) for token a - routed. Rows of `out`: the routed assignments, then
-// the shared expert's tokens.
+// its own weights and clamp) for tokens 8 (a - routed) .. + 7 (those below T = routed / top_k),
+// one per MMA column. Rows of `out`: the routed assignments, then the shared expert's tokens.
 template <int D, int C, bool kWhole, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
@@ -631,10 +642,13 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
                         int out_f32) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __shared__ float partial[kWarps][2][16];
+    __shared__ float partial[kWarps][2][kSharedTokens][16];
     __shared__ unsigned table[256];
     const unsigned a = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool shared = a >= routed;  // block-uniform
+    // this block's tokens: first, first + 1, ... (count of them)
+    const unsigned first = shared ? (a - routed) * kSharedTokens : a / top_k;
+    const unsigned count = shared ? min(kSharedTokens, routed / top_k - first) : 1u;
     const StackRows gate = shared ? s_gate : r_gate, up = shared ? s_up : r_up;
     // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
     const unsigned ks = kWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
@@ -659,43 +673,57 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
     stage.prepare(table);
     __syncthreads();
-    stage.token(shared ? a - routed : a / top_k, act_s, chunks * gemm::kTileK, table);
+    const unsigned kp = chunks * gemm::kTileK, ld = staged_ld(kp);
+    for (unsigned n = 0; n < count; ++n) stage.token(first + n, act_s + (size_t)n * ld, kp, table);
     settle();
     __syncthreads();
     float acc[2][4] = {};
-    gemv.run(act_s, acc);
-    if ((lane & 3) == 0) {
+    // MMA column lane / 4: token lane / 4 of a shared block, the block's one token otherwise
+    const unsigned column = lane >> 2, row_of_lane = column < count ? column : 0u;
+    gemv.run(act_s + (size_t)row_of_lane * ld, acc);
+    // acc[r][v] is output row lane / 4 + 8 (v / 2) of MMA column 2 (lane % 4) + v % 2
 #pragma unroll
-        for (int r = 0; r < 2; ++r) partial[warp][r][lane >> 2] = acc[r][0], partial[warp][r][(lane >> 2) + 8] = acc[r][2];
-    }
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const unsigned n = 2 * (lane & 3) + (v & 1);
+            if (n < count) partial[warp][r][n][(lane >> 2) + 8 * (v >> 1)] = acc[r][v];
+        }
     __syncthreads();
     const unsigned q = threadIdx.x / 16, i = threadIdx.x % 16, pair = blockIdx.x * pairs_per_block + q;
     const bool writes = threadIdx.x < 16 * pairs_per_block && pair < I / 16;
     unsigned v_bits = 0;  // |v| as fp32 bits: this block's share of the amax
     if (writes) {
         const float a_dec = stage.a_dec(false);
-        float y[2];
+        const Swiglu sw = shared ? s_swiglu : r_swiglu;
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float sum = 0.0f;  // the K parts in order
-            for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][i]);
             const StackRows& st = r == 0 ? gate : up;
-            // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
-            y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, st.alpha(e, (pair * st.step + st.first) * 16 + i, a_dec))));
+            alpha[r] = st.alpha(e, (pair * st.step + st.first) * 16 + i, a_dec);
         }
-        // SwiGLU as quant.cu's SwigluSource computes it
-        const Swiglu sw = shared ? s_swiglu : r_swiglu;
-        float g = y[0], u = y[1];
-        if (sw.has_limit) {
-            g = g > sw.limit ? sw.limit : g;
-            u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
+        for (unsigned n = 0; n < count; ++n) {
+            float y[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float sum = 0.0f;  // the K parts in order
+                for (unsigned w = q * ks; w < (q + 1) * ks; ++w) sum = __fadd_rn(sum, partial[w][r][n][i]);
+                // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
+                y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, alpha[r])));
+            }
+            // SwiGLU as quant.cu's SwigluSource computes it
+            float g = y[0], u = y[1];
+            if (sw.has_limit) {
+                g = g > sw.limit ? sw.limit : g;
+                u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
+            }
+            float v = __fmul_rn(fp4_silu(g), u);
+            if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
+            const size_t index = (size_t)(shared ? routed + first + n : a) * I + pair * 16 + i;
+            if (out_f32) static_cast<float*>(out)[index] = v;
+            else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
+            v_bits = max(v_bits, fp4_abs_bits(v));
         }
-        float v = __fmul_rn(fp4_silu(g), u);
-        if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
-        const size_t index = (size_t)a * I + pair * 16 + i;
-        if (out_f32) static_cast<float*>(out)[index] = v;
-        else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(v);
-        v_bits = fp4_abs_bits(v);
     }
     if (out_amax) {  // W4A4 with the quantization in the next launch: one max per block, plain stores
         v_bits = block_max_bits(v_bits);
