@@ -152,6 +152,30 @@ def test_concatenated_linears_equal_the_parts(rng, mode):
     assert Linear.concatenate(parts[:1]).split_sizes == [40]
 
 
+def test_column_blocks_are_the_output_columns_apart(rng):
+    """`gemm(..., column_blocks=)` writes block j as its own C-contiguous [M, N_j] matrix at element
+    M * c_j of a flat output (numpy: the reference's columns copied there); `Linear.call_split`
+    equals `split(self(x))`. Bad block lists are refused by name."""
+    w = qref.quantize(rng.standard_normal((96, 64)).astype(np.float32))
+    x = rng.standard_normal((2, 3, 64)).astype(BF16)
+    full = gemm(x, w)
+    flat = np.full(6 * 96, np.nan, BF16)
+    blocks = gemm(x, w, out=flat, column_blocks=[40, 16, 40])
+    for got, (c, n) in zip(blocks, ((0, 40), (40, 16), (56, 40))):
+        assert got.shape == (2, 3, n) and got.flags.c_contiguous and np.shares_memory(got, flat)
+        assert np.array_equal(got.view(np.uint16), full[..., c:c + n].view(np.uint16))
+    assert np.array_equal(flat[:6 * 40].reshape(6, 40).view(np.uint16), full.reshape(6, 96)[:, :40].view(np.uint16))
+    for bad in ([40, 16], [96, 0], [True, 95], [48.0, 48]):
+        with pytest.raises(ValueError, match="column_blocks: expected positive ints adding up to N = 96"):
+            gemm(x, w, column_blocks=bad)
+    with pytest.raises(ValueError, match="out"):
+        gemm(x, w, out=np.empty((6, 96), BF16), column_blocks=[40, 56])
+    parts = [Linear.from_float(rng.standard_normal((n, 64)).astype(np.float32), mode="w4a16") for n in (32, 16)]
+    fused = Linear.concatenate(parts)
+    for got, want in zip(fused.call_split(x), fused.split(fused(x))):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_concatenate_refuses_parts_it_cannot_join(rng):
     w = rng.standard_normal((16, 64)).astype(np.float32)
     a = Linear.from_float(w)

@@ -271,6 +271,38 @@ def test_concatenated_linears_on_the_device(rng, mode):
             assert ref.calc_diff(cp.asnumpy(got).astype(np.float32), host(x).astype(np.float32)) < BOUND, (m, mode)
 
 
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("m", [2, 8, 12, 40, 600])
+def test_column_blocked_output_equals_the_split(rng, mode, m):
+    """`Linear.call_split`: the GEMM writes each part of a concatenated projection C-contiguous
+    (column blocks, no split launch) with the bits of `split(self(x))`, on every path: the GEMV
+    (2, 8 rows), mma.sync (12), wgmma (40), the prefill epilogue (600), with a bias and per-row
+    decode factors; widths that are not multiples of a tile."""
+    k = 512
+    ws = [(rng.standard_normal((n, k)) * s).astype(np.float32) for n, s in ((1024, 1.0), (520, 40.0), (72, 0.01), (200, 3.0))]
+    parts = [Linear.from_float(cp.asarray(w), mode=mode, bias=cp.asarray(rng.standard_normal(w.shape[0]).astype(np.float32)))
+             for w in ws]
+    fused = Linear.concatenate(parts)
+    x = cp.asarray((rng.standard_normal((m, k)) * 3).astype(BF16))
+    want = [p.copy() for p in fused.split(fused(x))]
+    got = fused.call_split(x)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert g.flags.c_contiguous and cp.array_equal(g.view(cp.uint16), w.view(cp.uint16)), (m, j)
+
+
+def test_column_blocks_over_several_mma_sync_launches(rng, monkeypatch):
+    """Where the GEMM takes several launches (mma.sync, 64 rows each: Hopper with the wgmma
+    kernels off here) the blocks are copied apart after it: the same bits."""
+    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30)
+    w = tiled(weight(rng, 96, 256))
+    x = cp.asarray(rng.standard_normal((130, 256)).astype(BF16))
+    full = gemm(x, w)
+    blocks = gemm(x, w, out=cp.empty(130 * 96, BF16), column_blocks=(32, 64))
+    assert cp.array_equal(blocks[0].view(cp.uint16), full[:, :32].view(cp.uint16))
+    assert cp.array_equal(blocks[1].view(cp.uint16), full[:, 32:].view(cp.uint16))
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("groups, n_g, k", [(8, 128, 256), (2, 256, 512), (1, 128, 4096)])
 def test_grouped_gemm_equals_one_gemm_per_group(rng, m, groups, n_g, k):

@@ -52,6 +52,9 @@ from .config import ModelConfig
 #: the attention projections that read the same input run as one concatenated Linear each (one
 #: activation quantization and one GEMM instead of one of each per projection)
 FUSE_PROJECTIONS = True
+#: a concatenated projection's GEMM writes its parts apart, each C-contiguous (`Linear.call_split`:
+#: column blocks), instead of one output split by a launch of its own at more than one row
+SPLIT_IN_GEMM = True
 
 
 class Projections:
@@ -68,7 +71,9 @@ class Projections:
     def __call__(self, x) -> list:
         if self.fused is None:
             return [p(x) for p in self.parts]
-        y = self.fused(x)  # a Linear, or its tensor-parallel form
+        if SPLIT_IN_GEMM and isinstance(self.fused, Linear):
+            return self.fused.call_split(x)
+        y = self.fused(x)  # its tensor-parallel form
         out = None
         if arrays.is_device_array(y) and y.size > y.shape[-1]:  # more than one row: one launch splits
             import cupy

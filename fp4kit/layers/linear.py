@@ -136,6 +136,22 @@ class Linear:
             out = self._buffers.get(("split", tuple(y.shape)), lambda: cupy.empty(y.size, arrays.BF16))
         return split_columns(y, self.split_sizes, out=out)
 
+    def call_split(self, x) -> list:
+        """``split(self(x))`` without the split: on the device, for more than one row, the GEMM
+        writes the parts column-blocked (`fp4kit.ops.gemm.gemm` ``column_blocks``) into this
+        layer's buffer for the shape, so each part comes out C-contiguous with no split launch
+        (overwritten by the next call with that shape)."""
+        x = arrays.as_array(x, "x")
+        if len(self.split_sizes) == 1 or not arrays.is_device_array(x) or x.size == x.shape[-1]:
+            return self.split(self(x))  # one row: the parts are views of the output
+        import cupy
+
+        lead = tuple(x.shape[:-1])
+        out = self._buffers.get(("parts", lead), lambda: cupy.empty(x.size // x.shape[-1] * self.out_features,
+                                                                     arrays.BF16))
+        return gemm_ops.gemm(self._input(x), self.weight, bias=self.bias, row_decode=self.row_decode, out=out,
+                             decode_max_m=self.decode_max_m, column_blocks=self.split_sizes)
+
     def _output_buffer(self, lead: tuple):
         import cupy
 
@@ -165,11 +181,15 @@ class Linear:
         ``out`` the result is a buffer owned by the layer and overwritten by the next call with the
         same input shape (what a captured decode step wants); pass ``out`` to keep results.
         """
+        return self.gemm(self._input(x), out=out)
+
+    def _input(self, x):
+        """The GEMM's activation for ``x``: ``x`` itself (W4A16), or ``x`` quantized (W4A4)."""
         x = arrays.as_array(x, "x")
         if self.mode == "w4a16":
-            return self.gemm(x, out=out)
+            return x
         act = self._activation_buffer(tuple(x.shape[:-1])) if arrays.is_device_array(x) else None
-        return self.gemm(quant_ops.quantize(x, global_scale=self.input_scale, out=act), out=out)
+        return quant_ops.quantize(x, global_scale=self.input_scale, out=act)
 
 
 def split_columns(y, sizes, *, out=None) -> list:

@@ -250,6 +250,7 @@ def gemm(
     out=None,
     out_dtype=arrays.BF16,
     decode_max_m: int | None = None,
+    column_blocks=None,
 ):
     """``y[..., N] = alpha * A @ W^T (+ bias)``.
 
@@ -269,6 +270,14 @@ def gemm(
         Largest row count that takes the engine (capturable in a CUDA graph); above it the
         dequantize + cuBLAS path. Default: `DECODE_MAX_M` on Hopper, `DECODE_MAX_M_MMA_SYNC`
         elsewhere.
+    column_blocks : sequence of positive ints adding up to N, optional
+        Write the output column-blocked: block j (columns ``c_j .. c_j + N_j - 1``) as its own
+        C-contiguous ``[M, N_j]`` matrix starting at element ``M * c_j``, the blocks one after
+        another (e.g. the parts of a concatenated projection, `fp4kit.layers.Linear.parts`).
+        ``out`` is then a flat ``[M * N]`` array and the result is the list of the blocks'
+        ``[..., N_j]`` views. The engine (in one launch) and the prefill epilogue write the blocks
+        directly (no split launch); a GEMM of several launches (mma.sync above 64 rows) copies
+        them apart after it.
 
     ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -284,7 +293,11 @@ def gemm(
     out_dtype = np.dtype(out.dtype if out is not None else out_dtype)
     if out_dtype not in (arrays.BF16, np.dtype(np.float32)):
         raise TypeError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
-    if out is not None:
+    if column_blocks is not None:
+        column_blocks = _check_column_blocks(column_blocks, n)
+        if out is not None:
+            arrays.check_out("out", out, (m * n,), out_dtype, w.packed)
+    elif out is not None:
         arrays.check_out("out", out, (*lead, n), out_dtype, w.packed)
     if decode_max_m is not None and (not isinstance(decode_max_m, (int, np.integer)) or decode_max_m < 0):
         raise ValueError(f"decode_max_m: expected a non-negative int, got {decode_max_m!r}")
@@ -292,24 +305,36 @@ def gemm(
         raise ValueError(f"gemm: M={m}, N={n}, K={k} is too large for 32-bit indexing; split the call")
 
     if not arrays.is_device_array(w.packed):
-        return arrays.host_result(ref.gemm(a, w, bias, row_decode, out_dtype).reshape(*lead, n), out)
+        y = ref.gemm(a, w, bias, row_decode, out_dtype).reshape(m, n)
+        if column_blocks is None:
+            return arrays.host_result(y.reshape(*lead, n), out)
+        flat = np.empty(m * n, out_dtype) if out is None else out
+        return _copy_blocks(y, column_block_views(flat, lead, column_blocks), column_blocks)
 
     import cupy
 
-    out = cupy.empty((*lead, n), dtype=out_dtype) if out is None else out
+    if out is None:
+        out = cupy.empty(m * n if column_blocks else (*lead, n), dtype=out_dtype)
+    result = out if column_blocks is None else column_block_views(out, lead, column_blocks)
     if m == 0:
-        return out
+        return result
+    parts = None if column_blocks is None else _device_boundaries(column_blocks, out.device.id)
     epilogue = (w.global_scale, _ptr(row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32))
     capability = loader.compute_capability(out.device.id)
     if decode_max_m is None:
         decode_max_m = default_decode_max_m(capability)
-    if m > decode_max_m:
-        _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k)), plain=bias is None and row_decode is None)
-        return out
-    rows = out.reshape(m, n)
     wgmma = uses_wgmma(m, capability)
     step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
+    if column_blocks is not None and m <= decode_max_m and m > step:
+        # launches of 64 rows each: one [M, N] result, then the blocks copied apart
+        y = gemm(a, w, bias=bias, row_decode=row_decode, out_dtype=out_dtype, decode_max_m=decode_max_m)
+        return _copy_blocks(y.reshape(m, n), result, column_blocks)
+    if m > decode_max_m:
+        plain = bias is None and row_decode is None and column_blocks is None
+        _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k), _ptr(parts)), plain=plain)
+        return result
+    rows = out.reshape(m, n) if column_blocks is None else out
     predequantized = isinstance(a, Nvfp4Tensor) and predequantizes(m, n, k, wgmma)
     if predequantized:
         x16 = _dequantize_unscaled(a, m, k, "gemm.a16", capturable=True)
@@ -321,8 +346,50 @@ def gemm(
             act = (a.packed.reshape(m, k // 2)[m0:], a.block_scales.reshape(m, k // BLOCK_SIZE)[m0:], a.global_scale)
         else:
             act = (a.reshape(m, k)[m0:], 0)
-        _launch(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k, wgmma)
-    return out
+        _launch(w, act, (*epilogue[:4], rows[m0:], *epilogue[5:]), ms, n, k, wgmma, parts=parts)
+    return result
+
+
+def _check_column_blocks(column_blocks, n: int) -> tuple:
+    sizes = tuple(column_blocks)
+    if not sizes or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1
+                        for v in sizes) or sum(sizes) != n:
+        raise ValueError(f"column_blocks: expected positive ints adding up to N = {n}, got {list(sizes)}")
+    return tuple(int(v) for v in sizes)
+
+
+def _column_starts(sizes: tuple) -> list:
+    """``(first column, width)`` of each block."""
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    return list(zip(starts, sizes))
+
+
+def column_block_views(flat, lead: tuple, sizes) -> list:
+    """The ``[*lead, N_j]`` views of the column blocks in a flat ``[M * N]`` array (see `gemm`)."""
+    m = int(np.prod(lead, dtype=np.int64))
+    return [flat[m * c:m * (c + width)].reshape(*lead, width) for c, width in _column_starts(tuple(sizes))]
+
+
+def _copy_blocks(y, views: list, sizes: tuple) -> list:
+    for view, (c, width) in zip(views, _column_starts(sizes)):
+        view[...] = y[:, c:c + width].reshape(view.shape)
+    return views
+
+
+#: device copies of column-block boundaries, by (blocks, device): made by a call's first (eager)
+#: run, reused by its captured replays
+_BOUNDARIES: dict = {}
+
+
+def _device_boundaries(sizes: tuple, device: int):
+    """The epilogue's table (gemm_engine.cuh ``Epilogue::out_parts``): the P + 1 boundaries."""
+    key = (sizes, device)
+    if key not in _BOUNDARIES:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            _BOUNDARIES[key] = cupy.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
+    return _BOUNDARIES[key]
 
 
 def gemm_grouped(a, w: Nvfp4Tensor, groups: int, *, row_decode=None, out=None, out_dtype=arrays.BF16):
@@ -630,9 +697,10 @@ def gemv_config(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool 
 
 
 def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int, wgmma: bool,
-            grouped: tuple | None = None) -> None:
+            grouped: tuple | None = None, parts=None) -> None:
     """One engine launch; ``grouped`` = (activation row stride, weight rows per group) takes the
-    GEMV kernel of a grouped GEMM (`gemm_grouped`)."""
+    GEMV kernel of a grouped GEMM (`gemm_grouped`); ``parts``: the device boundaries of column
+    blocks (`gemm` ``column_blocks``) or None."""
     kind = "nvfp4" if len(act) == 3 else "bf16"
     if grouped is not None:  # the GEMV kernels at any grid: one wave where the K slices allow
         shape = gemv_config(m, n, k, max_blocks=grouped_gemv_max_blocks(m))
@@ -649,7 +717,7 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
     # split-K scratch of this stream: fp32 partials and row-group counters (zero between launches)
     partials = workspace.stream_buffer("gemm.partials", _PARTIALS_BYTES // 4, np.float32)
     counters = workspace.stream_buffer("gemm.counters", _MAX_ROW_GROUPS, np.uint32, zeroed=True)
-    args = (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), partials, counters,
+    args = (w.packed, w.block_scales, *act, *epilogue, _U32(m), _U32(n), _U32(k), _ptr(parts), partials, counters,
             _U32(shape.splits), _U32(shape.chunks_per_split))
     if shape.gemv and kind == "bf16":  # the activation's row stride and the rows per weight group
         args += tuple(_U32(v) for v in (grouped or (0, 0)))

@@ -29,7 +29,18 @@ using namespace gemm;
 
 #define FP4_GEMM_EPILOGUE_ARGS                                                                            \
     const float *w_global, const float *row_decode, const void *bias, int bias_kind, void *out, int out_f32, \
-        unsigned M, unsigned N, unsigned K
+        unsigned M, unsigned N, unsigned K, const unsigned *out_parts
+
+// The epilogue of a kernel with FP4_GEMM_EPILOGUE_ARGS (out_parts: column blocks of M rows, or null).
+__device__ __forceinline__ Epilogue kernel_epilogue(const float* w_global, const float* row_decode,
+                                                    const float* act_global, const void* bias, int bias_kind,
+                                                    void* out, int out_f32, const unsigned* out_parts, unsigned M) {
+    Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};
+    ep.out_parts = out_parts;
+    ep.out_rows = M;
+    return ep;
+}
+#define FP4_EPILOGUE kernel_epilogue(w_global, row_decode, act_global, bias, bias_kind, out, out_f32, out_parts, M)
 
 #define FP4_GEMM_SPLIT_ARGS float *partials, unsigned *counters, unsigned splits, unsigned chunks_per_split
 
@@ -41,7 +52,7 @@ using namespace gemm;
     extern "C" __global__ void ATTRS __launch_bounds__(kThreads, MIN_BLOCKS) gemm_##NAME##_bf16(          \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,   \
         FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                    \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
+        Epilogue ep = FP4_EPILOGUE;                                                                       \
         ep.out_row_base = M0;                                                                             \
         gemm_block<R, F, C, true>(w_codes, w_scales, ActBf16<WINDOW>{act, RowMap{nullptr, M0}}, ep,              \
                             min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
@@ -52,7 +63,7 @@ using namespace gemm;
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                     \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS,                 \
         FP4_GEMM_SPLIT_ARGS) {                                                                            \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                     \
+        Epilogue ep = FP4_EPILOGUE;                                                                       \
         ep.out_row_base = M0;                                                                             \
         gemm_block<R, F, C, true>(w_codes, w_scales, ActNvfp4<WINDOW>{act_packed, act_scales, RowMap{nullptr, M0}}, ep, \
                             min(M - (M0), 8u * WINDOW::kTiles), N, K, blockIdx.x, blockIdx.y, SPLIT);    \
@@ -85,14 +96,14 @@ FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_bf16(                      \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,        \
         FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS, unsigned act_ld, unsigned group_rows) {                   \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
+        Epilogue ep = FP4_EPILOGUE;                                                                            \
         gemv_block<RT, F, WarpActBf16<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, \
                                                     ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT);           \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_nvfp4(                     \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                          \
         const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) { \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                          \
+        Epilogue ep = FP4_EPILOGUE;                                                                              \
         gemv_block<RT, F, WarpActNvfp4<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales,                                      \
                                                      WarpActNvfp4<F>{act_packed, act_scales, nullptr}, ep, M, N, K, \
                                                      blockIdx.x, blockIdx.y, FP4_SPLIT);                       \
@@ -156,7 +167,7 @@ __device__ __forceinline__ unsigned windows_of(unsigned K, unsigned window_k) { 
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* image, const float* act_global,  \
         FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                     \
         using Win = WgmmaWindow<T>;                                                                         \
-        Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};                      \
+        Epilogue ep = FP4_EPILOGUE;                                                                         \
         ep.out_row_base = M0;                                                                               \
         const __nv_bfloat16* chunk_image = image + (size_t)blockIdx.z * windows_of(K, Win::kK) * (Win::kBytes / 2); \
         gemm_block<R, 4, C, true>(w_codes, w_scales, ActImage<Win>{chunk_image, nullptr}, ep,                     \
@@ -306,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(256) dequantize_unscaled_bf16(const
 extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc, const float* act_global,
                                                                 FP4_GEMM_EPILOGUE_ARGS) {
     pdl::wait_prior();
-    Epilogue ep{w_global, row_decode, act_global, bias, bias_kind, out, out_f32};
+    Epilogue ep = FP4_EPILOGUE;
     ep.init();
     const size_t total = (size_t)M * N;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)

@@ -427,6 +427,14 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
 }
 #undef FP4_ACC8
 
+// The element of (row, col) in an output of column blocks (Epilogue::out_parts). (Not inlined, the
+// call's register saves spilled in the 8-token mma.sync kernels.)
+__device__ __forceinline__ size_t column_block_index(const unsigned* parts, unsigned rows, unsigned row, unsigned col) {
+    unsigned lo = 0, hi = __ldg(parts + 1);
+    for (unsigned p = 2; col >= hi; ++p) lo = hi, hi = __ldg(parts + p);
+    return (size_t)rows * lo + (size_t)row * (hi - lo) + (col - lo);
+}
+
 struct Epilogue {
     const float* w_global;      // encode scale S_w (unused with w_decode or row_decode)
     const float* row_decode;  // nullptr: one decode factor for every row
@@ -439,6 +447,11 @@ struct Epilogue {
     unsigned out_ld = 0;              // output row stride (0: N)
     unsigned out_row_base = 0;        // output row of local token 0
     unsigned out_col = 0;             // output column of weight row 0
+    // column blocks (nullptr: none): part boundaries 0 = b_0 < ... < b_P = N in device memory; part
+    // p (columns b_p .. b_{p+1} - 1) is its own row-major [out_rows, b_{p+1} - b_p] matrix starting
+    // at element out_rows * b_p, so a concatenated projection's parts come out C-contiguous
+    const unsigned* out_parts = nullptr;
+    unsigned out_rows = 0;
 
     float w_dec, a_dec;  // 1 / S_w (unused with row_decode) and 1 / S_a (1 for W4A16)
 
@@ -488,7 +501,9 @@ struct Epilogue {
                                               float unscale = kWeightUnscale) const {
         float y = __fmul_rn(sum, row_alpha(r.decode, unscale));
         if (bias_kind) y = __fadd_rn(y, r.bias);
-        const size_t index = (size_t)(out_row_base + token) * (out_ld ? out_ld : N) + out_col + n;
+        const unsigned row = out_row_base + token, col = out_col + n;
+        const size_t index = out_parts ? column_block_index(out_parts, out_rows, row, col)
+                                       : (size_t)row * (out_ld ? out_ld : N) + col;
         if (out_f32) static_cast<float*>(out)[index] = y;
         else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(y);
     }
