@@ -275,9 +275,9 @@ def gemm(
         C-contiguous ``[M, N_j]`` matrix starting at element ``M * c_j``, the blocks one after
         another (e.g. the parts of a concatenated projection, `fp4kit.layers.Linear.parts`).
         ``out`` is then a flat ``[M * N]`` array and the result is the list of the blocks'
-        ``[..., N_j]`` views. The engine (in one launch) and the prefill epilogue write the blocks
-        directly (no split launch); a GEMM of several launches (mma.sync above 64 rows) copies
-        them apart after it.
+        ``[..., N_j]`` views. On Hopper the engine (in one launch) and the prefill epilogue write
+        the blocks directly (no split launch); a GEMM of several launches (mma.sync above 64 rows),
+        or another GPU, copies them apart after it.
 
     ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -326,8 +326,9 @@ def gemm(
         decode_max_m = default_decode_max_m(capability)
     wgmma = uses_wgmma(m, capability)
     step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
-    if column_blocks is not None and m <= decode_max_m and m > step:
-        # launches of 64 rows each: one [M, N] result, then the blocks copied apart
+    if column_blocks is not None and (str(capability) != "90" or m <= decode_max_m and m > step):
+        # launches of 64 rows each, or a build without column blocks (they are sm_90a's: gemm_engine.cuh
+        # Epilogue::store_row): one [M, N] result, then the blocks copied apart
         y = gemm(a, w, bias=bias, row_decode=row_decode, out_dtype=out_dtype, decode_max_m=decode_max_m)
         return _copy_blocks(y.reshape(m, n), result, column_blocks)
     if m > decode_max_m:

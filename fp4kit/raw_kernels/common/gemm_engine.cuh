@@ -427,8 +427,8 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
 }
 #undef FP4_ACC8
 
-// The element of (row, col) in an output of column blocks (Epilogue::out_parts). (Not inlined, the
-// call's register saves spilled in the 8-token mma.sync kernels.)
+// The element of (row, col) in an output of column blocks (Epilogue::out_parts; sm_90a builds).
+// (Not inlined, the call's register saves spilled in the 8-token mma.sync kernels.)
 __device__ __forceinline__ size_t column_block_index(const unsigned* parts, unsigned rows, unsigned row, unsigned col) {
     unsigned lo = 0, hi = __ldg(parts + 1);
     for (unsigned p = 2; col >= hi; ++p) lo = hi, hi = __ldg(parts + p);
@@ -501,9 +501,14 @@ struct Epilogue {
                                               float unscale = kWeightUnscale) const {
         float y = __fmul_rn(sum, row_alpha(r.decode, unscale));
         if (bias_kind) y = __fadd_rn(y, r.bias);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         const unsigned row = out_row_base + token, col = out_col + n;
         const size_t index = out_parts ? column_block_index(out_parts, out_rows, row, col)
                                        : (size_t)row * (out_ld ? out_ld : N) + col;
+#else  // column blocks on Hopper builds only (the search at every store slowed other builds' compile
+       // several times over); elsewhere the launcher copies the blocks apart after the GEMM
+        const size_t index = (size_t)(out_row_base + token) * (out_ld ? out_ld : N) + out_col + n;
+#endif
         if (out_f32) static_cast<float*>(out)[index] = y;
         else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(y);
     }
