@@ -273,7 +273,7 @@ def gemm(
     column_blocks : sequence of positive ints adding up to N, optional
         Write the output column-blocked: block j (columns ``c_j .. c_j + N_j - 1``) as its own
         C-contiguous ``[M, N_j]`` matrix starting at element ``M * c_j``, the blocks one after
-        another (e.g. the parts of a concatenated projection, `fp4kit.layers.Linear.parts`).
+        another (e.g. the parts of a concatenated projection, `fp4kit.layers.Linear.call_split`).
         ``out`` is then a flat ``[M * N]`` array and the result is the list of the blocks'
         ``[..., N_j]`` views. On Hopper the engine (in one launch) and the prefill epilogue write
         the blocks directly (no split launch); a GEMM of several launches (mma.sync above 64 rows),
@@ -318,7 +318,6 @@ def gemm(
     result = out if column_blocks is None else column_block_views(out, lead, column_blocks)
     if m == 0:
         return result
-    parts = None if column_blocks is None else _device_boundaries(column_blocks, out.device.id)
     epilogue = (w.global_scale, _ptr(row_decode), _ptr(bias), _I32(_bias_kind(bias)), out,
                 _I32(out_dtype == np.float32))
     capability = loader.compute_capability(out.device.id)
@@ -331,6 +330,7 @@ def gemm(
         # Epilogue::store_row): one [M, N] result, then the blocks copied apart
         y = gemm(a, w, bias=bias, row_decode=row_decode, out_dtype=out_dtype, decode_max_m=decode_max_m)
         return _copy_blocks(y.reshape(m, n), result, column_blocks)
+    parts = None if column_blocks is None else _device_boundaries(column_blocks, out.device.id)
     if m > decode_max_m:
         plain = bias is None and row_decode is None and column_blocks is None
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k), _ptr(parts)), plain=plain)
