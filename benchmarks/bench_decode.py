@@ -126,21 +126,34 @@ def peak_memory_mb(mode: str, batch: int, prefill_tokens: int = 0) -> float:
     return float(next(line for line in run.stdout.splitlines() if line.startswith("peak_mb="))[len("peak_mb="):])
 
 
-def breakdown(model, state) -> Table:
-    """Where a batch's step goes: each part captured and replayed on its own."""
+def breakdown(model, state, copy: float) -> Table:
+    """Where a batch's step goes: each part captured and replayed on its own, against the bytes it
+    must read (weights, KV rows, logits) at the copy bandwidth ``copy``."""
     cfg = model.cfg
     b = state.batch
     h = cp.asarray(np.random.default_rng(0).standard_normal((b, cfg.hidden)).astype(BF16))
-    parts = Table(f"Decode step parts, batch {b} (each captured alone)", ["part", "ms"])
+    parts = Table(f"Decode step parts, batch {b} (each captured alone)", ["part", "ms", "byte floor ms", "x floor"])
+
+    def add(part: str, ms: float, nbytes: int) -> None:
+        floor = nbytes / copy * 1e3
+        parts.add(part=part, ms=ms, **{"byte floor ms": floor, "x floor": ms / floor})
+
     for i, (blk, caches) in enumerate(zip(model.blocks, state.layers)):
-        parts.add(part=f"layer {i} attention (ratio {blk.attn.ratio})", ms=replay_ms(lambda: blk.attn(h, caches)))
-        parts.add(part=f"layer {i} MoE{' (hash)' if i < cfg.hash_layers else ''} + shared expert",
-                  ms=replay_ms(lambda: blk.moe(h, token_ids=state.tokens)))
-    parts.add(part="lm_head", ms=replay_ms(lambda: model.lm_head(h)))
+        weights = model.layer_weight_bytes(i, 0)
+        add(f"layer {i} attention (ratio {blk.attn.ratio})", replay_ms(lambda: blk.attn(h, caches)),
+            weights["attention"] + runner.layer_kv_bytes(cfg, blk.attn.ratio, b, CONTEXT))
+        ms = replay_ms(lambda: blk.moe(h, token_ids=state.tokens))
+        weights = model.layer_weight_bytes(i, runner.experts_touched(model, b)[i])  # the replays' experts
+        add(f"layer {i} MoE{' (hash)' if i < cfg.hash_layers else ''} + shared expert", ms,
+            weights["shared"] + weights["routed"] + weights["router"])
+    lm_head = model.weight_bytes([0] * cfg.layers)["lm_head"]
+    add("lm_head", replay_ms(lambda: model.lm_head(h)), lm_head)
     logits = model.lm_head(h)
-    parts.add(part="sampler", ms=replay_ms(lambda: model.sampler(logits)))
-    parts.add(part=f"residual add + RMSNorm x {2 * cfg.layers + 1}", ms=replay_ms(lambda: [
-        ew.add_rmsnorm(state.resid, h, model.norm) for _ in range(2 * cfg.layers + 1)]))
+    add("sampler", replay_ms(lambda: model.sampler(logits)), logits.nbytes)
+    norms = 2 * cfg.layers + 1  # each reads its residual row (fp32), the delta (bf16) and the weight
+    add(f"residual add + RMSNorm x {norms}", replay_ms(lambda: [
+        ew.add_rmsnorm(state.resid, h, model.norm) for _ in range(norms)]),
+        norms * (state.resid.nbytes + h.nbytes + model.norm.nbytes))
     return parts
 
 
@@ -196,7 +209,7 @@ def main() -> None:
                      "kernels in graph": kernels, "kernels per layer": per_layer, "target": target,
                      "PyTorch bf16 ms": peer_ms, "x PyTorch": peer_ms / ms if peer_ms else None})
         if batch == 1 and not step_only:
-            parts = breakdown(model, state)
+            parts = breakdown(model, state, copy)
         del dec, state
     if step_only:
         print()

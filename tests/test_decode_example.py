@@ -208,3 +208,24 @@ def test_batched_prefill_equals_token_by_token_feeding(mode):
         a, b = logits[True], logits[False]
         rel = np.sqrt(((a - b) ** 2).mean(axis=(1, 2)) / (b**2).mean(axis=(1, 2)))
         assert (rel <= runner.NUMPY_TOLERANCE["w4a4"]["max"]).all(), rel
+
+
+def test_step_bytes_are_the_sum_of_the_layers():
+    """The bandwidth figure's bytes (`Model.weight_bytes`, `runner.kv_bytes`) are the sums of the
+    per-layer counts the step breakdown divides by (`layer_weight_bytes`, `layer_kv_bytes`), and
+    the attention's count holds every projection weight of the layer."""
+    cfg = configs.tiny()
+    model, _ = runner.build(cfg, device=False, seed=3)
+    touched = [2, 5] + [1] * (cfg.layers - 2)
+    layers = [model.layer_weight_bytes(i, t) for i, t in enumerate(touched)]
+    total = model.weight_bytes(touched)
+    for part in ("attention", "shared", "routed", "router"):
+        assert total[part] == sum(layer[part] for layer in layers) > 0
+    attn = model.blocks[0].attn
+    weights = [lin.weight for lin in (*attn.of_h.linears(), *attn.of_qr.linears(), attn.wo_b)]
+    assert layers[0]["attention"] == sum(w.packed.nbytes + w.block_scales.nbytes + 4 for w in weights) + \
+        attn.wo_a.weight_bytes()
+    moe = model.blocks[1].moe
+    assert layers[1]["routed"] == sum(s.packed.nbytes + s.block_scales.nbytes for s in (moe.w13, moe.w2)) * 5 // cfg.experts
+    assert runner.kv_bytes(cfg, 3, 100) == sum(runner.layer_kv_bytes(cfg, r, 3, 100) for r in cfg.compress_ratios)
+    assert runner.layer_kv_bytes(cfg, 0, 1, 5) == min(5, cfg.window) * cfg.head_dim * 2  # the window rows only

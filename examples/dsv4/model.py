@@ -479,18 +479,25 @@ class Model:
         """NVFP4 + high-precision weight bytes a step reads on this GPU: every attention and
         shared-expert weight (this rank's shards), each layer's router and its share of the
         ``experts_touched[i]`` distinct experts, the lm_head."""
-        def nbytes(t) -> int:
-            t = getattr(t, "local", t).weight  # a tensor-parallel layer's own shard
-            return int(t.packed.nbytes + t.block_scales.nbytes + 4)
+        total = {"attention": 0, "shared": 0, "routed": 0, "router": 0}
+        for i, touched in enumerate(experts_touched):
+            for part, n in self.layer_weight_bytes(i, touched).items():
+                total[part] += n
+        return {**total, "lm_head": _weight_bytes(self.lm_head)}
 
-        attn = shared = routed = router = 0
-        for blk, touched in zip(self.blocks, experts_touched):
-            a = blk.attn
-            lins = [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b]
-            attn += sum(nbytes(lin) for lin in lins) + a.wo_a.weight_bytes()
-            shared += nbytes(blk.moe.shared.gate_up) + nbytes(blk.moe.shared.down)
-            stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))
-            routed += stack_bytes * touched // self.cfg.experts
-            router += int(blk.moe.gate_weight.nbytes)
-        return {"attention": attn, "shared": shared, "routed": routed, "router": router,
-                "lm_head": nbytes(self.lm_head)}
+    def layer_weight_bytes(self, i: int, experts_touched: int) -> dict:
+        """`weight_bytes` of layer ``i`` alone, with ``experts_touched`` distinct routed experts."""
+        blk = self.blocks[i]
+        a = blk.attn
+        attn = sum(_weight_bytes(lin) for lin in [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b])
+        stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))
+        return {"attention": attn + a.wo_a.weight_bytes(),
+                "shared": _weight_bytes(blk.moe.shared.gate_up) + _weight_bytes(blk.moe.shared.down),
+                "routed": stack_bytes * experts_touched // self.cfg.experts,
+                "router": int(blk.moe.gate_weight.nbytes)}
+
+
+def _weight_bytes(layer) -> int:
+    """NVFP4 bytes of a Linear's weight (a tensor-parallel layer's own shard) and its global scale."""
+    t = getattr(layer, "local", layer).weight
+    return int(t.packed.nbytes + t.block_scales.nbytes + 4)

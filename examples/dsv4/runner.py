@@ -200,16 +200,18 @@ def experts_touched(model: Model, batch: int) -> list[int]:
 def kv_bytes(cfg: configs.ModelConfig, batch: int, position: int) -> int:
     """KV-cache bytes one decode step reads at ``position`` tokens per sequence: the window, the
     selected compressed entries, and on ratio-4 layers the indexer's whole key cache."""
-    total = 0
-    for ratio in cfg.compress_ratios:
-        rows = min(position, cfg.window)
-        if ratio:
-            live = min(position // ratio, cfg.max_comp(ratio))
-            rows += min(live, cfg.index_topk) if ratio == 4 else live
-            if ratio == 4:
-                total += live * cfg.index_head_dim * 2
-        total += rows * cfg.head_dim * 2
-    return batch * total
+    return sum(layer_kv_bytes(cfg, ratio, batch, position) for ratio in cfg.compress_ratios)
+
+
+def layer_kv_bytes(cfg: configs.ModelConfig, ratio: int, batch: int, position: int) -> int:
+    """`kv_bytes` of one layer of compression ratio ``ratio``."""
+    rows, total = min(position, cfg.window), 0
+    if ratio:
+        live = min(position // ratio, cfg.max_comp(ratio))
+        rows += min(live, cfg.index_topk) if ratio == 4 else live
+        if ratio == 4:
+            total += live * cfg.index_head_dim * 2
+    return batch * (total + rows * cfg.head_dim * 2)
 
 
 def fill_context(model: Model, state: DecodeState, length: int, seed: int = 0) -> None:
