@@ -62,9 +62,10 @@ SMALL_MAX_ASSIGNMENTS = 64
 #: `FOLD_SHARED_MAX_TOKENS` tokens and while the routed slots and the shared one fit the 8 warps of
 #: a down-projection block. Its gate|up blocks take 8 tokens each (one per MMA column), so its
 #: gate|up weights are streamed once per 8 tokens; its down weights once per token (from L2 after
-#: the first). H200, V4-Flash, graph-replayed, apart -> folded: W4A16 64.8 -> 50.4 us at T = 1,
-#: 94.4 -> 78.8 at T = 2, 142.6 -> 140.5 at T = 4, 199.8 -> 186.9 at T = 6, 238.1 -> 227.4 at
-#: T = 8; W4A4 78.3 -> 61.5, 110.5 -> 93.0, 163.1 -> 157.3, 223.1 -> 207.9, 263.5 -> 251.3.
+#: the first). H200, V4-Flash, graph-replayed (scripts/fold_probe.py), apart -> folded: W4A16
+#: 64.8 -> 50.4 us at T = 1, 94.4 -> 78.8 at T = 2, 142.6 -> 140.5 at T = 4, 199.8 -> 186.9 at
+#: T = 6, 238.1 -> 227.4 at T = 8; W4A4 78.3 -> 61.5, 110.5 -> 93.0, 163.1 -> 157.3, 223.1 ->
+#: 207.9, 263.5 -> 251.3.
 #: (With one block per token it lost at T = 8: W4A4 266 -> 281.) V3 (top-8: 9 slots) never folds.
 FOLD_SHARED = True
 FOLD_SHARED_MAX_TOKENS = 8
