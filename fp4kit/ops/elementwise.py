@@ -279,12 +279,17 @@ MAX_SPLIT_PARTS = 16
 _bounds: dict = {}  # (device, bounds) -> the bounds on the device, made once (a graph keeps pointing at them)
 
 
-def _device_bounds(bounds):
+def device_bounds(bounds, device: int | None = None):
+    """Column boundaries ``0 = b_0 < ... < b_P`` as a uint32 array on ``device`` (default: the
+    current one), made once per device and boundaries and kept (a captured graph keeps reading
+    them): `split_columns` and the GEMM's column blocks (`fp4kit.ops.gemm.gemm`) take them."""
     import cupy
 
-    key = (cupy.cuda.Device().id, tuple(int(b) for b in bounds))
+    device = cupy.cuda.Device().id if device is None else int(device)
+    key = (device, tuple(int(b) for b in bounds))
     if key not in _bounds:
-        _bounds[key] = cupy.asarray(np.asarray(bounds, np.uint32))
+        with cupy.cuda.Device(device):
+            _bounds[key] = cupy.asarray(np.asarray(key[1], np.uint32))
     return _bounds[key]
 
 
@@ -316,7 +321,7 @@ def split_columns(y, sizes, *, out=None) -> list:
     items = rows * y.shape[1] // (8 if vec8 else 1)
     loader.get_kernel(_MODULE, "split_columns_bf16")(
         (items + _THREADS - 1) // _THREADS, _THREADS,
-        (y, out, _U32(rows), _U32(y.shape[1]), _U32(len(sizes)), _device_bounds(bounds), np.int32(vec8)))
+        (y, out, _U32(rows), _U32(y.shape[1]), _U32(len(sizes)), device_bounds(bounds), np.int32(vec8)))
     return [out[rows * a: rows * b].reshape(rows, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from ..formats import BLOCK_SIZE, GROUP_CHUNKS, TILE_K, TILE_ROWS, Nvfp4Tensor, tiled_dims, to_linear
 from ..reference import gemm as ref
 from ..runtime import arrays, loader, workspace
+from . import elementwise as ew_ops
 
 #: the largest M on the engine by default, with the wgmma kernels (Hopper; H200, both paths timed in
 #: one run: the engine is faster up to 512 rows on 8 of 9 shapes, the dequantize + cuBLAS path from
@@ -330,7 +331,7 @@ def gemm(
         # Epilogue::store_row): one [M, N] result, then the blocks copied apart
         y = gemm(a, w, bias=bias, row_decode=row_decode, out_dtype=out_dtype, decode_max_m=decode_max_m)
         return _copy_blocks(y.reshape(m, n), result, column_blocks)
-    parts = None if column_blocks is None else _device_boundaries(column_blocks, out.device.id)
+    parts = None if column_blocks is None else ew_ops.device_bounds(np.cumsum([0, *column_blocks]), out.device.id)
     if m > decode_max_m:
         plain = bias is None and row_decode is None and column_blocks is None
         _prefill(a, w, m, n, k, (*epilogue, _U32(m), _U32(n), _U32(k), _ptr(parts)), plain=plain)
@@ -375,22 +376,6 @@ def _copy_blocks(y, views: list, sizes: tuple) -> list:
     for view, (c, width) in zip(views, _column_starts(sizes)):
         view[...] = y[:, c:c + width].reshape(view.shape)
     return views
-
-
-#: device copies of column-block boundaries, by (blocks, device): made by a call's first (eager)
-#: run, reused by its captured replays
-_BOUNDARIES: dict = {}
-
-
-def _device_boundaries(sizes: tuple, device: int):
-    """The epilogue's table (gemm_engine.cuh ``Epilogue::out_parts``): the P + 1 boundaries."""
-    key = (sizes, device)
-    if key not in _BOUNDARIES:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            _BOUNDARIES[key] = cupy.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
-    return _BOUNDARIES[key]
 
 
 def gemm_grouped(a, w: Nvfp4Tensor, groups: int, *, row_decode=None, out=None, out_dtype=arrays.BF16):

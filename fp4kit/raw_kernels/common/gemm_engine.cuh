@@ -428,7 +428,7 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
 #undef FP4_ACC8
 
 // The element of (row, col) in an output of column blocks (Epilogue::out_parts; sm_90a builds).
-// (Not inlined, the call's register saves spilled in the 8-token mma.sync kernels.)
+// Inlined: as a call (__noinline__) its register saves spilled in the 8-token mma.sync kernels.
 __device__ __forceinline__ size_t column_block_index(const unsigned* parts, unsigned rows, unsigned row, unsigned col) {
     unsigned lo = 0, hi = __ldg(parts + 1);
     for (unsigned p = 2; col >= hi; ++p) lo = hi, hi = __ldg(parts + p);
