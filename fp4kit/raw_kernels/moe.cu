@@ -786,7 +786,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
             const bool sh = j == top_k;
             const float a_dec = stage.a_dec(sh);
             const unsigned e = sh ? 0u : ids[t * top_k + j], n = r * 16 + (lane >> 2);
-            const StackRows& st = sh ? s_w : w;
+            const StackRows st = sh ? s_w : w;  // by value: a reference to either went through local memory
             y[j][lane >> 2] = __fmul_rn(acc[0][0], st.alpha(e, n, a_dec));
             y[j][(lane >> 2) + 8] = __fmul_rn(acc[0][2], st.alpha(e, n + 8, a_dec));
         }
