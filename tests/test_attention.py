@@ -317,10 +317,11 @@ def test_empty_inputs_are_valid():
 def test_launch_plan():
     # V4-Flash decode on an H200 (132 SMs): 64 heads, 128 window slots + 512 selected entries
     assert ops.default_num_splits(32, 64, 640, 132) == 1  # 128 blocks already fill the GPU
-    assert ops.default_num_splits(1, 64, 640, 132) == 16  # 64 blocks of 40 candidates: a power of two
-    assert ops.default_num_splits(3, 64, 640, 132) == 8  # one wave would be 11 splits
-    assert ops.default_num_splits(8, 64, 640, 132) == 4
-    assert ops.default_num_splits(1, 64, 129, 132) == 4  # at least one 32-row tile per split
+    assert ops.default_num_splits(1, 64, 640, 132) == 10  # 20 tiles, at most MAX_DEFAULT_SPLITS splits
+    assert ops.default_num_splits(3, 64, 640, 132) == 10  # one wave would be 11 splits
+    assert ops.default_num_splits(8, 64, 640, 132) == 4  # one wave of 32 blocks
+    assert ops.default_num_splits(1, 64, 129, 132) == 5  # one 32-row tile per split
+    assert ops.default_num_splits(1, 64, 192, 132) == 6
     assert ops.default_num_splits(1, 64, 31, 132) == 1
     assert ops.default_num_splits(1, 64, 0, 132) == 1
     assert ops.default_num_splits(64, 64, 128 + 8192, 132) == 5  # a block compacts at most 2048 candidates

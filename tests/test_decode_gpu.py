@@ -106,11 +106,12 @@ def test_decode_script_on_the_gpu_times_the_warm_up_apart(capsys):
     assert "bit-identical: True" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("b", [1, 5, 12])
+@pytest.mark.parametrize("b", [1, 5, 12, 130])
 def test_grouped_output_projection_equals_one_linear_per_group(b):
     """The example's ``wo_a`` as one launch (W4A16: `gemm_grouped` up to 8 tokens, the MoE's expert
-    GEMM over a stack view of the concatenated weight above) against one Linear per group, its
-    buffers reused by a second call, and ungrouped again with the same results."""
+    GEMM over a stack view of the concatenated weight above, writing each group's rows side by side
+    in place; 130 tokens: three passes of 64 rows) against one Linear per group, its buffers reused
+    by a second call, and ungrouped again with the same results."""
     import ml_dtypes
 
     from dsv4 import model as model_module

@@ -273,13 +273,15 @@ def test_concatenated_linears_on_the_device(rng, mode):
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("m", [2, 8, 12, 40, 600])
-def test_column_blocked_output_equals_the_split(rng, mode, m):
-    """`Linear.call_split`: the GEMM writes each part of a concatenated projection C-contiguous
-    (column blocks, no split launch) with the bits of `split(self(x))`, on every path: the GEMV
-    (2, 8 rows), mma.sync (12), wgmma (40), the prefill epilogue (600), with a bias and per-row
-    decode factors; widths that are not multiples of a tile."""
+@pytest.mark.parametrize("sizes", [(1024, 512, 256, 768, 256, 72), (1024, 520, 72, 200)])
+def test_column_blocked_output_equals_the_split(rng, mode, m, sizes):
+    """`Linear.call_split`: the parts of a concatenated projection come out C-contiguous (column
+    blocks) with the bits of `split(self(x))` on every path: the GEMV (2, 8 rows), mma.sync (12),
+    wgmma (40) write them themselves where the interior boundaries are multiples of
+    `COLUMN_BLOCK_ALIGN` (else they are copied apart after), the prefill epilogue (600) always;
+    with a bias and per-row decode factors, a last part that is not a whole tile."""
     k = 512
-    ws = [(rng.standard_normal((n, k)) * s).astype(np.float32) for n, s in ((1024, 1.0), (520, 40.0), (72, 0.01), (200, 3.0))]
+    ws = [(rng.standard_normal((n, k)) * (j + 1) ** 2).astype(np.float32) for j, n in enumerate(sizes)]
     parts = [Linear.from_float(cp.asarray(w), mode=mode, bias=cp.asarray(rng.standard_normal(w.shape[0]).astype(np.float32)))
              for w in ws]
     fused = Linear.concatenate(parts)
@@ -291,16 +293,20 @@ def test_column_blocked_output_equals_the_split(rng, mode, m):
         assert g.flags.c_contiguous and cp.array_equal(g.view(cp.uint16), w.view(cp.uint16)), (m, j)
 
 
-def test_column_blocks_over_several_mma_sync_launches(rng, monkeypatch):
+@pytest.mark.parametrize("m, sizes", [(130, (256, 64)), (12, (8,) * 9 + (24,)), (40, (10,) * 9 + (6,))])
+def test_column_blocks_copied_apart_after_the_gemm(rng, monkeypatch, m, sizes):
     """Where the GEMM takes several launches (mma.sync, 64 rows each: Hopper with the wgmma
-    kernels off here) the blocks are copied apart after it: the same bits."""
-    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30)
-    w = tiled(weight(rng, 96, 256))
-    x = cp.asarray(rng.standard_normal((130, 256)).astype(BF16))
+    kernels off here), or a thread block could straddle two blocks (boundaries off multiples of
+    `COLUMN_BLOCK_ALIGN`), the blocks are copied apart after it: the same bits."""
+    monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if m > 64 else gemm_ops.WGMMA_MIN_M)
+    n = sum(sizes)
+    w = tiled(weight(rng, n, 256))
+    x = cp.asarray(rng.standard_normal((m, 256)).astype(BF16))
     full = gemm(x, w)
-    blocks = gemm(x, w, out=cp.empty(130 * 96, BF16), column_blocks=(32, 64))
-    assert cp.array_equal(blocks[0].view(cp.uint16), full[:, :32].view(cp.uint16))
-    assert cp.array_equal(blocks[1].view(cp.uint16), full[:, 32:].view(cp.uint16))
+    blocks = gemm(x, w, out=cp.empty(m * n, BF16), column_blocks=sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for j, block in enumerate(blocks):
+        assert cp.array_equal(block.view(cp.uint16), full[:, starts[j]:starts[j + 1]].view(cp.uint16)), j
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

@@ -155,12 +155,13 @@ class OutputProjection:
             return gemm_ops.gemm_grouped(o, self.fused.weight, self.groups, row_decode=self.fused.row_decode, out=out)
         plan, y = self._device_buffers(b)
         rows = o.reshape(b * self.groups, self.k)  # row t * G + g: group g of token t
-        moe_ops.grouped_gemm(rows, self.stack, y, plan=plan, gather=True, max_rows=b)
-        return xp.ascontiguousarray(y.reshape(self.groups, b, self.n).transpose(1, 0, 2)).reshape(b, -1)
+        # group g's row t lands in row t at columns g * N.. (no transposing copy)
+        moe_ops.grouped_gemm(rows, self.stack, y, plan=plan, gather=True, max_rows=b, side_by_side=True)
+        return y
 
     def _device_buffers(self, b: int):
-        """The row plan for ``b`` tokens (kept) and the expert GEMM's output (kept up to
-        `workspace.KEEP_MAX_BYTES`)."""
+        """The row plan for ``b`` tokens (kept) and the expert GEMM's output ``[b, G * N]`` (kept up
+        to `workspace.KEEP_MAX_BYTES`)."""
         import cupy
 
         g = self.groups
@@ -168,7 +169,7 @@ class OutputProjection:
             u32 = lambda a: cupy.asarray(np.asarray(a, np.uint32))  # noqa: E731
             row_token = u32((np.arange(b)[None, :] * g + np.arange(g)[:, None]).reshape(-1))
             self._plans[b] = _GroupRows(u32(np.arange(g + 1) * b), u32(np.arange(g)), u32([g]), row_token, row_token)
-        return self._plans[b], self._buffers.get(("rows", b), lambda: cupy.empty((g * b, self.n), arrays.BF16))
+        return self._plans[b], self._buffers.get(("rows", b), lambda: cupy.empty((b, g * self.n), arrays.BF16))
 
     def ungroup(self) -> None:
         """One Linear per group again (e.g. before sharding each of them): the same arithmetic."""

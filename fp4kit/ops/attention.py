@@ -49,6 +49,8 @@ MAX_HEAD_DIM = 512
 MAX_CANDIDATES_PER_SPLIT = 2048
 #: the smallest split `default_num_splits` makes (one 32-row tile)
 MIN_CANDIDATES_PER_SPLIT = 32
+#: the most splits `default_num_splits` makes
+MAX_DEFAULT_SPLITS = 10
 _MAX_BATCH = 65535  # gridDim.z
 _I32_MAX = 2**31 - 1
 #: merge the splits inside the attention kernel (one launch) instead of in sparse_decode_combine
@@ -77,19 +79,19 @@ def default_num_splits(batch: int, heads: int, candidates: int, sm_count: int) -
     """Splits of the ``W + N`` candidates so that the grid covers about one wave of ``sm_count`` SMs.
 
     One split when ``batch x ceil(heads / 16)`` blocks already fill three quarters of the SMs
-    (e.g. batch 32 with 64 heads on 132 SMs); otherwise the largest power of two up to one wave
-    with at least 32 candidates (one tile) per split (batch 1, 640 candidates: 16 splits of 40).
-    H200, 64 heads of 512, window 128, one run over every split count: batch 1 with 640 candidates
-    15.5 us in 16 splits (18.2 in the 10 that splits of at least 64 gave), 129 candidates 12.4 in 4
-    (14.7 in 3); batch 8 12.3 in 4 (15.8 in 3), 640 candidates 20.4 in 4 (24.1 in 5): counts
-    between the powers of two measured 1.5-3.5 us slower.
+    (e.g. batch 32 with 64 heads on 132 SMs); otherwise one split per 32-row tile of candidates,
+    at most as many as one wave holds and at most `MAX_DEFAULT_SPLITS` (the block that merges the
+    splits reads every split's partial output: batch 1, 640 candidates, 10 splits of two tiles).
+    H200, 64 heads of 512, window 128, every split count in one run (`scripts/attention_splits.py`):
+    batch 1 with 129 candidates 9.7 µs in 5 splits (10.4 in 4), 192 candidates 10.6 in 6 (10.9 in
+    4), 640 candidates 14.1 in 10 (15.6 in 16, 15.7 in 20); batch 8 10.9, 11.2 and 19.0 µs in 4.
     """
     low = min_num_splits(candidates)
     blocks = max(1, batch * -(-heads // HEADS_PER_BLOCK))
     if candidates == 0 or 4 * blocks >= 3 * sm_count:
         return low
-    want = min(-(-sm_count // blocks), max(1, candidates // MIN_CANDIDATES_PER_SPLIT))
-    return max(low, 1 << (want.bit_length() - 1))
+    tiles = -(-candidates // MIN_CANDIDATES_PER_SPLIT)
+    return max(low, min(tiles, MAX_DEFAULT_SPLITS, max(1, sm_count // blocks)))
 
 
 def workspace_size(batch: int, heads: int, head_dim: int, num_splits: int) -> int:

@@ -276,9 +276,9 @@ def gemm(
         C-contiguous ``[M, N_j]`` matrix starting at element ``M * c_j``, the blocks one after
         another (e.g. the parts of a concatenated projection, `fp4kit.layers.Linear.call_split`).
         ``out`` is then a flat ``[M * N]`` array and the result is the list of the blocks'
-        ``[..., N_j]`` views. On Hopper the engine (in one launch) and the prefill epilogue write
-        the blocks directly (no split launch); a GEMM of several launches (mma.sync above 64 rows),
-        or another GPU, copies them apart after it.
+        ``[..., N_j]`` views. The engine writes the blocks directly (no split launch) where their
+        interior boundaries are multiples of `COLUMN_BLOCK_ALIGN` and it runs in one launch, the
+        prefill epilogue always; otherwise (mma.sync above 64 rows) they are copied apart after it.
 
     ``alpha = (row_decode[n] or 1/S_w) * (1/S_a for W4A4)`` is computed on the device from the
     device global scales: nothing is read back. Runs on CuPy's current stream.
@@ -326,9 +326,9 @@ def gemm(
         decode_max_m = default_decode_max_m(capability)
     wgmma = uses_wgmma(m, capability)
     step = m if wgmma else 64  # mma.sync: 64 rows per launch, the weight streamed once per 64 rows
-    if column_blocks is not None and (str(capability) != "90" or m <= decode_max_m and m > step):
-        # launches of 64 rows each, or a build without column blocks (they are sm_90a's: gemm_engine.cuh
-        # Epilogue::store_row): one [M, N] result, then the blocks copied apart
+    if column_blocks is not None and m <= decode_max_m and (m > step or not _aligned_blocks(column_blocks)):
+        # launches of 64 rows each, or blocks that a kernel's thread block may straddle: one [M, N]
+        # result, then the blocks copied apart
         y = gemm(a, w, bias=bias, row_decode=row_decode, out_dtype=out_dtype, decode_max_m=decode_max_m)
         return _copy_blocks(y.reshape(m, n), result, column_blocks)
     parts = None if column_blocks is None else ew_ops.device_bounds(np.cumsum([0, *column_blocks]), out.device.id)
@@ -376,6 +376,18 @@ def _copy_blocks(y, views: list, sizes: tuple) -> list:
     for view, (c, width) in zip(views, _column_starts(sizes)):
         view[...] = y[:, c:c + width].reshape(view.shape)
     return views
+
+
+#: column blocks are written apart by the engine's kernels themselves where their interior
+#: boundaries are multiples of this: every thread block's output columns (16 per GEMV row tile, up to
+#: 8; 128 per row tile per warp of the mma.sync / wgmma kernels, up to 2) then lie in one block
+COLUMN_BLOCK_ALIGN = 256
+
+
+def _aligned_blocks(sizes: tuple) -> bool:
+    """Whether every interior boundary is a multiple of `COLUMN_BLOCK_ALIGN` (no thread block of
+    the engine straddles two blocks)."""
+    return all(int(c) % COLUMN_BLOCK_ALIGN == 0 for c in np.cumsum(sizes)[:-1])
 
 
 def gemm_grouped(a, w: Nvfp4Tensor, groups: int, *, row_decode=None, out=None, out_dtype=arrays.BF16):
@@ -692,6 +704,9 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
         shape = gemv_config(m, n, k, max_blocks=grouped_gemv_max_blocks(m))
     else:
         shape = (None if wgmma else gemv_launch(m, n, k, nvfp4_act=kind == "nvfp4")) or launch_config(m, n, k, wgmma=wgmma)
+    span = 16 * shape.row_tiles_per_warp * (1 if shape.gemv else _WARPS)  # a thread block's output columns
+    if parts is not None and COLUMN_BLOCK_ALIGN % span:
+        raise AssertionError(f"gemm: a {shape.kernel} block covers {span} columns, not a divisor of {COLUMN_BLOCK_ALIGN}")
     if shape.splits > 1 and shape.row_groups * shape.token_chunks > _MAX_ROW_GROUPS:
         raise ValueError(f"gemm: N={n}, M={m} need more than {_MAX_ROW_GROUPS} split-K counters; split the call")
     if shape.wgmma and uses_image(m, n, k, kind == "nvfp4"):

@@ -94,12 +94,15 @@ def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
                   plan.num_active, plan.slot_row, plan.row_token, plan.row_weight))
 
 
-def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None) -> None:
+def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
+                 side_by_side: bool = False) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
     every active expert ``e``; ``act`` an `Nvfp4Tensor` or bf16, gathered through the sorted rows'
     tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input).
     ``stack`` is tiled (`ExpertStack.to_tiled`). ``max_rows`` bounds the rows of one expert (the
-    token count; default: every row): it picks how many rows one pass of the weights serves."""
+    token count; default: every row): it picks how many rows one pass of the weights serves.
+    ``side_by_side``: expert ``e``'s i-th row lands in row ``i`` of ``out`` at columns ``out_col + e *
+    N ..`` instead (a grouped projection whose groups' outputs sit side by side in each row)."""
     if stack.layout != "tiled":
         raise ValueError("stack: the grouped GEMM reads tiled expert stacks; convert with stack.to_tiled()")
     n, k = stack.shape[1:]
@@ -107,7 +110,7 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     tiles = gemm_ops.token_tiles(plan.slot_row.size if max_rows is None else max_rows)
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
-              plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
+              _I32(side_by_side), plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
     kernel, args = _kernel_and_args(act, f"moe_gemm_{{}}_{tiles}", common)
     kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 

@@ -58,6 +58,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kHeads = 16;           // query heads per block: the M of one m16n8k16 tile
 constexpr int kTileRows = 32;        // candidate rows per pipeline stage
 constexpr int kMaxChunksPerWarp = 4; // 16-column chunks of D per warp: D <= 8 * 4 * 16 = 512
+constexpr int kMaxDim = kWarps * kMaxChunksPerWarp * 16;
 constexpr int kScoreLd = kTileRows + 8;  // fp32 per head row of a warp's partial scores (no bank conflicts)
 constexpr int kProbLd = kTileRows + 8;   // bf16 per head row of the probabilities (80-byte rows: conflict-free ldmatrix)
 constexpr int kCombineThreads = 128;
@@ -163,22 +164,45 @@ __device__ __forceinline__ SplitMerge merge_stats(const float* part_ml, size_t f
     return {M, inv};
 }
 
-// Columns d .. d + 3 of the merged output, splits summed in order.
-__device__ __forceinline__ float4 merge_quad(const float* part_o, const float* part_ml, size_t first, size_t stride,
-                                             int splits, int D, int d, SplitMerge st) {
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+// Columns d0 + step * j .. + 3 (j < kQuads, below D) of the merged output of one (row, head),
+// written to `out`: each split's weight exp2(m_s - M) / L times its partial, splits added in order.
+// The loop runs over the splits with every column of the thread in flight at once (two splits per
+// pass), so a split costs one L2 round trip per two rather than one per column step.
+template <int kQuads>
+__device__ __forceinline__ void merge_columns(const float* part_o, const float* part_ml, size_t first, size_t stride,
+                                              int splits, int D, int d0, int step, SplitMerge st, void* out,
+                                              size_t out_row, int out_f32) {
+    float4 acc[kQuads];
+#pragma unroll
+    for (int j = 0; j < kQuads; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (st.M != ATTN_NEG_INF) {
+#pragma unroll 2
         for (int s = 0; s < splits; ++s) {
             const size_t row = first + s * stride;
             const float w = exp2f(__ldcg(part_ml + row * 2) - st.M) * st.inv;
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * D + d));
-            acc.x += w * v.x;
-            acc.y += w * v.y;
-            acc.z += w * v.z;
-            acc.w += w * v.w;
+            float4 v[kQuads];
+#pragma unroll
+            for (int j = 0; j < kQuads; ++j) {
+                const int d = d0 + step * j;
+                v[j] = d < D ? __ldcg(reinterpret_cast<const float4*>(part_o + row * D + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int j = 0; j < kQuads; ++j) {
+                acc[j].x += w * v[j].x;
+                acc[j].y += w * v[j].y;
+                acc[j].z += w * v[j].z;
+                acc[j].w += w * v[j].w;
+            }
         }
     }
-    return acc;
+#pragma unroll
+    for (int j = 0; j < kQuads; ++j) {
+        const int d = d0 + step * j;
+        if (d < D) {
+            store_pair(out, out_row * D + d, acc[j].x, acc[j].y, out_f32);
+            store_pair(out, out_row * D + d + 2, acc[j].z, acc[j].w, out_f32);
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
@@ -435,17 +459,13 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     __syncthreads();
     if (!last_block) return;
     __threadfence();  // the other splits' partials are read after their arrivals
-    // 16 threads per head, each a float4 of columns at a time, as many heads as the group holds
+    // 16 threads per head, each 8 float4 columns 64 apart, as many heads as the group holds
     const int head = h0 + sh;
     if (head < Hq) {
         const size_t first = (size_t)b * splits * Hq + head;
         const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[head]);
-        const size_t out_row = (size_t)b * Hq + head;
-        for (int d = (tid & 15) * 4; d < D; d += 16 * 4) {
-            const float4 acc = merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, d, st);
-            store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
-            store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
-        }
+        merge_columns<kMaxDim / 64>(part_o, part_ml, first, (size_t)Hq, splits, D, (tid & 15) * 4, 64, st, out,
+                                    (size_t)b * Hq + head, out_f32);
     }
     if (tid == 0) *counter = 0u;  // every split has arrived: zero for the next launch (a graph replay)
 }
@@ -459,10 +479,6 @@ sparse_decode_combine(const float* __restrict__ part_o, const float* __restrict_
     const int h = blockIdx.x, b = blockIdx.y;
     const size_t first = (size_t)b * splits * Hq + h;
     const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[h]);
-    const size_t out_row = (size_t)b * Hq + h;
-    for (int d = threadIdx.x * 4; d < D; d += kCombineThreads * 4) {
-        const float4 acc = merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, d, st);
-        store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
-        store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
-    }
+    merge_columns<kMaxDim / (kCombineThreads * 4)>(part_o, part_ml, first, (size_t)Hq, splits, D, threadIdx.x * 4,
+                                                   kCombineThreads * 4, st, out, (size_t)b * Hq + h, out_f32);
 }

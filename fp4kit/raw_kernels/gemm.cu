@@ -320,8 +320,11 @@ extern "C" __global__ void __launch_bounds__(256) gemm_epilogue(const float* acc
     Epilogue ep = FP4_EPILOGUE;
     ep.init();
     const size_t total = (size_t)M * N;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
-        ep.store((unsigned)(i / N), (unsigned)(i % N), N, acc[i], 1.0f);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        Epilogue at = ep;
+        at.select_column_block((unsigned)(i % N));
+        at.store((unsigned)(i / N), (unsigned)(i % N), N, acc[i], 1.0f);
+    }
 }
 
 // alpha_beta[0] = alpha (row_decode unused), alpha_beta[1] = 0: device-side alpha and beta for a

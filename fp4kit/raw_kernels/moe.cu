@@ -363,8 +363,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
 template <int T, class Act>
 __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* row_decode,
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
-                         unsigned out_ld, unsigned out_col, const unsigned* offsets, const unsigned* active,
-                         const unsigned* num_active, unsigned N, unsigned K) {
+                         unsigned out_ld, unsigned out_col, int side_by_side, const unsigned* offsets,
+                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
     pdl::wait_prior();  // the dispatch's counts choose the expert
     if (blockIdx.y >= *num_active) return;  // block-uniform: no barrier is skipped by part of a block
     const unsigned e = active[blockIdx.y];
@@ -379,8 +379,9 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
                           out_f32};
         ep.w_decode = w_decode + e;
         ep.out_ld = out_ld;
-        ep.out_row_base = row0 + m0;
-        ep.out_col = out_col;
+        // sorted row r at output row r; or (side_by_side) expert e's rows at rows 0.. and columns e * N..
+        ep.out_row_base = side_by_side ? m0 : row0 + m0;
+        ep.out_col = out_col + (side_by_side ? e * N : 0u);
         gemm::gemm_block<1, gemm::kGroupChunks>(codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
                                gemm::SplitK{nullptr, nullptr, 1, chunks});
         __syncthreads();  // the next rows reuse the shared activation buffers
@@ -389,21 +390,21 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
 
 #define FP4_MOE_GEMM_ARGS                                                                                 \
     const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *row_decode,        \
-        const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, const unsigned *offsets, \
-        const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
+        const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, int side_by_side, \
+        const unsigned *offsets, const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
 
 #define FP4_DEFINE_MOE_GEMM(T)                                                                            \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_bf16_##T(                     \
         const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
         moe_gemm<T>(w_codes, w_scales, w_decode, row_decode, gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, \
-                    gather, nullptr, out, out_f32, out_ld, out_col, offsets, active, num_active, N, K);   \
+                    gather, nullptr, out, out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K);       \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, 2) moe_gemm_nvfp4_##T(                    \
         const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
         FP4_MOE_GEMM_ARGS) {                                                                              \
         moe_gemm<T>(w_codes, w_scales, w_decode, row_decode,                                            \
                     gemm::ActNvfp4<gemm::Window<T>>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
-                    out_f32, out_ld, out_col, offsets, active, num_active, N, K);                         \
+                    out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K);                                 \
     }
 
 FP4_DEFINE_MOE_GEMM(1)
@@ -785,7 +786,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
             const bool sh = j == top_k;
             const float a_dec = stage.a_dec(sh);
             const unsigned e = sh ? 0u : ids[t * top_k + j], n = r * 16 + (lane >> 2);
-            const StackRows& st = sh ? s_w : w;
+            const StackRows st = sh ? s_w : w;  // by value: a reference to either went through local memory
             y[j][lane >> 2] = __fmul_rn(acc[0][0], st.alpha(e, n, a_dec));
             y[j][(lane >> 2) + 8] = __fmul_rn(acc[0][2], st.alpha(e, n + 8, a_dec));
         }

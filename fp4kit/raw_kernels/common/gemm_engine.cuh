@@ -427,14 +427,6 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
 }
 #undef FP4_ACC8
 
-// The element of (row, col) in an output of column blocks (Epilogue::out_parts; sm_90a builds).
-// Inlined: as a call (__noinline__) its register saves spilled in the 8-token mma.sync kernels.
-__device__ __forceinline__ size_t column_block_index(const unsigned* parts, unsigned rows, unsigned row, unsigned col) {
-    unsigned lo = 0, hi = __ldg(parts + 1);
-    for (unsigned p = 2; col >= hi; ++p) lo = hi, hi = __ldg(parts + p);
-    return (size_t)rows * lo + (size_t)row * (hi - lo) + (col - lo);
-}
-
 struct Epilogue {
     const float* w_global;      // encode scale S_w (unused with w_decode or row_decode)
     const float* row_decode;  // nullptr: one decode factor for every row
@@ -447,11 +439,23 @@ struct Epilogue {
     unsigned out_ld = 0;              // output row stride (0: N)
     unsigned out_row_base = 0;        // output row of local token 0
     unsigned out_col = 0;             // output column of weight row 0
-    // column blocks (nullptr: none): part boundaries 0 = b_0 < ... < b_P = N in device memory; part
-    // p (columns b_p .. b_{p+1} - 1) is its own row-major [out_rows, b_{p+1} - b_p] matrix starting
-    // at element out_rows * b_p, so a concatenated projection's parts come out C-contiguous
+    // column blocks (nullptr: none): boundaries 0 = b_0 < ... < b_P = N in device memory; block p
+    // (columns b_p .. b_{p+1} - 1) is its own row-major [out_rows, b_{p+1} - b_p] matrix starting at
+    // element out_rows * b_p, so a concatenated projection's parts come out C-contiguous
     const unsigned* out_parts = nullptr;
     unsigned out_rows = 0;
+
+    // Points the stores at the column block holding column `col`, for a thread block whose columns
+    // all lie in that block (the launcher keeps the interior boundaries multiples of every kernel's
+    // column span): element (row, n) is row * width + n + b_p * (out_rows - 1). Once per thread
+    // block, so the stores stay the plain ones.
+    __device__ __forceinline__ void select_column_block(unsigned col) {
+        if (!out_parts) return;
+        unsigned lo = 0, hi = __ldg(out_parts + 1);
+        for (unsigned p = 2; col >= hi; ++p) lo = hi, hi = __ldg(out_parts + p);
+        out_ld = hi - lo;
+        out_col = lo * (out_rows - 1);
+    }
 
     float w_dec, a_dec;  // 1 / S_w (unused with row_decode) and 1 / S_a (1 for W4A16)
 
@@ -501,14 +505,7 @@ struct Epilogue {
                                               float unscale = kWeightUnscale) const {
         float y = __fmul_rn(sum, row_alpha(r.decode, unscale));
         if (bias_kind) y = __fadd_rn(y, r.bias);
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        const unsigned row = out_row_base + token, col = out_col + n;
-        const size_t index = out_parts ? column_block_index(out_parts, out_rows, row, col)
-                                       : (size_t)row * (out_ld ? out_ld : N) + col;
-#else  // column blocks on Hopper builds only (the search at every store slowed other builds' compile
-       // several times over); elsewhere the launcher copies the blocks apart after the GEMM
         const size_t index = (size_t)(out_row_base + token) * (out_ld ? out_ld : N) + out_col + n;
-#endif
         if (out_f32) static_cast<float*>(out)[index] = y;
         else static_cast<__nv_bfloat16*>(out)[index] = __float2bfloat16_rn(y);
     }
@@ -783,6 +780,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
 
     Epilogue ep = ep_in;
     ep.init();
+    ep.select_column_block(group * kWarps * R * 16);
     // D fragment: acc[r][i] = (row g, tokens 8i + 2t, 8i + 2t + 1), (row g + 8, the same tokens)
     if (sk.splits == 1) {
         if (!active) return;

@@ -309,6 +309,7 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
     }
     if constexpr (kPreload) ep.init_preloaded();
     else ep.init();
+    ep.select_column_block(block_row * RT * 16);  // here, not before the mainloop: its registers
     // D fragment: acc = (row g, tokens 2t, 2t + 1), (row g + 8, the same tokens)
     if (sk.splits == 1) {
         if (slice != 0 || !active) return;
