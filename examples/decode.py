@@ -72,12 +72,15 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_config(args, official: dict | None = None) -> configs.ModelConfig:
+def make_config(args, official: dict | None = None, device: bool = False) -> configs.ModelConfig:
     """The model's configuration: a saved folder's, an official config.json's (``official``, read
-    from ``--config``) or a preset's."""
+    from ``--config``) or a preset's. On the GPU (``device``) an official config's hyper-connections
+    are left out (one residual stream; `configs.official_not_built` says so)."""
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
+    if device and (official is not None or args.load):
+        overrides["hc_mult"] = 1
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:
@@ -247,12 +250,12 @@ def main(argv=None) -> int:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
     device = cuda_available() and not args.numpy
     official = read_official(args.config) if args.config and not args.load else None
-    cfg = make_config(args, official)
+    cfg = make_config(args, official, device)
     name = args.load or args.config or args.preset
     if args.load:  # converted official weights: their config.json says what this model leaves out
         official = runner.official_config(args.load)
     if official is not None:
-        for part in configs.official_not_built(official):
+        for part in configs.official_not_built(official, device):
             print(f"{args.load or args.config}: not built here, so the model differs from the checkpoint's: {part}")
     if not device:
         if cfg.hidden > 1024 and not args.numpy:
@@ -264,7 +267,8 @@ def main(argv=None) -> int:
                   "no CUDA GPU found: running on the numpy reference")
     print(f"model: {name}, {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.top_k}, vocab {cfg.vocab}, compress ratios {list(cfg.compress_ratios)}, "
-          f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
+          + (f"hyper-connections x{cfg.hc_mult}, " if cfg.hc_mult > 1 else "")
+          + f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
     t0 = time.perf_counter()
     model, ckpt = runner.build(cfg, device=device, seed=args.seed, load=args.load, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p)

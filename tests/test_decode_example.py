@@ -119,7 +119,7 @@ def test_decode_progress_updates_one_line_on_a_terminal(capsys, monkeypatch):
 
 def test_decode_runs_an_official_config(tmp_path, capsys):
     """--config reads an official DeepSeek-V4 config.json (here with small widths, so numpy runs it):
-    the model takes its widths and layer kinds, and what it leaves out of the architecture is printed."""
+    the model takes its widths, layer kinds and hyper-connections, and leaves nothing of it out."""
     import json
 
     official = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 1024, "num_attention_heads": 4,
@@ -133,8 +133,9 @@ def test_decode_runs_an_official_config(tmp_path, capsys):
     assert decode.main(["--numpy", "--config", str(path), "--layers", "3", "--batch", "1", "--prompt-len", "3",
                         "--new-tokens", "2", "--max-context", "256"]) == 0
     out = capsys.readouterr().out
-    assert f"model: {path}, 3 layers, hidden 256, 8 experts top-2, vocab 1024, compress ratios [0, 4, 128]" in out
-    assert "not built here, so the model differs from the checkpoint's: manifold-constrained hyper-connections" in out
+    assert (f"model: {path}, 3 layers, hidden 256, 8 experts top-2, vocab 1024, compress ratios [0, 4, 128], "
+            "hyper-connections x4, w4a16, on numpy") in out
+    assert "not built here" not in out  # numpy builds the hyper-connections; no RoPE scaling asked for
     assert "RoPE scaling" not in out  # none asked for
     assert re.search(r"^seq 0 generated token ids: \[\d+, \d+\]$", out, re.M)
 

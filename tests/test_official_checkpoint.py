@@ -7,6 +7,7 @@ quantized with the TE recipe, and a missing or misshapen tensor is refused by na
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import ml_dtypes
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from dsv4 import config as configs  # noqa: E402
 from dsv4 import official, runner  # noqa: E402
+from dsv4.model import Model  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 
@@ -41,7 +43,8 @@ def official_json(layers: int) -> dict:
 def miniature(cfg, seed: int = 0) -> Checkpoint:
     """Every tensor of ``cfg``'s model under its official name, as `fp4kit convert` leaves it:
     NVFP4 linears, the compressors' weights fp32 and the head bf16 (not quantized by the official
-    checkpoint), bf16 norms, plus hyper-connection tensors this model does not build."""
+    checkpoint), bf16 norms, fp32 hyper-connection parameters of 4 copies (whatever ``cfg.hc_mult``:
+    an official checkpoint has them)."""
     rng = np.random.default_rng(seed)
     ckpt = Checkpoint(layout="modelopt")
     for name, (_, (n, k)) in official._linears(cfg).items():
@@ -59,9 +62,16 @@ def miniature(cfg, seed: int = 0) -> Checkpoint:
             ckpt.extra[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(BF16)
         else:
             ckpt.extra[name] = (0.1 * rng.standard_normal(shape)).astype(dtype or BF16)
-    for i in range(cfg.layers):
-        ckpt.extra[f"layers.{i}.hc_attn_fn"] = rng.standard_normal((24, 4 * cfg.hidden)).astype(np.float32)
+    for name, (_, shape, _) in official._others(replace(cfg, hc_mult=4)).items():
+        if "hc_" in name and name not in ckpt.extra:
+            ckpt.extra[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
     return ckpt
+
+
+def hc_names(layers: int) -> list[str]:
+    """The official names of the hyper-connection parameters of ``layers`` layers and the head."""
+    sites = [f"layers.{i}.hc_{part}" for i in range(layers) for part in ("attn", "ffn")] + ["hc_head"]
+    return sorted(f"{site}_{n}" for site in sites for n in ("fn", "scale", "base"))
 
 
 def test_renaming_is_exact_and_high_precision_linears_are_quantized_at_load():
@@ -92,8 +102,29 @@ def test_renaming_is_exact_and_high_precision_linears_are_quantized_at_load():
     norm = ours.extra["layers.2.attn.compressor.norm"]
     assert norm.dtype == np.float32 and np.array_equal(norm, src.extra["layers.2.attn.compressor.norm.weight"].astype(np.float32))
     assert ours.extra["layers.0.ffn.tid2eid"] is src.extra["layers.0.ffn.gate.tid2eid"]
-    assert report.left_out == [f"layers.{i}.hc_attn_fn" for i in range(3)]
-    assert any("left out (3" in line for line in report.lines())
+    assert report.left_out == hc_names(3)  # a one-stream model (hc_mult 1) builds none of them
+    assert any("left out (21" in line for line in report.lines())
+
+
+def test_hyper_connection_parameters_are_mapped_and_run_on_numpy():
+    """With ``hc_mult = 4`` (the official config's) the hyper-connections' parameters keep their
+    names, fp32, nothing is left out, and the numpy model decodes on the copies; the GPU model
+    refuses such a configuration, naming it."""
+    cfg = configs.tiny(3, hc_mult=4)
+    src = miniature(cfg)
+    ours, report = official.from_official(src, cfg)
+    assert report.left_out == []
+    for name in hc_names(3):
+        assert ours.extra[name] is src.extra[name] and ours.extra[name].dtype == np.float32
+    assert ours.extra["hc_head_fn"].shape == (4, 4 * cfg.hidden) and ours.extra["layers.2.hc_ffn_fn"].shape == (24, 4 * cfg.hidden)
+    model = Model(cfg, ours, device=False)
+    st = model.new_state(2, history_rows=8)
+    assert st.resid.shape == (2, 4, cfg.hidden)
+    first = np.array(model.step(st))
+    assert first.shape == (2,) and ((first >= 0) & (first < cfg.vocab)).all()
+    assert not np.array_equal(st.resid[:, 0], st.resid[:, 1])  # the copies were mixed apart
+    with pytest.raises(ValueError, match="hc_mult 4: the hyper-connections run on the numpy model only"):
+        Model(cfg, ours, device=True)
 
 
 def first_layers(cfg, n: int):
@@ -129,8 +160,8 @@ def test_missing_or_misshapen_tensors_are_refused_by_name():
 
 def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
     """``decode.py --load`` on a folder of converted official weights and its config.json: the
-    configuration from the official keys (a two-layer slice with --layers), the report of what
-    was quantized at load and left out, and a decode on the numpy reference."""
+    configuration from the official keys (a two-layer slice with --layers, its hyper-connections),
+    the report of what was quantized at load, and a decode on the numpy reference."""
     import decode
 
     cfg = configs.tiny(3)
@@ -142,8 +173,10 @@ def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
     args = ["--load", str(folder), "--layers", "2", "--numpy", "--batch", "1", "--prompt-len", "3", "--new-tokens", "2"]
     assert decode.main(args) == 0
     out = capsys.readouterr().out
-    assert "read from" in out and "quantized at load (" in out and "left out (" in out
-    assert "not built here" in out and "hyper-connections" in out
+    assert "read from" in out and "quantized at load (" in out
+    assert "left out (" not in out  # the slice reads its own layers only, and builds their hyper-connections
+    assert "hyper-connections x4" in out  # built on numpy from the official config's hc_mult
+    assert not any("not built here" in line and "hyper-connections" in line for line in out.splitlines())
     assert "decode:" in out
 
 
@@ -159,7 +192,7 @@ def test_a_slice_reads_only_its_layers(tmp_path):
     cfg = runner.load_config(folder, 2)
     model, ckpt = runner.build(cfg, device=False, load=str(folder))
     assert not any(n.startswith("layers.2.") for n in [*ckpt.weights, *ckpt.extra])
-    assert any("left out (2, " in line for line in model.load_report)  # the two layers' hc_attn_fn only
+    assert not any("left out" in line for line in model.load_report)  # the slice's hyper-connections are built
     keep = official.needed(cfg)
     assert keep("layers.1.attn.wq_a") and keep("embed.weight") and keep("head")
     assert not keep("layers.2.attn.wq_a") and not keep("mtp.0.enorm.weight") and not keep("layers.x.y")

@@ -61,6 +61,19 @@ def test_what_the_model_does_not_build_is_listed():
     assert "hyper-connections (hc_mult 4)" in missing[0] and "yarn RoPE scaling" in missing[1]
     plain = {k: v for k, v in flash().items() if k not in ("hc_mult", "rope_scaling")}
     assert configs.official_not_built(plain) == []
+    on_numpy = configs.official_not_built(flash(), device=False)  # the numpy model builds the hyper-connections
+    assert len(on_numpy) == 1 and "yarn RoPE scaling" in on_numpy[0]
+
+
+def test_hyper_connection_keys():
+    cfg = configs.from_official(flash())
+    assert (cfg.hc_mult, cfg.hc_iters, cfg.hc_eps) == (4, 20, 1e-6)
+    plain = configs.from_official({k: v for k, v in flash().items() if not k.startswith("hc_")})
+    assert (plain.hc_mult, plain.hc_iters) == (1, 20)
+    assert configs.from_official(flash(), hc_mult=1).hc_mult == 1  # the GPU model's one stream
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="hc_mult: expected a positive int"):
+            configs.tiny(hc_mult=bad)
 
 
 def test_v4_pro_config():

@@ -36,6 +36,12 @@ class ModelConfig:
     # H200 multiplies both on its bf16 tensor cores, so W4A4 only adds its activation quantizations
     # (one launch before each GEMM): the decode step 1.10 -> 0.78 ms at batch 1 (README, "Decode step")
     mode: str = "w4a16"
+    # manifold-constrained hyper-connections: hc_mult copies of the residual stream mixed around
+    # every sublayer (fp4kit.reference.hyper_connections); 1 is one plain residual stream. Built on
+    # the numpy model only so far: the GPU model refuses hc_mult > 1
+    hc_mult: int = 1
+    hc_iters: int = 20  # Sinkhorn iterations of the copies' mixing matrix
+    hc_eps: float = 1e-6
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -47,6 +53,10 @@ class ModelConfig:
             raise ValueError("o_groups: must divide heads * head_dim")
         if not 0 <= self.hash_layers <= self.layers:
             raise ValueError(f"hash_layers: expected 0..{self.layers}, got {self.hash_layers}")
+        if isinstance(self.hc_mult, bool) or not isinstance(self.hc_mult, int) or self.hc_mult < 1:
+            raise ValueError(f"hc_mult: expected a positive int, got {self.hc_mult!r}")
+        if isinstance(self.hc_iters, bool) or not isinstance(self.hc_iters, int) or self.hc_iters < 1:
+            raise ValueError(f"hc_iters: expected a positive int, got {self.hc_iters!r}")
 
     def max_comp(self, ratio: int) -> int:
         """Compressed entries per sequence a layer of this ratio can hold (a whole context)."""
@@ -97,16 +107,19 @@ _OFFICIAL_KEYS = {
     "top_k": ("num_experts_per_tok", "n_activated_experts"), "inner": ("moe_intermediate_size", "moe_inter_dim"),
     "hash_layers": ("num_hash_layers", "n_hash_layers"), "routed_scale": ("routed_scaling_factor", "route_scale"),
     "swiglu_limit": ("swiglu_limit",), "rope_theta": ("rope_theta",), "compress_rope_theta": ("compress_rope_theta",),
+    "hc_mult": ("hc_mult",), "hc_iters": ("hc_sinkhorn_iters",), "hc_eps": ("hc_eps",),
 }
-_OPTIONAL = {"swiglu_limit", "rope_theta", "compress_rope_theta", "routed_scale"}
+_OPTIONAL = {"swiglu_limit", "rope_theta", "compress_rope_theta", "routed_scale", "hc_mult", "hc_iters", "hc_eps"}
 
 
-def official_not_built(d: dict) -> list[str]:
+def official_not_built(d: dict, device: bool = True) -> list[str]:
     """The parts of the architecture an official config asks for that this model does not build yet
-    (a model built from it anyway computes something else than the checkpoint was trained as)."""
+    (a model built from it anyway computes something else than the checkpoint was trained as), on
+    the GPU (``device``) or on numpy."""
     missing = []
-    if d.get("hc_mult", 1) != 1:
-        missing.append(f"manifold-constrained hyper-connections (hc_mult {d['hc_mult']}): one residual stream here")
+    if d.get("hc_mult", 1) != 1 and device:
+        missing.append(f"manifold-constrained hyper-connections (hc_mult {d['hc_mult']}) on the GPU: one residual "
+                       f"stream there (the numpy model builds them)")
     scaling = d.get("rope_scaling") or ({"type": "yarn"} if d.get("rope_factor", 1) != 1 else None)
     if scaling:
         missing.append(f"{scaling.get('type', scaling.get('rope_type', '?'))} RoPE scaling: plain RoPE here")
@@ -118,7 +131,8 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     its first ``layers`` layers (all by default; the MTP layer's entry of ``compress_ratios`` is
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
-    no expert groups). What it leaves out is listed by `official_not_built`."""
+    no expert groups). What it leaves out is listed by `official_not_built`; the GPU model refuses
+    ``hc_mult > 1`` (pass ``hc_mult=1`` to build one residual stream there instead)."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)

@@ -72,6 +72,22 @@ def linear_shapes(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, 
     return shapes
 
 
+def hc_shapes(cfg: ModelConfig, prefix: str, head: bool = False) -> dict[str, tuple[int, ...]]:
+    """The hyper-connection parameters ``{name: shape}`` of one mixing site (the official names:
+    ``layers.{i}.hc_attn_*``, ``layers.{i}.hc_ffn_*``, ``hc_head_*``); none for ``hc_mult == 1``.
+    A sublayer's site has ``(2 + hc) * hc`` mixes (pre, post, the hc x hc combination), the head's hc."""
+    hc = cfg.hc_mult
+    if hc == 1:
+        return {}
+    mixes = hc if head else (2 + hc) * hc
+    return {f"{prefix}_fn": (mixes, hc * cfg.hidden), f"{prefix}_scale": (1 if head else 3,), f"{prefix}_base": (mixes,)}
+
+
+# (std, mean) of the random hyper-connection parameters: the mixes O(1) on a unit-RMS stream
+_HC_INIT = {"fn": lambda cfg: ((cfg.hc_mult * cfg.hidden) ** -0.5,), "scale": lambda cfg: (0.1, 1.0),
+            "base": lambda cfg: (0.5,)}
+
+
 def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoint:
     """All weights of a model with config ``cfg`` (CuPy arrays on the current device, or numpy)."""
     if device:
@@ -109,6 +125,10 @@ def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoin
         extra(f"{f}.gate.bias", (cfg.experts,), 0.01)
         if i < cfg.hash_layers:
             ckpt.extra[f"{f}.tid2eid"] = _hash_table(xp, seed, f"{f}.tid2eid", cfg)
+    sites = [(f"layers.{i}.hc_{part}", False) for i in range(cfg.layers) for part in ("attn", "ffn")]
+    for site, head in sites + [("hc_head", True)]:
+        for name, shape in hc_shapes(cfg, site, head).items():
+            extra(name, shape, *_HC_INIT[name.rpartition("_")[2]](cfg))
     extra("norm", (cfg.hidden,), 0.1, 1.0)
     quantized("lm_head", (cfg.vocab, cfg.hidden))
     return ckpt

@@ -1,7 +1,8 @@
 """A DeepSeek-V4-style decoder assembled from fp4kit layers, for one decode token per sequence.
 
-Per layer: RMSNorm -> attention -> RMSNorm -> MoE, on a plain fp32 residual stream; then the final
-norm, the NVFP4 ``lm_head`` and the sampler. Attention (one 512-d latent shared by all heads,
+Per layer: RMSNorm -> attention -> RMSNorm -> MoE, on a plain fp32 residual stream, or on the
+``hc_mult`` copies of manifold-constrained hyper-connections (numpy only: `HyperConnection`); then
+the final norm, the NVFP4 ``lm_head`` and the sampler. Attention (one 512-d latent shared by all heads,
 K = V): a low-rank query (``wq_a`` -> RMSNorm -> ``wq_b``, per-head RMS norm, RoPE), the latent
 ``wkv`` -> RMSNorm -> RoPE appended to the layer's `fp4kit.KVCache`, whose compressor emits
 entries every ``ratio`` tokens; ratio-4 layers select compressed entries with the lightning
@@ -15,7 +16,7 @@ indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one
 routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
 expert, the V4 SwiGLU clamp.
 
-Left out (documented in the README): hyper-connections (a plain residual stream instead), YaRN
+Left out (documented in the README): hyper-connections on the GPU (a plain residual stream), YaRN
 RoPE scaling, the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents, the
 output de-rotation, and multi-token prediction. `Model.prefill` runs a prompt through each layer
 once as T tokens (the runner's ``batched_prefill``); by default the prompt goes through the decode
@@ -43,6 +44,7 @@ from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
+from fp4kit.reference import hyper_connections as hc_ref
 from fp4kit.runtime import arrays, workspace
 from fp4kit.runtime.arrays import BF16
 
@@ -321,10 +323,40 @@ class Attention:
         return self._project_out(o)
 
 
+class HyperConnection:
+    """One mixing site of the manifold-constrained hyper-connections (`fp4kit.reference.hyper_connections`,
+    float64; the copies kept in fp32): before a sublayer (or the head) the copies ``x [rows, hc, D]``
+    are mixed into its input, which the sublayer's RMSNorm then normalises (`pre`); after it, its
+    output and the copies make the new copies (`post`, in place). Numpy model only."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, prefix: str, head: bool = False):
+        self.cfg, self.head = cfg, head
+        self.fn, self.scale, self.base = (ckpt.extra[f"{prefix}_{n}"] for n in ("fn", "scale", "base"))
+
+    def pre(self, x, norm) -> tuple:
+        """``(normed bf16 [rows, D], post, comb)`` for the sublayer (post, comb None for the head)."""
+        cfg = self.cfg
+        if self.head:
+            mixed = hc_ref.hc_head(x, self.fn, self.scale, self.base, eps=cfg.hc_eps, norm_eps=cfg.eps)
+            post = comb = None
+        else:
+            mixed, post, comb = hc_ref.hc_pre(x, self.fn, self.scale, self.base, iters=cfg.hc_iters, eps=cfg.hc_eps,
+                                              norm_eps=cfg.eps)
+        return ew.add_rmsnorm(mixed.astype(np.float32), None, norm, eps=cfg.eps), post, comb
+
+    @staticmethod
+    def post(y, x, post, comb) -> None:
+        """The copies ``x`` after a sublayer whose output is ``y [rows, D]``."""
+        x[...] = hc_ref.hc_post(np.asarray(y).astype(np.float32), x, post, comb).astype(np.float32)
+
+
 class Block:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
         p = f"layers.{i}"
         self.attn_norm, self.ffn_norm = ckpt.extra[f"{p}.attn_norm"], ckpt.extra[f"{p}.ffn_norm"]
+        if cfg.hc_mult > 1:
+            self.hc_attn = HyperConnection(cfg, ckpt, f"{p}.hc_attn")
+            self.hc_ffn = HyperConnection(cfg, ckpt, f"{p}.hc_ffn")
         self.attn = Attention(cfg, ckpt, i, xp)
         routing = RoutingConfig(top_k=cfg.top_k, score_func="sqrtsoftplus", routed_scale=cfg.routed_scale)
         shared = SharedExpert.from_checkpoint(ckpt, f"{p}.ffn.shared", limit=cfg.swiglu_limit, mode=cfg.mode)
@@ -342,7 +374,9 @@ class DecodeState:
         xp = model.xp
         self.batch = batch
         self.layers = [blk.attn.caches(batch, model.device) for blk in model.blocks]
-        self.resid = xp.zeros((batch, model.cfg.hidden), np.float32)
+        # the residual stream: [batch, hidden], or its hc_mult copies [batch, hc_mult, hidden]
+        hc = model.cfg.hc_mult
+        self.resid = xp.zeros((batch, hc, model.cfg.hidden) if hc > 1 else (batch, model.cfg.hidden), np.float32)
         self.tokens = xp.zeros(batch, np.int32)
         self.history = xp.zeros((history_rows, batch), np.int32)
         self.step = xp.zeros(1, np.int32)
@@ -365,10 +399,15 @@ class Model:
             import cupy as xp
         else:
             xp = np
+        if device and cfg.hc_mult > 1:
+            raise ValueError(f"hc_mult {cfg.hc_mult}: the hyper-connections run on the numpy model only (device=False); "
+                             f"on the GPU build hc_mult=1, one residual stream, which is not what such a checkpoint "
+                             f"computes")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
         self.blocks = [Block(cfg, ckpt, i, xp) for i in range(cfg.layers)]
         self.norm = ckpt.extra["norm"]
+        self.hc_head = HyperConnection(cfg, ckpt, "hc_head", head=True) if cfg.hc_mult > 1 else None
         self.lm_head = Linear.from_checkpoint(ckpt, "lm_head", mode=cfg.mode, static_input_scale=False)
         self.generator = Generator(seed, device=device)
         self.sampler = Sampler(self.generator, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -391,6 +430,8 @@ class Model:
                 value[...] = new
             return value
 
+        if self.hc_head is not None:
+            return self._forward_hc(st, sync)
         # the embedding and the first layer's norm in one launch
         h = ew.embed_rmsnorm(self.embed, st.tokens, self.blocks[0].attn_norm, eps=self.cfg.eps, resid=st.resid)
         delta = None
@@ -406,6 +447,25 @@ class Model:
         st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
         return st.logits
 
+    def _forward_hc(self, st: DecodeState, sync):
+        """`forward` on the hyper-connections' copies (numpy): the embedding repeated, each
+        sublayer between `HyperConnection.pre` and `HyperConnection.post`, the head's mix."""
+        x = st.resid
+        x[...] = ew.embed(self.embed, st.tokens)[:, None, :]
+        self._blocks_hc(x, st.layers, lambda blk, h, caches: blk.attn(h, caches), st.tokens, sync)
+        h, _, _ = self.hc_head.pre(x, self.norm)
+        st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
+        return st.logits
+
+    def _blocks_hc(self, x, layers, attend, token_ids, sync) -> None:
+        """Every block on the copies ``x [rows, hc, D]`` (in place); ``attend(blk, h, caches)`` runs
+        a block's attention on its normed input."""
+        for i, (blk, caches) in enumerate(zip(self.blocks, layers)):
+            h, post, comb = blk.hc_attn.pre(sync("resid", 2 * i, x), blk.attn_norm)
+            blk.hc_attn.post(sync("attn.out", i, attend(blk, sync("attn.in", i, h), caches)), x, post, comb)
+            h, post, comb = blk.hc_ffn.pre(sync("resid", 2 * i + 1, x), blk.ffn_norm)
+            blk.hc_ffn.post(sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=token_ids)), x, post, comb)
+
     def prefill(self, st: DecodeState, tokens):
         """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched
         prefill), on a fresh state: the caches end as T `feed` calls would leave them (the
@@ -417,6 +477,13 @@ class Model:
         b, t = tokens.shape
         flat = tokens.reshape(-1)
         positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
+        if self.hc_head is not None:
+            x = np.repeat(ew.embed(self.embed, flat)[:, None, :], cfg.hc_mult, axis=1)
+            self._blocks_hc(x, st.layers, lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
+                            lambda name, i, value: value)
+            h, _, _ = self.hc_head.pre(np.ascontiguousarray(x.reshape(b, t, cfg.hc_mult, -1)[:, -1]), self.norm)
+            st.logits = self.lm_head(h)
+            return st.logits
         resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
         h = ew.embed_rmsnorm(self.embed, flat, self.blocks[0].attn_norm, eps=cfg.eps, resid=resid)
         delta = None

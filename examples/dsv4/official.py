@@ -14,8 +14,10 @@ names `Model` reads (`init.random_checkpoint`'s), for the architecture of ``cfg`
   recipe) and listed in the report: this model runs every linear in NVFP4;
 * norms (``P.weight``) become fp32 ``P``, ``embed.weight`` ``embed``, ``attn.attn_sink``
   ``attn.sink``, ``ffn.gate.tid2eid`` ``ffn.tid2eid``; the router's weight and bias keep theirs;
-* tensors of parts this model does not build (the hyper-connections' ``hc_*``, the MTP layers)
-  are left out and listed.
+* the hyper-connections' parameters (``layers.{i}.hc_attn_fn`` ... ``hc_head_base``, fp32) keep
+  their names when ``cfg.hc_mult > 1``; with ``hc_mult = 1`` (the GPU model) they are left out;
+* tensors of parts this model does not build (the MTP layers; the hyper-connections of a
+  one-stream model) are left out and listed.
 
 Every tensor ``cfg`` needs is checked for presence and shape before anything is converted; a
 missing or misshapen one is refused naming it and what was expected. `needed` selects what to read
@@ -34,7 +36,7 @@ from fp4kit.checkpoint import Checkpoint
 from fp4kit.formats import Nvfp4Tensor, to_linear
 
 from .config import ModelConfig
-from .init import linear_shapes
+from .init import hc_shapes, linear_shapes
 
 #: this model's names -> the official ones, where they differ (a suffix of the prefix)
 _RENAMED = {".shared.gate_proj": ".shared_experts.w1", ".shared.up_proj": ".shared_experts.w3",
@@ -126,6 +128,9 @@ def _others(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], object]]:
         out[f"{f}.gate.bias"] = (f"{f}.gate.bias", (cfg.experts,), f32)
         if i < cfg.hash_layers:
             out[f"{f}.gate.tid2eid"] = (f"{f}.tid2eid", (cfg.vocab, cfg.top_k), np.dtype(np.int32))
+        for part in ("attn", "ffn"):
+            out.update({n: (n, shape, f32) for n, shape in hc_shapes(cfg, f"{p}.hc_{part}").items()})
+    out.update({n: (n, shape, f32) for n, shape in hc_shapes(cfg, "hc_head", head=True).items()})
     return out
 
 
