@@ -80,7 +80,7 @@ def make_config(args, official: dict | None = None, device: bool = False) -> con
     if args.max_context:
         overrides["max_context"] = args.max_context
     if device and (official is not None or args.load):
-        overrides["hc_mult"] = 1
+        overrides.update(hc_mult=1, qat_sim=False)
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:
@@ -268,6 +268,7 @@ def main(argv=None) -> int:
     print(f"model: {name}, {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.top_k}, vocab {cfg.vocab}, compress ratios {list(cfg.compress_ratios)}, "
           + (f"hyper-connections x{cfg.hc_mult}, " if cfg.hc_mult > 1 else "")
+          + ("simulated FP8/FP4 activations, " if cfg.qat_sim else "")
           + f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
     t0 = time.perf_counter()
     model, ckpt = runner.build(cfg, device=device, seed=args.seed, load=args.load, temperature=args.temperature,

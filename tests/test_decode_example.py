@@ -119,22 +119,23 @@ def test_decode_progress_updates_one_line_on_a_terminal(capsys, monkeypatch):
 
 def test_decode_runs_an_official_config(tmp_path, capsys):
     """--config reads an official DeepSeek-V4 config.json (here with small widths, so numpy runs it):
-    the model takes its widths, layer kinds and hyper-connections, and leaves nothing of it out."""
+    the model takes its widths, layer kinds, hyper-connections and activation simulation, and leaves
+    nothing of it out."""
     import json
 
     official = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 1024, "num_attention_heads": 4,
-                "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 128,
+                "num_key_value_heads": 1, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 128,
                 "o_lora_rank": 128, "o_groups": 2, "sliding_window": 16, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 128,
                 "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "num_hash_layers": 2, "hc_mult": 4,
-                "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16, "compress_ratios": [0, 4, 128, 4, 0]}
+                "index_n_heads": 8, "index_head_dim": 64, "index_topk": 16, "compress_ratios": [0, 4, 128, 4, 0]}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(official))
     assert decode.main(["--numpy", "--config", str(path), "--layers", "3", "--batch", "1", "--prompt-len", "3",
                         "--new-tokens", "2", "--max-context", "256"]) == 0
     out = capsys.readouterr().out
     assert (f"model: {path}, 3 layers, hidden 256, 8 experts top-2, vocab 1024, compress ratios [0, 4, 128], "
-            "hyper-connections x4, w4a16, on numpy") in out
+            "hyper-connections x4, simulated FP8/FP4 activations, w4a16, on numpy") in out
     assert "not built here" not in out  # numpy builds the hyper-connections; no RoPE scaling asked for
     assert "RoPE scaling" not in out  # none asked for
     assert re.search(r"^seq 0 generated token ids: \[\d+, \d+\]$", out, re.M)

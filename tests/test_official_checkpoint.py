@@ -26,9 +26,15 @@ from dsv4.model import Model  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 
+def tiny_official(layers: int, **overrides):
+    """`configs.tiny` with widths the official inference's activation simulation accepts (latent
+    channels outside RoPE a multiple of 64, the indexer's a power of two of 32 or more)."""
+    return configs.tiny(layers, head_dim=128, rope_dim=64, index_head_dim=64, **overrides)
+
+
 def official_json(layers: int) -> dict:
-    """An official-style config.json with `configs.tiny`'s widths."""
-    t = configs.tiny(layers)
+    """An official-style config.json with `tiny_official`'s widths."""
+    t = tiny_official(layers)
     return {
         "hidden_size": t.hidden, "num_hidden_layers": layers, "vocab_size": t.vocab, "num_attention_heads": t.heads,
         "num_key_value_heads": 1, "head_dim": t.head_dim, "qk_rope_head_dim": t.rope_dim, "q_lora_rank": t.q_lora,
@@ -164,7 +170,7 @@ def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
     the report of what was quantized at load, and a decode on the numpy reference."""
     import decode
 
-    cfg = configs.tiny(3)
+    cfg = tiny_official(3)
     folder = tmp_path / "v4-mini"
     src = miniature(cfg)
     save_nvfp4(folder, src.weights, extra=src.extra)
@@ -175,7 +181,7 @@ def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "read from" in out and "quantized at load (" in out
     assert "left out (" not in out  # the slice reads its own layers only, and builds their hyper-connections
-    assert "hyper-connections x4" in out  # built on numpy from the official config's hc_mult
+    assert "hyper-connections x4, simulated FP8/FP4 activations" in out  # built on numpy from the official config
     assert not any("not built here" in line and "hyper-connections" in line for line in out.splitlines())
     assert "decode:" in out
 
@@ -183,7 +189,7 @@ def test_decode_script_loads_converted_official_weights(tmp_path, capsys):
 def test_a_slice_reads_only_its_layers(tmp_path):
     """`runner.build` on converted official weights with a two-layer configuration reads neither the
     third layer's tensors nor the MTP layer's (`official.needed`)."""
-    cfg3 = configs.tiny(3)
+    cfg3 = tiny_official(3)
     src = miniature(cfg3)
     src.extra["mtp.0.enorm.weight"] = np.ones(cfg3.hidden, BF16)
     folder = tmp_path / "v4-mini"

@@ -42,6 +42,11 @@ class ModelConfig:
     hc_mult: int = 1
     hc_iters: int = 20  # Sinkhorn iterations of the copies' mixing matrix
     hc_eps: float = 1e-6
+    # the official inference's simulated activation quantization (the latents' channels outside
+    # RoPE through E4M3, the indexer's queries and keys through E2M1 after a Hadamard rotation:
+    # fp4kit.reference.qat) and the de-rotation of the attention output's RoPE channels. Numpy
+    # model only so far, like the hyper-connections
+    qat_sim: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -57,6 +62,10 @@ class ModelConfig:
             raise ValueError(f"hc_mult: expected a positive int, got {self.hc_mult!r}")
         if isinstance(self.hc_iters, bool) or not isinstance(self.hc_iters, int) or self.hc_iters < 1:
             raise ValueError(f"hc_iters: expected a positive int, got {self.hc_iters!r}")
+        if self.qat_sim and ((self.head_dim - self.rope_dim) % 64 or self.index_head_dim % 32
+                             or self.index_head_dim & (self.index_head_dim - 1)):
+            raise ValueError(f"qat_sim: needs head_dim - rope_dim a multiple of 64 and index_head_dim a power of two of "
+                             f"32 or more; got {self.head_dim} - {self.rope_dim} and {self.index_head_dim}")
 
     def max_comp(self, ratio: int) -> int:
         """Compressed entries per sequence a layer of this ratio can hold (a whole context)."""
@@ -120,6 +129,9 @@ def official_not_built(d: dict, device: bool = True) -> list[str]:
     if d.get("hc_mult", 1) != 1 and device:
         missing.append(f"manifold-constrained hyper-connections (hc_mult {d['hc_mult']}) on the GPU: one residual "
                        f"stream there (the numpy model builds them)")
+    if device:
+        missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
+                       "output's de-rotation, on the GPU (the numpy model builds them)")
     scaling = d.get("rope_scaling") or ({"type": "yarn"} if d.get("rope_factor", 1) != 1 else None)
     if scaling:
         missing.append(f"{scaling.get('type', scaling.get('rope_type', '?'))} RoPE scaling: plain RoPE here")
@@ -132,7 +144,7 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
     no expert groups). What it leaves out is listed by `official_not_built`; the GPU model refuses
-    ``hc_mult > 1`` (pass ``hc_mult=1`` to build one residual stream there instead)."""
+    ``hc_mult > 1`` and ``qat_sim`` (pass ``hc_mult=1, qat_sim=False`` to build it without them)."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)
@@ -157,5 +169,5 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     if not 1 <= n <= total:
         raise ValueError(f"layers: expected 1..{total}, got {n}")
     fields.update(layers=n, compress_ratios=ratios[:n], hash_layers=min(fields["hash_layers"], n),
-                  eps=d.get("rms_norm_eps", 1e-6))
+                  eps=d.get("rms_norm_eps", 1e-6), qat_sim=True)
     return replace(ModelConfig(**fields), **overrides)

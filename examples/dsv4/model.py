@@ -16,9 +16,10 @@ indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one
 routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
 expert, the V4 SwiGLU clamp.
 
-Left out (documented in the README): hyper-connections on the GPU (a plain residual stream), YaRN
-RoPE scaling, the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents, the
-output de-rotation, and multi-token prediction. `Model.prefill` runs a prompt through each layer
+Left out (documented in the README): on the GPU the hyper-connections (a plain residual stream),
+the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents and the output
+de-rotation (`ModelConfig.qat_sim`: the numpy model builds them, `QatSimulation`); YaRN RoPE
+scaling and multi-token prediction. `Model.prefill` runs a prompt through each layer
 once as T tokens (the runner's ``batched_prefill``); by default the prompt goes through the decode
 step one token at a time.
 
@@ -45,6 +46,8 @@ from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
 from fp4kit.reference import hyper_connections as hc_ref
+from fp4kit.reference import qat
+from fp4kit.reference.elementwise import rope as rope_ref
 from fp4kit.runtime import arrays, workspace
 from fp4kit.runtime.arrays import BF16
 
@@ -188,11 +191,47 @@ class OutputProjection:
         return sum(int(w.packed.nbytes + w.block_scales.nbytes + 4) for w in weights)
 
 
+class QatSimulation:
+    """The official inference's in-place activation rounding (`fp4kit.reference.qat`) and the
+    attention output's de-rotation, on numpy arrays: the latent's channels outside RoPE through
+    E4M3 (a power-of-two scale per 64), the indexer's queries and compressed keys through E2M1 (per
+    32) after a Hadamard rotation, and the output's RoPE channels rotated back by the query's
+    position. Numpy model only (`ModelConfig.qat_sim`)."""
+
+    def __init__(self, cfg: ModelConfig, theta: float):
+        self.rope_dim, self.theta = cfg.rope_dim, theta
+
+    def latent(self, kv):
+        out = np.array(kv, copy=True)
+        out[..., : kv.shape[-1] - self.rope_dim] = qat.fp8_simulate(kv[..., : kv.shape[-1] - self.rope_dim], 64)
+        return out
+
+    @staticmethod
+    def index(x):
+        return qat.fp4_simulate(qat.hadamard(x), 32)
+
+    @staticmethod
+    def new_entries(cache: KVCache, before, fn) -> None:
+        """``fn`` applied to the compressed entries ``cache`` emitted since its lengths were ``before``."""
+        for b, (old, new) in enumerate(zip(before, np.minimum(cache.comp_len, cache.comp.shape[1]))):
+            if new > old:
+                cache.comp[b, old:new] = fn(cache.comp[b, old:new])
+
+    def derotate(self, o, positions):
+        """``o [rows, heads, D]`` with its last rope_dim channels rotated by ``-positions[row]``."""
+        out = np.array(o, copy=True)
+        rot = rope_ref(o[..., o.shape[-1] - self.rope_dim:].astype(np.float32),
+                       -np.asarray(positions, np.int64)[:, None], self.rope_dim, self.theta)
+        out[..., o.shape[-1] - self.rope_dim:] = rot.astype(o.dtype)
+        return out
+
+
 class Attention:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
         p = f"layers.{i}.attn"
         self.cfg, self.ratio, self.xp = cfg, cfg.compress_ratios[i], xp
         self.theta = cfg.compress_rope_theta if self.ratio else cfg.rope_theta
+        self.qat = QatSimulation(cfg, self.theta) if cfg.qat_sim else None
 
         def linear(name: str) -> Linear:
             return Linear.from_checkpoint(ckpt, f"{p}.{name}", mode=cfg.mode, static_input_scale=False)
@@ -248,6 +287,12 @@ class Attention:
         qr, kv = ew.rmsnorm_rope_pair(ew.NormRope(of_h["wq_a"], self.q_norm),
                                       ew.NormRope(of_h["wkv"], self.kv_norm, rope_dim=cfg.rope_dim), positions,
                                       eps=cfg.eps, theta=self.theta, window=cache.swa if decode else None)
+        if self.qat is not None:  # the latent's channels outside RoPE through E4M3, where it was written
+            if decode:
+                slots = (np.arange(b), np.asarray(positions) % cfg.window)
+                cache.swa[slots] = self.qat.latent(cache.swa[slots])
+            else:
+                kv = self.qat.latent(kv)
         kv = None if decode else kv.reshape(b, t, cfg.head_dim)
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
         wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
@@ -257,11 +302,15 @@ class Attention:
             q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
                                          ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
                                          eps=cfg.eps, theta=self.theta)
+            if self.qat is not None:
+                iq = self.qat.index(iq)
         else:
             q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         # the indexer's key cache: its compressor only (its window is never read: no append)
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
+        if self.qat is not None and self.ratio:  # the lengths before the compressors emit
+            before = [np.minimum(c.comp_len, c.comp.shape[1]).copy() for c in (cache, st.get("index")) if c is not None]
         if decode and not self.ratio:
             cache.advance(t)  # the window rows are written
         elif decode and index:  # both caches' compressors in one launch
@@ -270,6 +319,10 @@ class Attention:
             cache.append(kv, *compressor)
             if index:
                 st["index"].append(None, *index)
+        if self.qat is not None and self.ratio:  # the entries just emitted, rounded as the official compressors do
+            self.qat.new_entries(cache, before[0], self.qat.latent)
+            if index:
+                self.qat.new_entries(st["index"], before[1], self.qat.index)
         if self.ratio == 4:
             w = of_h["indexer.weights_proj"]
         return q, kv, iq, w
@@ -277,6 +330,7 @@ class Attention:
     def __call__(self, h, st: dict):
         cfg, cache = self.cfg, st["kv"]
         b = h.shape[0]
+        positions = None if self.qat is None else np.array(cache.pos, copy=True)  # the query's, for the de-rotation
         q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
         if self.ratio == 4:
             keys = st["index"]
@@ -287,6 +341,8 @@ class Attention:
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
         o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
+        if self.qat is not None:
+            o = self.qat.derotate(o, positions)
         return self._project_out(o)
 
     def _project_out(self, o):
@@ -320,6 +376,8 @@ class Attention:
             else:
                 indices, comp = none, no_entries
             self.attn.prefill(q[rows], kv[s], start, cfg.window, comp, comp_len, indices, out=o[rows])
+        if self.qat is not None:
+            o = self.qat.derotate(o, positions)
         return self._project_out(o)
 
 
@@ -403,6 +461,9 @@ class Model:
             raise ValueError(f"hc_mult {cfg.hc_mult}: the hyper-connections run on the numpy model only (device=False); "
                              f"on the GPU build hc_mult=1, one residual stream, which is not what such a checkpoint "
                              f"computes")
+        if device and cfg.qat_sim:
+            raise ValueError("qat_sim: the simulated FP8 / FP4 activations and the output de-rotation run on the numpy "
+                             "model only (device=False); on the GPU build qat_sim=False")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
         self.blocks = [Block(cfg, ckpt, i, xp) for i in range(cfg.layers)]
