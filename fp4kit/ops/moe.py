@@ -136,7 +136,9 @@ SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)
-SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4")
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n2", "d2c1n4")
+#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow)
+SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n2": (2, 8), "d2c1n4": (4, 4)}
 
 
 def _whole_variant(variant: str, k: int) -> str:
@@ -147,18 +149,19 @@ def _whole_variant(variant: str, k: int) -> str:
     return variant + "w" if whole else variant
 
 
-def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
-    """Pairs per block (1, 2, 4 or 8): the fewest that fit the launch in one wave of two blocks per
-    multiprocessor (V4-Flash at T = 1: 4 pairs, 224 blocks, measured 3-6 % faster than 448 blocks in
-    1.7 waves), else the most that still leave two blocks per multiprocessor (longer weight streams
-    per warp)."""
+def small_pairs_per_block(inner: int, assignments: int, sms: int, warps: int = 8, blocks_per_sm: int = 2) -> int:
+    """Pairs per block (1, 2, 4 or 8, at most ``warps``): the fewest that fit the launch in one wave
+    of ``blocks_per_sm`` blocks per multiprocessor (V4-Flash at T = 1 on 8-warp blocks: 4 pairs,
+    224 blocks, measured 3-6 % faster than 448 blocks in 1.7 waves), else the most that still leave
+    ``blocks_per_sm`` blocks per multiprocessor (longer weight streams per warp)."""
     if SMALL_PAIRS_PER_BLOCK is not None:
-        return SMALL_PAIRS_PER_BLOCK
-    for pp in (1, 2, 4, 8):
-        if -(-inner // (16 * pp)) * assignments <= 2 * sms:
+        return min(SMALL_PAIRS_PER_BLOCK, warps)
+    choices = [pp for pp in (1, 2, 4, 8) if pp <= warps]
+    for pp in choices:
+        if -(-inner // (16 * pp)) * assignments <= blocks_per_sm * sms:
             return pp
     pp = 1
-    while pp < 8 and -(-inner // (16 * 2 * pp)) * assignments >= 2 * sms:
+    while pp < warps and -(-inner // (16 * 2 * pp)) * assignments >= blocks_per_sm * sms:
         pp *= 2
     return pp
 
@@ -210,7 +213,8 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count())
+    warps, per_sm = SMALL_GATE_UP_GEOMETRY[SMALL_GATE_UP_VARIANT]
+    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count(), warps, per_sm)
     variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
@@ -224,7 +228,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
     grid = (-(-inner // (16 * pp)), blocks_y)
     # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
-    kernel.launch(grid, 256, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
+    kernel.launch(grid, 32 * warps, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
     return grid
 
 
