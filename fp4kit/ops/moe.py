@@ -125,8 +125,18 @@ SMALL_PAIRS_PER_BLOCK = None
 #: tokens per block of a folded shared expert in the small-T first launch: the 8 columns of the
 #: m16n8k16 MMA (moe.cu kSharedTokens)
 SHARED_TOKENS_PER_BLOCK = 8
-#: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
-SMALL_GATE_UP_VARIANT = "d2c1"
+#: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there);
+#: None for the first launch: by token count (`small_gate_up_variant`)
+SMALL_GATE_UP_VARIANT = None
+#: up to this many tokens the first launch runs in 4-warp blocks (``d2c1n4``), above it in 8-warp
+#: ones (``d2c1``): H200, V4-Flash W4A16, the MoE layer T = 1 49.4 -> 48.8 us, T = 2 78.0 -> 74.9, T = 4
+#: 137.7 -> 125.5, T = 8 221 -> 230 (W4A4 alike); the decode step at batch 1 546 -> 541 us
+SMALL_NARROW_MAX_TOKENS = 4
+#: a first launch that fits in one wave releases the down projection's launch once its blocks have
+#: passed their wait (common/pdl.cuh), so that the down blocks, on the SMs the first launch leaves
+#: room on, read the router's ids and issue their first weight loads while it runs; False: they
+#: are released when its blocks exit
+SMALL_EARLY_RELEASE = True
 SMALL_DOWN_VARIANT = "d1c2b4"
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
 #: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
@@ -136,9 +146,17 @@ SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)
-SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n2", "d2c1n4")
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4")
 #: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow)
-SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n2": (2, 8), "d2c1n4": (4, 4)}
+SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n4": (4, 4)}
+
+
+def small_gate_up_variant(tokens: int) -> str:
+    """The first launch's kernel variant for ``tokens`` tokens: `SMALL_GATE_UP_VARIANT` if set, else
+    4-warp blocks up to `SMALL_NARROW_MAX_TOKENS` tokens and 8-warp blocks above."""
+    if SMALL_GATE_UP_VARIANT is not None:
+        return SMALL_GATE_UP_VARIANT
+    return "d2c1n4" if tokens <= SMALL_NARROW_MAX_TOKENS else "d2c1"
 
 
 def _whole_variant(variant: str, k: int) -> str:
@@ -213,20 +231,24 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    warps, per_sm = SMALL_GATE_UP_GEOMETRY[SMALL_GATE_UP_VARIANT]
+    variant = small_gate_up_variant(tokens)
+    warps, per_sm = SMALL_GATE_UP_GEOMETRY[variant]
     pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count(), warps, per_sm)
-    variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
+    variant = _whole_variant(variant, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
+    grid = (-(-inner // (16 * pp)), blocks_y)
+    # the early release only where every block is resident from the start (a later wave's blocks
+    # would compete with the released launch's for the slots; docs/decode-step.md)
+    common += (_I32(SMALL_EARLY_RELEASE and grid[0] * grid[1] <= per_sm * loader.current_sm_count()),)
     if x_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
     else:
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
-    grid = (-(-inner // (16 * pp)), blocks_y)
     # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     kernel.launch(grid, 32 * warps, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
     return grid
