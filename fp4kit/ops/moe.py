@@ -129,14 +129,10 @@ SHARED_TOKENS_PER_BLOCK = 8
 #: None for the first launch: by token count (`small_gate_up_variant`)
 SMALL_GATE_UP_VARIANT = None
 #: up to this many tokens the first launch runs in 4-warp blocks (``d2c1n4``), above it in 8-warp
-#: ones (``d2c1``): H200, V4-Flash W4A16, the MoE layer T = 1 49.4 -> 48.8 us, T = 2 78.0 -> 74.9, T = 4
-#: 137.7 -> 125.5, T = 8 221 -> 230 (W4A4 alike); the decode step at batch 1 546 -> 541 us
+#: ones (``d2c1``). H200, V4-Flash, the MoE layer, W4A16 / W4A4 (two rounds, interleaved): T = 1 48.7 ->
+#: 48.2 / 59.3 -> 59.6 us, T = 2 76.4 -> 76.2 / 88.8 -> 88.9, T = 4 135.7 -> 126.6 / 150.4 -> 142.6;
+#: T = 8 no better (223.5, 240 both); the decode step at batch 1 545.7 -> 541.4 us, batch 8 equal
 SMALL_NARROW_MAX_TOKENS = 4
-#: a first launch that fits in one wave releases the down projection's launch once its blocks have
-#: passed their wait (common/pdl.cuh), so that the down blocks, on the SMs the first launch leaves
-#: room on, read the router's ids and issue their first weight loads while it runs; False: they
-#: are released when its blocks exit
-SMALL_EARLY_RELEASE = True
 SMALL_DOWN_VARIANT = "d1c2b4"
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
 #: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
@@ -241,9 +237,6 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
     grid = (-(-inner // (16 * pp)), blocks_y)
-    # the early release only where every block is resident from the start (a later wave's blocks
-    # would compete with the released launch's for the slots; docs/decode-step.md)
-    common += (_I32(SMALL_EARLY_RELEASE and grid[0] * grid[1] <= per_sm * loader.current_sm_count()),)
     if x_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)

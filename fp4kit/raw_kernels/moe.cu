@@ -434,10 +434,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
 // The small-T path (decode): no dispatch. Every (token, slot) assignment is a GEMV work item read
 // straight from the router's ids; the weights of an expert are streamed once per assignment.
 //
-//   moe_small_gate_up_{bf16,nvfp4}  grid (I / 16, T * top_k [+ ceil(T / 8)]), 256 threads: block
-//                  (p, a) computes gate rows 16p .. 16p + 15 and the matching up rows of expert ids[a]
-//                  for the token of assignment a (its 8 warps split K and add their partials in warp
-//                  order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
+//   moe_small_gate_up_{bf16,nvfp4}  grid (I / (16 P), T * top_k [+ ceil(T / 8)]), 8 or 4 warps (N):
+//                  block (p, a) computes gate rows 16 (pP + j) .. + 15 (j < P) and the matching up
+//                  rows of expert ids[a] for the token of assignment a (N / P warps per pair split K
+//                  and add their partials in warp order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
 //                  I] for the amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
 //                  A folded shared expert's blocks take up to 8 tokens each, one per column of the
 //                  MMA's 8 (a routed block repeats its one token there), so its weights are streamed
@@ -640,7 +640,7 @@ template <int D, int C, bool kWhole, int kBlockWarps, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
-                        int out_f32, int release) {
+                        int out_f32) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ float partial[kBlockWarps][2][kSharedTokens][16];
@@ -653,10 +653,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     const StackRows gate = shared ? s_gate : r_gate, up = shared ? s_up : r_up;
     // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
     const unsigned ks = kBlockWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
-    if (!shared) {
-        pdl::wait_prior();  // a routed block's expert is the router's output (common/pdl.cuh)
-        if (release) pdl::release_next();
-    }
+    if (!shared) pdl::wait_prior();  // a routed block's expert is the router's output (common/pdl.cuh)
     const unsigned e = shared ? 0u : ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
     const unsigned per_warp = (groups + ks - 1) / ks * gemm::kGroupChunks;
@@ -674,10 +671,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     gemv.c1 = min(chunks, gemv.c0 + per_warp);
     gemv.policy = gemm::evict_first_policy();
     gemv.prime();
-    if (shared) {
-        pdl::wait_prior();  // the shared expert's first weights are in flight by now
-        if (release) pdl::release_next();
-    }
+    if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
     stage.prepare(table);
     __syncthreads();
     const unsigned kp = chunks * gemm::kTileK, ld = staged_ld(kp);
@@ -761,19 +755,21 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
     gemv.policy = gemm::evict_first_policy();
     auto point = [&](unsigned j) {
         const bool sh = j == top_k;
-        const size_t tile = (sh ? 0u : (size_t)__ldcg(ids + t * top_k + j)) * row_tiles + r;
+        const size_t tile = (sh ? 0u : (size_t)ids[t * top_k + j]) * row_tiles + r;
         gemv.codes[0] = (sh ? s_w.codes : w.codes) + tile * chunks * 32;
         gemv.scales[0] = (sh ? s_w.scales : w.scales) + tile * groups * 32;
     };
-    // Every warp's first weights are in flight before the wait for the gate|up launch. The routed
-    // experts are the router's output, two launches back: the gate|up launch's blocks released this
-    // one (by their release or their exit) only after their own wait for the router returned, so the
-    // router has completed by the time any block of this launch runs; its ids are read from L2.
-    if (warp < slots) {
+    // the shared expert's warp prefetches its weights first; the routed experts are the router's output
+    const bool prefetch = has_shared && warp == top_k;
+    if (prefetch) {
         point(warp);
         gemv.prime();
     }
     pdl::wait_prior();
+    if (warp < slots && !prefetch) {
+        point(warp);
+        gemv.prime();
+    }
     stage.prepare(table);
     __syncthreads();
     for (unsigned j = 0; j < slots; ++j) stage.row(j == top_k ? routed + t : t * top_k + j, act_s + (size_t)j * kp, kp, table);
@@ -928,11 +924,11 @@ struct StageQuantizeRows {
 #define FP4_SMALL_GATE_UP_ARGS                                                                            \
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
-        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32, int release
+        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
 #define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX)                                              \
     small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
-                         H, I, pairs_per_block, out, out_f32, release)
+                         H, I, pairs_per_block, out, out_f32)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
@@ -942,7 +938,8 @@ struct StageQuantizeRows {
                       shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
-// registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
+// registers must allow (B), no per-tile bounds tests (W), warps per block of the first launch (N).
+// Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
 // (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
 // the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
 #define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W, N)                                                        \
@@ -989,13 +986,13 @@ FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2, false, 8)
 FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4, false)
 // the same without per-tile bounds tests, for K of whole scale groups (ops/moe.py SMALL_WHOLE_FETCHES)
 FP4_DEFINE_SMALL_GATE_UP(d2c1w, 2, 1, 2, true, 8)
+FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 // gate|up in blocks of 4 warps (one to four pairs each, 4 blocks per SM), for T <= 4 (ops/moe.py
-// SMALL_NARROW_MAX_TOKENS; H200, V4-Flash, W4A16 / W4A4: T = 1 49.4 -> 48.8 / 59.7 -> 59.6 us, T = 2
-// 78.0 -> 74.9 / 89.0 -> 87.2, T = 4 137.7 -> 125.5 / 152.1 -> 143.4, T = 8 221 -> 230 / 242 -> 252;
-// 2-warp blocks were no faster at T <= 4 and 30 % slower at T = 8)
+// SMALL_NARROW_MAX_TOKENS; H200, V4-Flash, the layer, W4A16 / W4A4: T = 1 48.7 -> 48.2 / 59.3 ->
+// 59.6 us, T = 2 76.4 -> 76.2 / 88.8 -> 88.9, T = 4 135.7 -> 126.6 / 150.4 -> 142.6, T = 8 equal;
+// 2-warp blocks: no faster at T <= 4, 30 % slower at T = 8)
 FP4_DEFINE_SMALL_GATE_UP(d2c1n4, 2, 1, 4, false, 4)
 FP4_DEFINE_SMALL_GATE_UP(d2c1n4w, 2, 1, 4, true, 4)
-FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 // down candidates with more weight groups in flight per warp (ops/moe.py SMALL_DOWN_VARIANTS, timed by
 // scripts/sweep_moe_small.py): with the staging no longer serialising the prologue, still none faster
 // than d1c2b4 (H200, V4-Flash W4A16: T = 1 49.7-51.2 us against 49.2, T = 8 259-271 against 238)
