@@ -1,9 +1,11 @@
-"""The small-T MoE launches' knobs timed against each other on the layer they serve: every pair
-grouping of the first launch with the default down variant, then every down variant with the
-default grouping (V4-Flash and V3 shapes, W4A16 and W4A4, graph-replayed as benchmarks/bench_moe.py
-times the layer), each output compared with the defaults'.
+"""The small-T MoE launches' knobs timed against each other on the layer they serve: the launchers'
+rules, then every block geometry of the first launch (`SMALL_GATE_UP_GEOMETRY`) at every pair
+grouping it allows with the default down variant, then every down variant with the default first
+launch (V4-Flash and V3 shapes, W4A16 and W4A4, graph-replayed as benchmarks/bench_moe.py times the
+layer), each output compared with the rules'.
 
     .venv/bin/python scripts/sweep_moe_small.py [--configs=V4-Flash,V3] [--tokens=1,2,8] [--modes=w4a16,w4a4]
+        [--gate-up-rule-only]
 """
 
 import sys
@@ -21,6 +23,7 @@ PAIRS = (None, 1, 2, 4, 8)  # None: the launcher's rule
 
 def main() -> None:
     configs, tokens, modes = ("V4-Flash", "V3"), (1, 2, 8), ("w4a16", "w4a4")
+    gate_up_rule_only = False
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
         if key == "--configs":
@@ -29,8 +32,12 @@ def main() -> None:
             tokens = tuple(int(v) for v in value.split(","))
         elif key == "--modes":
             modes = tuple(value.split(","))
+        elif key == "--gate-up-rule-only":  # other gate|up variants at the launcher's pair rule only
+            gate_up_rule_only = True
     default = moe_ops.SMALL_GATE_UP_VARIANT, moe_ops.SMALL_DOWN_VARIANT, moe_ops.SMALL_PAIRS_PER_BLOCK
-    combos = [(default[0], default[1], p) for p in PAIRS]
+    combos = [(default[0], default[1], None)]  # the launchers' rules first: the baseline
+    combos += [(g, default[1], p) for g, (warps, _) in moe_ops.SMALL_GATE_UP_GEOMETRY.items()
+               for p in PAIRS if (p is None or p <= warps) and not (p is not None and gate_up_rule_only)]
     combos += [(default[0], d, None) for d in moe_ops.SMALL_DOWN_VARIANTS if d != default[1]]
     rng = np.random.default_rng(0)
     print("| shape | mode | T | gate_up | pairs | down | µs | vs default | max |diff| vs default |")

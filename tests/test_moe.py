@@ -309,6 +309,23 @@ def test_small_pairs_per_block_rule():
     assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132) == 8
 
 
+def test_small_gate_up_geometry_rule(monkeypatch):
+    """4-warp blocks up to SMALL_NARROW_MAX_TOKENS tokens, 8-warp blocks above, the knob overriding
+    both; with 4-warp blocks the pair rule counts four blocks per SM and never groups more pairs than
+    warps (each pair needs a warp at least)."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert moe_ops.small_gate_up_variant(1) == moe_ops.small_gate_up_variant(moe_ops.SMALL_NARROW_MAX_TOKENS) == "d2c1n4"
+    assert moe_ops.small_gate_up_variant(moe_ops.SMALL_NARROW_MAX_TOKENS + 1) == "d2c1"
+    monkeypatch.setattr(moe_ops, "SMALL_GATE_UP_VARIANT", "d2c1")
+    assert moe_ops.small_gate_up_variant(1) == "d2c1"
+    assert moe_ops.small_pairs_per_block(2048, 7, 132, 4, 4) == 2  # V4-Flash T = 1: 448 blocks, one wave of 528
+    assert moe_ops.small_pairs_per_block(2048, 25, 132, 4, 4) == 4  # T = 4: 800 blocks, no single wave
+    assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132, 4, 4) == 4  # never 8 pairs over 4 warps
+    monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", 8)
+    assert moe_ops.small_pairs_per_block(2048, 7, 132, 4, 4) == 4
+
+
 def test_router_warps_per_expert_rule():
     """The router's logits: the most warps per expert (up to 8) that leave each a slice of 512+
     inputs in whole runs of 8 and keep the grid within two blocks per SM; one warp where H has no

@@ -142,7 +142,9 @@ def test_folded_shared_expert_rows_equal_single_token_calls(rng, monkeypatch, t)
     column and block (9 and 19 tokens: two and three blocks, the last part-filled) it took."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
     monkeypatch.setattr(moe_layer, "FOLD_SHARED_MAX_TOKENS", 1 << 30)
-    monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", 2)  # the same K split (summation order) at every T
+    # the same K split (summation order) at every T: one block geometry, one pair grouping
+    monkeypatch.setattr(moe_ops, "SMALL_GATE_UP_VARIANT", "d2c1")
+    monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", 2)
     ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
     shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode="w4a16")
     dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, mode="w4a16", shared=shared)

@@ -1,6 +1,6 @@
 """The small-T MoE launches' tuning knobs on the GPU (ops/moe.py): every down-projection variant
-(``SMALL_DOWN_VARIANTS``) and every pair grouping of the first launch (``SMALL_PAIRS_PER_BLOCK``)
-gives the reference layer's output within the layer bound, bitwise the same on a repeat."""
+(``SMALL_DOWN_VARIANTS``), every pair grouping of the first launch (``SMALL_PAIRS_PER_BLOCK``) and
+every block geometry of it (``SMALL_GATE_UP_GEOMETRY``) gives the reference layer's output within the layer bound, bitwise the same on a repeat."""
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +34,16 @@ def build(rng, e, h, i, top_k, mode):
     return dev, host
 
 
+def run_twice(dev, xd, want, label):
+    """The layer's output for ``xd``, checked bitwise equal on a repeat and within the bound of the
+    reference's ``want``."""
+    got = cp.asnumpy(dev(xd))
+    again = cp.asnumpy(dev(xd))
+    assert np.array_equal(got.view(np.uint16), again.view(np.uint16)), label
+    assert gref.calc_diff(got.astype(np.float32), want) < BOUND, label
+    return got
+
+
 @pytest.fixture(params=["in-blocks", "launches"])
 def quantize_where(request, monkeypatch):
     """W4A4's quantization inside the GEMV blocks or by launches of their own (W4A16 ignores it)."""
@@ -57,11 +67,34 @@ def test_small_path_knobs_match_reference(rng, monkeypatch, quantize_where, h, i
         for pairs in (None, 1, 2, 4, 8):
             monkeypatch.setattr(moe_ops, "SMALL_DOWN_VARIANT", down)
             monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", pairs)
-            got = cp.asnumpy(dev(xd))
-            again = cp.asnumpy(dev(xd))
-            assert np.array_equal(got.view(np.uint16), again.view(np.uint16)), (down, pairs)
-            assert gref.calc_diff(got.astype(np.float32), want) < BOUND, (down, pairs)
+            run_twice(dev, xd, want, (down, pairs))
 
+
+@pytest.mark.parametrize("h,i,top_k", [(4096, 272, 6), (7168, 256, 8)])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_gate_up_block_geometries(rng, monkeypatch, quantize_where, h, i, top_k, t, mode):
+    """Every first-launch block geometry (`SMALL_GATE_UP_GEOMETRY`: 8- and 4-warp blocks) at
+    every pair grouping it allows: within the bound of the reference, bitwise the same on a repeat,
+    and bitwise the same as the 8-warp blocks wherever a pair's K is split the same number of ways
+    (the same partial sums added in the same order)."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    dev, host = build(rng, 16, h, i, top_k, mode)
+    x = rng.standard_normal((t, h)).astype(BF16)
+    want = host(x).astype(np.float32)
+    xd = cp.asarray(x)
+    by_split = {}
+    for variant, (warps, _) in moe_ops.SMALL_GATE_UP_GEOMETRY.items():
+        for pairs in (None, 1, 2, 4, 8):
+            if pairs is not None and pairs > warps:
+                continue
+            monkeypatch.setattr(moe_ops, "SMALL_GATE_UP_VARIANT", variant)
+            monkeypatch.setattr(moe_ops, "SMALL_PAIRS_PER_BLOCK", pairs)
+            got = run_twice(dev, xd, want, (variant, pairs))
+            if pairs is not None:
+                first = by_split.setdefault(warps // pairs, (variant, pairs, got))
+                assert np.array_equal(got.view(np.uint16), first[2].view(np.uint16)), (variant, pairs, first[:2])
+    assert len(by_split) == 4  # K in 8, 4, 2 and 1 parts
 
 
 @pytest.mark.parametrize("h,i,top_k", [(4096, 256, 6), (7168, 512, 8), (4096, 272, 6)])

@@ -125,8 +125,14 @@ SMALL_PAIRS_PER_BLOCK = None
 #: tokens per block of a folded shared expert in the small-T first launch: the 8 columns of the
 #: m16n8k16 MMA (moe.cu kSharedTokens)
 SHARED_TOKENS_PER_BLOCK = 8
-#: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there)
-SMALL_GATE_UP_VARIANT = "d2c1"
+#: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there);
+#: None for the first launch: by token count (`small_gate_up_variant`)
+SMALL_GATE_UP_VARIANT = None
+#: up to this many tokens the first launch runs in 4-warp blocks (``d2c1n4``), above it in 8-warp
+#: ones (``d2c1``). H200, V4-Flash, the MoE layer, W4A16 / W4A4 (two rounds, interleaved): T = 1 48.7 ->
+#: 48.2 / 59.3 -> 59.6 us, T = 2 76.4 -> 76.2 / 88.8 -> 88.9, T = 4 135.7 -> 126.6 / 150.4 -> 142.6;
+#: T = 8 no better (223.5, 240 both); the decode step at batch 1 545.7 -> 541.4 us, batch 8 equal
+SMALL_NARROW_MAX_TOKENS = 4
 SMALL_DOWN_VARIANT = "d1c2b4"
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
 #: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
@@ -136,7 +142,17 @@ SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)
-SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4")
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4")
+#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow)
+SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n4": (4, 4)}
+
+
+def small_gate_up_variant(tokens: int) -> str:
+    """The first launch's kernel variant for ``tokens`` tokens: `SMALL_GATE_UP_VARIANT` if set, else
+    4-warp blocks up to `SMALL_NARROW_MAX_TOKENS` tokens and 8-warp blocks above."""
+    if SMALL_GATE_UP_VARIANT is not None:
+        return SMALL_GATE_UP_VARIANT
+    return "d2c1n4" if tokens <= SMALL_NARROW_MAX_TOKENS else "d2c1"
 
 
 def _whole_variant(variant: str, k: int) -> str:
@@ -147,18 +163,19 @@ def _whole_variant(variant: str, k: int) -> str:
     return variant + "w" if whole else variant
 
 
-def small_pairs_per_block(inner: int, assignments: int, sms: int) -> int:
-    """Pairs per block (1, 2, 4 or 8): the fewest that fit the launch in one wave of two blocks per
-    multiprocessor (V4-Flash at T = 1: 4 pairs, 224 blocks, measured 3-6 % faster than 448 blocks in
-    1.7 waves), else the most that still leave two blocks per multiprocessor (longer weight streams
-    per warp)."""
+def small_pairs_per_block(inner: int, assignments: int, sms: int, warps: int = 8, blocks_per_sm: int = 2) -> int:
+    """Pairs per block (1, 2, 4 or 8, at most ``warps``): the fewest that fit the launch in one wave
+    of ``blocks_per_sm`` blocks per multiprocessor (V4-Flash at T = 1 on 8-warp blocks: 4 pairs,
+    224 blocks, measured 3-6 % faster than 448 blocks in 1.7 waves), else the most that still leave
+    ``blocks_per_sm`` blocks per multiprocessor (longer weight streams per warp)."""
     if SMALL_PAIRS_PER_BLOCK is not None:
-        return SMALL_PAIRS_PER_BLOCK
-    for pp in (1, 2, 4, 8):
-        if -(-inner // (16 * pp)) * assignments <= 2 * sms:
+        return min(SMALL_PAIRS_PER_BLOCK, warps)
+    choices = [pp for pp in (1, 2, 4, 8) if pp <= warps]
+    for pp in choices:
+        if -(-inner // (16 * pp)) * assignments <= blocks_per_sm * sms:
             return pp
     pp = 1
-    while pp < 8 and -(-inner // (16 * 2 * pp)) * assignments >= 2 * sms:
+    while pp < warps and -(-inner // (16 * 2 * pp)) * assignments >= blocks_per_sm * sms:
         pp *= 2
     return pp
 
@@ -210,21 +227,23 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count())
-    variant = _whole_variant(SMALL_GATE_UP_VARIANT, h)
+    variant = small_gate_up_variant(tokens)
+    warps, per_sm = SMALL_GATE_UP_GEOMETRY[variant]
+    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count(), warps, per_sm)
+    variant = _whole_variant(variant, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
+    grid = (-(-inner // (16 * pp)), blocks_y)
     if x_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
     else:
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
-    grid = (-(-inner // (16 * pp)), blocks_y)
     # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
-    kernel.launch(grid, 256, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
+    kernel.launch(grid, 32 * warps, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
     return grid
 
 

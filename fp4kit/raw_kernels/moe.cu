@@ -434,10 +434,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
 // The small-T path (decode): no dispatch. Every (token, slot) assignment is a GEMV work item read
 // straight from the router's ids; the weights of an expert are streamed once per assignment.
 //
-//   moe_small_gate_up_{bf16,nvfp4}  grid (I / 16, T * top_k [+ ceil(T / 8)]), 256 threads: block
-//                  (p, a) computes gate rows 16p .. 16p + 15 and the matching up rows of expert ids[a]
-//                  for the token of assignment a (its 8 warps split K and add their partials in warp
-//                  order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
+//   moe_small_gate_up_{bf16,nvfp4}  grid (I / (16 P), T * top_k [+ ceil(T / 8)]), 8 or 4 warps (N):
+//                  block (p, a) computes gate rows 16 (pP + j) .. + 15 (j < P) and the matching up
+//                  rows of expert ids[a] for the token of assignment a (N / P warps per pair split K
+//                  and add their partials in warp order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
 //                  I] for the amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
 //                  A folded shared expert's blocks take up to 8 tokens each, one per column of the
 //                  MMA's 8 (a routed block repeats its one token there), so its weights are streamed
@@ -636,14 +636,14 @@ __device__ __forceinline__ unsigned staged_ld(unsigned kp) { return kp + 8; }
 // routing weight as row factor); a >= routed the shared expert (one more always-selected expert,
 // its own weights and clamp) for tokens 8 (a - routed) .. + 7 (those below T = routed / top_k),
 // one per MMA column. Rows of `out`: the routed assignments, then the shared expert's tokens.
-template <int D, int C, bool kWhole, class Stage>
+template <int D, int C, bool kWhole, int kBlockWarps, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
                         int out_f32) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __shared__ float partial[kWarps][2][kSharedTokens][16];
+    __shared__ float partial[kBlockWarps][2][kSharedTokens][16];
     __shared__ unsigned table[256];
     const unsigned a = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool shared = a >= routed;  // block-uniform
@@ -652,7 +652,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
     const unsigned count = shared ? min(kSharedTokens, routed / top_k - first) : 1u;
     const StackRows gate = shared ? s_gate : r_gate, up = shared ? s_up : r_up;
     // warp w: pair p of the block's pairs_per_block (gate rows 16p.., up rows alike), K part w % ks
-    const unsigned ks = kWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
+    const unsigned ks = kBlockWarps / pairs_per_block, p = blockIdx.x * pairs_per_block + warp / ks;
     if (!shared) pdl::wait_prior();  // a routed block's expert is the router's output (common/pdl.cuh)
     const unsigned e = shared ? 0u : ids[a], chunks = (H + gemm::kTileK - 1) / gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
@@ -925,8 +925,8 @@ struct StageQuantizeRows {
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
         int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
-#define FP4_SMALL_GATE_UP_CALL(D, C, W, STAGE, OUT_AMAX)                                                 \
-    small::gate_up<D, C, W>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+#define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX)                                              \
+    small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
                          H, I, pairs_per_block, out, out_f32)
 
@@ -938,27 +938,28 @@ struct StageQuantizeRows {
                       shared_out, out, H, I)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
-// registers must allow (B). Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
+// registers must allow (B), no per-tile bounds tests (W), warps per block of the first launch (N).
+// Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
 // (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
 // the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
-#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W)                                                        \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_bf16_##VARIANT(                \
+#define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W, N)                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_bf16_##VARIANT(                \
         const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageBf16{x, H}), nullptr);                                 \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageBf16{x, H}), nullptr);                                 \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_nvfp4_##VARIANT(               \
+    extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_nvfp4_##VARIANT(               \
         const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
+    extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
         const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, B) moe_small_gate_up_quant_f32_##VARIANT(           \
+    extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_quant_f32_##VARIANT(           \
         const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
     }
 #define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
@@ -981,11 +982,17 @@ struct StageQuantizeRows {
 // (H200, V4-Flash and V3 at T = 1, 2, 8, each launch alone): gate_up with 2 groups in flight and
 // one chain at 2 blocks per SM; down with 1 group in flight, two chains, 4 blocks per SM (18.2 ->
 // 17.1 us at T = 1, 112 -> 79 us at T = 8 on V4-Flash against 4 groups, one chain)
-FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2, false)
+FP4_DEFINE_SMALL_GATE_UP(d2c1, 2, 1, 2, false, 8)
 FP4_DEFINE_SMALL_DOWN(d1c2b4, 1, 2, 4, false)
 // the same without per-tile bounds tests, for K of whole scale groups (ops/moe.py SMALL_WHOLE_FETCHES)
-FP4_DEFINE_SMALL_GATE_UP(d2c1w, 2, 1, 2, true)
+FP4_DEFINE_SMALL_GATE_UP(d2c1w, 2, 1, 2, true, 8)
 FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
+// gate|up in blocks of 4 warps (one to four pairs each, 4 blocks per SM), for T <= 4 (ops/moe.py
+// SMALL_NARROW_MAX_TOKENS; H200, V4-Flash, the layer, W4A16 / W4A4: T = 1 48.7 -> 48.2 / 59.3 ->
+// 59.6 us, T = 2 76.4 -> 76.2 / 88.8 -> 88.9, T = 4 135.7 -> 126.6 / 150.4 -> 142.6, T = 8 equal;
+// 2-warp blocks: no faster at T <= 4, 30 % slower at T = 8)
+FP4_DEFINE_SMALL_GATE_UP(d2c1n4, 2, 1, 4, false, 4)
+FP4_DEFINE_SMALL_GATE_UP(d2c1n4w, 2, 1, 4, true, 4)
 // down candidates with more weight groups in flight per warp (ops/moe.py SMALL_DOWN_VARIANTS, timed by
 // scripts/sweep_moe_small.py): with the staging no longer serialising the prologue, still none faster
 // than d1c2b4 (H200, V4-Flash W4A16: T = 1 49.7-51.2 us against 49.2, T = 8 259-271 against 238)
