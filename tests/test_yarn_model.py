@@ -22,6 +22,8 @@ from fp4kit.reference import elementwise as ref_ew  # noqa: E402
 from fp4kit.reference import kv_cache as ref_kv  # noqa: E402
 from fp4kit.reference.hyper_connections import yarn_inv_freq  # noqa: E402
 
+from dsv4_helpers import assert_prefill_equals_feeding  # noqa: E402
+
 YARN = dict(rope_factor=4.0, rope_original=64)
 
 
@@ -75,11 +77,7 @@ def test_prefill_equals_feeding_bit_for_bit():
     cfg = configs.tiny(3, max_context=64, **YARN)
     model = Model(cfg, random_checkpoint(cfg, 0, device=False), device=False)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab, (2, 9)).astype(np.int32)
-    batched = np.asarray(model.prefill(model.new_state(2, 8), prompt)).astype(np.float32)
-    st = model.new_state(2, 8)
-    for j in range(prompt.shape[1]):
-        fed = np.asarray(model.feed(st, prompt[:, j])).astype(np.float32)
-    np.testing.assert_array_equal(batched, fed)
+    st = assert_prefill_equals_feeding(model, prompt)
     assert int(st.layers[1]["kv"].comp_len[0]) == 2  # ratio 4: entries rotated by YaRN were attended
 
 
