@@ -59,12 +59,42 @@ def test_what_the_model_does_not_build_is_listed():
     missing = configs.official_not_built(flash())
     assert len(missing) == 3
     assert "hyper-connections (hc_mult 4)" in missing[0] and "simulated FP8 / FP4 activations" in missing[1]
-    assert "yarn RoPE scaling" in missing[2]
+    assert "YaRN RoPE scaling (factor 16) of the compressing layers on the GPU" in missing[2]
     plain = {k: v for k, v in flash().items() if k not in ("hc_mult", "rope_scaling")}
     assert configs.official_not_built(plain, device=False) == []
     assert len(configs.official_not_built(plain)) == 1  # on the GPU: the activation simulation
-    on_numpy = configs.official_not_built(flash(), device=False)  # numpy builds hyper-connections and simulation
-    assert len(on_numpy) == 1 and "yarn RoPE scaling" in on_numpy[0]
+    # numpy builds the hyper-connections, the simulation and YaRN
+    assert configs.official_not_built(flash(), device=False) == []
+
+
+def test_yarn_keys():
+    """YaRN from the Hugging Face ``rope_scaling`` entry (V4-Flash: factor 16 over 65536 tokens,
+    beta 32 / 1), from the `inference/` copy's keys, none without either; another kind of scaling
+    or a factor without its original context is refused, naming it."""
+    cfg = configs.from_official(flash())
+    assert (cfg.rope_factor, cfg.rope_original, cfg.beta_fast, cfg.beta_slow) == (16.0, 65536, 32.0, 1.0)
+    plain = configs.from_official({k: v for k, v in flash().items() if k != "rope_scaling"})
+    assert plain.rope_factor == 1.0 and plain.rope_theta_of(4) == 160000.0
+    d = {k: v for k, v in flash().items() if k != "rope_scaling"}
+    d.update(rope_factor=8, original_seq_len=4096, beta_fast=16, beta_slow=2)
+    cfg = configs.from_official(d)
+    assert (cfg.rope_factor, cfg.rope_original, cfg.beta_fast, cfg.beta_slow) == (8.0, 4096, 16.0, 2.0)
+    assert configs.from_official(flash(), rope_factor=1.0).rope_factor == 1.0  # the GPU model's plain RoPE
+    d = flash()
+    d["rope_scaling"] = {"type": "linear", "factor": 4}
+    with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
+        configs.from_official(d)
+    d["rope_scaling"] = {"type": "yarn", "factor": 4}
+    with pytest.raises(ValueError, match="without original_max_position_embeddings"):
+        configs.from_official(d)
+    d = {k: v for k, v in flash().items() if k != "rope_scaling"}
+    d["rope_factor"] = 16
+    with pytest.raises(ValueError, match="without original_seq_len"):
+        configs.from_official(d)
+    with pytest.raises(ValueError, match="rope_factor: expected 1"):
+        configs.tiny(rope_factor=0.5)
+    with pytest.raises(ValueError, match="YaRN needs rope_original > 0"):
+        configs.tiny(rope_factor=4.0)
 
 
 def test_hyper_connection_keys():
@@ -97,10 +127,11 @@ def test_inference_copy_renamed_keys():
     for old, new in renames.items():
         d[new] = d.pop(old)
     del d["rope_scaling"]
-    d["rope_factor"] = 16
+    d.update(rope_factor=16, original_seq_len=65536)
     cfg = configs.from_official(d)
     assert (cfg.hidden, cfg.inner, cfg.hash_layers, cfg.routed_scale, cfg.window) == (4096, 2048, 3, 1.5, 128)
-    assert any("RoPE scaling" in m for m in configs.official_not_built(d))
+    assert (cfg.rope_factor, cfg.rope_original) == (16.0, 65536)
+    assert any("YaRN RoPE scaling" in m for m in configs.official_not_built(d))
 
 
 @pytest.mark.parametrize("change,match", [

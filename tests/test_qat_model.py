@@ -20,6 +20,8 @@ from dsv4.model import Model, QatSimulation  # noqa: E402
 from fp4kit.reference import qat  # noqa: E402
 from fp4kit.reference.elementwise import rope  # noqa: E402
 
+from dsv4_helpers import assert_prefill_equals_feeding  # noqa: E402
+
 
 def cfg_of(**overrides):
     # latent channels outside RoPE: 64 (one E4M3 block); the indexer's 64 (two E2M1 blocks)
@@ -31,11 +33,7 @@ def test_stored_values_are_on_their_grids_and_prefill_equals_feeding(hc):
     cfg = cfg_of(qat_sim=True, hc_mult=hc)
     model = Model(cfg, random_checkpoint(cfg, 0, device=False), device=False)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab, (2, 9)).astype(np.int32)
-    batched = np.asarray(model.prefill(model.new_state(2, 8), prompt)).astype(np.float32)
-    st = model.new_state(2, 8)
-    for j in range(prompt.shape[1]):
-        fed = np.asarray(model.feed(st, prompt[:, j])).astype(np.float32)
-    np.testing.assert_array_equal(batched, fed)
+    st = assert_prefill_equals_feeding(model, prompt)
     outside = cfg.head_dim - cfg.rope_dim
     for layer, ratio in zip(st.layers, cfg.compress_ratios):
         kv = layer["kv"]

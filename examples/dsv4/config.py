@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from fp4kit.reference import hyper_connections
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +32,14 @@ class ModelConfig:
     swiglu_limit: float = 10.0
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
+    # YaRN RoPE scaling of the compressing layers (ratio 4 and 128: their queries, latents,
+    # compressed entries and indexer, with compress_rope_theta; window-only layers keep plain
+    # rope_theta), as the official inference builds it: rope_factor 1 is none. Numpy model only so
+    # far: the GPU kernels take a RoPE base, so the GPU model refuses rope_factor > 1
+    rope_factor: float = 1.0
+    rope_original: int = 0  # the context the model was trained at before scaling (YaRN's ramp)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
     eps: float = 1e-6
     max_context: int = 4096  # tokens per sequence the compressed buffers hold
     # bf16 activations ("w4a16") or NVFP4 activations ("w4a4") for every GEMM. W4A16 by default: the
@@ -62,10 +72,27 @@ class ModelConfig:
             raise ValueError(f"hc_mult: expected a positive int, got {self.hc_mult!r}")
         if isinstance(self.hc_iters, bool) or not isinstance(self.hc_iters, int) or self.hc_iters < 1:
             raise ValueError(f"hc_iters: expected a positive int, got {self.hc_iters!r}")
+        if not self.rope_factor >= 1.0:
+            raise ValueError(f"rope_factor: expected 1 (no scaling) or more, got {self.rope_factor!r}")
+        if self.rope_factor > 1.0 and not (self.rope_original > 0 and self.beta_fast > self.beta_slow > 0):
+            raise ValueError(f"rope_factor {self.rope_factor}: YaRN needs rope_original > 0 and beta_fast > beta_slow > 0, "
+                             f"got {self.rope_original}, {self.beta_fast}, {self.beta_slow}")
         if self.qat_sim and ((self.head_dim - self.rope_dim) % 64 or self.index_head_dim % 32
                              or self.index_head_dim & (self.index_head_dim - 1)):
             raise ValueError(f"qat_sim: needs head_dim - rope_dim a multiple of 64 and index_head_dim a power of two of "
                              f"32 or more; got {self.head_dim} - {self.rope_dim} and {self.index_head_dim}")
+
+    def rope_theta_of(self, ratio: int):
+        """What a layer of compression ``ratio`` rotates by: the base ``rope_theta`` (window-only
+        layers), ``compress_rope_theta`` (compressing layers), or with ``rope_factor > 1`` the latter's
+        YaRN-scaled inverse frequencies (float64 ``[rope_dim / 2]``), which the numpy ops take in
+        place of a base."""
+        if not ratio:
+            return self.rope_theta
+        if self.rope_factor == 1.0:
+            return self.compress_rope_theta
+        return hyper_connections.yarn_inv_freq(self.rope_dim, self.compress_rope_theta, self.rope_factor,
+                                                self.rope_original, self.beta_fast, self.beta_slow)
 
     def max_comp(self, ratio: int) -> int:
         """Compressed entries per sequence a layer of this ratio can hold (a whole context)."""
@@ -132,10 +159,34 @@ def official_not_built(d: dict, device: bool = True) -> list[str]:
     if device:
         missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
                        "output's de-rotation, on the GPU (the numpy model builds them)")
-    scaling = d.get("rope_scaling") or ({"type": "yarn"} if d.get("rope_factor", 1) != 1 else None)
-    if scaling:
-        missing.append(f"{scaling.get('type', scaling.get('rope_type', '?'))} RoPE scaling: plain RoPE here")
+    if device and _yarn(d)["rope_factor"] != 1.0:
+        missing.append(f"YaRN RoPE scaling (factor {_yarn(d)['rope_factor']:g}) of the compressing layers on the GPU: "
+                       f"plain RoPE there (the numpy model builds it)")
     return missing
+
+
+def _yarn(d: dict) -> dict:
+    """This model's YaRN fields from an official config: its ``rope_scaling`` entry (Hugging Face)
+    or the `inference/` copy's ``rope_factor``, ``original_seq_len``, ``beta_fast``, ``beta_slow``;
+    ``rope_factor`` 1 where it has neither. Refuses another kind of scaling, naming it."""
+    scaling = d.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("type", scaling.get("rope_type"))
+        if kind != "yarn":
+            raise ValueError(f"config: rope_scaling type {kind!r} (this model builds 'yarn')")
+        src = {"rope_factor": scaling.get("factor"), "rope_original": scaling.get("original_max_position_embeddings"),
+               "beta_fast": scaling.get("beta_fast", 32), "beta_slow": scaling.get("beta_slow", 1)}
+        names = {"rope_factor": "factor", "rope_original": "original_max_position_embeddings"}
+    else:
+        scaled = d.get("rope_factor", 1) != 1
+        src = {"rope_factor": d.get("rope_factor", 1), "rope_original": d.get("original_seq_len", None if scaled else 0),
+               "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
+        names = {"rope_factor": "rope_factor", "rope_original": "original_seq_len"}
+    missing = [names[k] for k, v in src.items() if v is None]
+    if missing:
+        raise ValueError(f"config: YaRN RoPE scaling without {', '.join(missing)}")
+    return {"rope_factor": float(src["rope_factor"]), "rope_original": int(src["rope_original"]),
+            "beta_fast": float(src["beta_fast"]), "beta_slow": float(src["beta_slow"])}
 
 
 def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfig:
@@ -143,8 +194,9 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     its first ``layers`` layers (all by default; the MTP layer's entry of ``compress_ratios`` is
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
-    no expert groups). What it leaves out is listed by `official_not_built`; the GPU model refuses
-    ``hc_mult > 1`` and ``qat_sim`` (pass ``hc_mult=1, qat_sim=False`` to build it without them)."""
+    no expert groups, YaRN if any RoPE scaling). What it leaves out is listed by `official_not_built`;
+    the GPU model refuses ``hc_mult > 1``, ``qat_sim`` and ``rope_factor > 1`` (pass ``hc_mult=1,
+    qat_sim=False, rope_factor=1`` to build it without them)."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)
@@ -169,5 +221,5 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     if not 1 <= n <= total:
         raise ValueError(f"layers: expected 1..{total}, got {n}")
     fields.update(layers=n, compress_ratios=ratios[:n], hash_layers=min(fields["hash_layers"], n),
-                  eps=d.get("rms_norm_eps", 1e-6), qat_sim=True)
+                  eps=d.get("rms_norm_eps", 1e-6), qat_sim=True, **_yarn(d))
     return replace(ModelConfig(**fields), **overrides)

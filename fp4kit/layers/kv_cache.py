@@ -20,7 +20,9 @@ import numbers
 
 import numpy as np
 
+from ..ops import elementwise as ew_ops
 from ..ops import kv_cache as kv_ops
+from ..reference import elementwise as ref_ew
 from ..reference import kv_cache as ref
 from ..runtime import arrays, status
 from ..runtime import device as runtime_device
@@ -40,14 +42,15 @@ class KVCache:
     max_comp : int — compressed-entry capacity per sequence (default 32768)
     ape : fp32 ``[ratio, coff*D]`` — the compressor's learned per-slot score bias (zeros if None)
     norm_weight : fp32 ``[D]`` — the compressed entry's RMSNorm weight (ones if None)
-    rope_dim, rope_theta, eps : RoPE on the last ``rope_dim`` channels of an entry, RMSNorm epsilon
+    rope_dim, rope_theta, eps : RoPE on the last ``rope_dim`` channels of an entry (``rope_theta`` its
+        base; numpy caches also take the channel pairs' inverse frequencies, e.g. YaRN's), RMSNorm epsilon
     device : where the buffers live (see `fp4kit.runtime.device`): True (default) / ``"cuda"`` CuPy's
         current CUDA device, ``"cuda:N"`` / ``N`` device N, False / ``"cpu"`` numpy (the reference backend).
         Without a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``.
     """
 
     def __init__(self, batch: int, *, window: int = 128, head_dim: int = 512, ratio: int = 0, max_comp: int = 32768,
-                 ape=None, norm_weight=None, rope_dim: int = 64, rope_theta: float = 10000.0, eps: float = 1e-6,
+                 ape=None, norm_weight=None, rope_dim: int = 64, rope_theta=10000.0, eps: float = 1e-6,
                  device=True):
         if ratio not in RATIOS:
             raise ValueError(f"ratio: expected one of {RATIOS}, got {ratio}")
@@ -61,7 +64,10 @@ class KVCache:
             raise ValueError(f"batch, window and max_comp must be positive, got {batch}, {window}, {max_comp}")
         if rope_dim % 2 or not 0 <= rope_dim <= head_dim:
             raise ValueError(f"rope_dim: expected an even number in [0, {head_dim}], got {rope_dim}")
+        ref_ew.rope_inv_freq(rope_dim, rope_theta, "rope_theta")  # a base, or rope_dim / 2 inverse frequencies
         ordinal = runtime_device.resolve(device)
+        if ordinal is not None:
+            ew_ops.device_theta(rope_theta, "rope_theta")
         with runtime_device.using(ordinal):
             self._allocate(runtime_device.array_module(ordinal), batch, window, head_dim, ratio, max_comp, ape,
                            norm_weight, rope_dim, rope_theta, eps)

@@ -74,12 +74,23 @@ def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
     return x, weight, positions
 
 
+def device_theta(theta, name: str = "theta") -> np.float32:
+    """The RoPE base as the kernels take it. The numpy path also takes the channel pairs' inverse
+    frequencies instead (e.g. YaRN's, `fp4kit.reference.elementwise.rope_inv_freq`); the kernels
+    compute theirs from a base, so they refuse those before any launch."""
+    if np.ndim(theta):
+        raise ValueError(f"{name}: the GPU kernels take a RoPE base (a number); inverse frequencies per channel pair "
+                         f"(shape {np.shape(theta)}, e.g. YaRN-scaled) run on the numpy path only")
+    return np.float32(theta)
+
+
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
-                 theta: float = 10000.0, out=None):
+                 theta=10000.0, out=None):
     """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
 
     ``weight`` fp32 ``[D]`` or None; ``positions`` int32 ``[B]`` (the token's index in its
-    sequence; read on the device), required when ``rope_dim > 0``.
+    sequence; read on the device), required when ``rope_dim > 0``; ``theta`` the RoPE base (numpy
+    arrays: or the inverse frequencies, see `device_theta`).
     """
     x, weight, positions = _norm_rope_args(x, weight, positions, rope_dim)
     d = x.shape[-1]
@@ -87,6 +98,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
     if not arrays.is_device_array(x):
         y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
         return arrays.host_result(y, out)
+    theta = device_theta(theta)
     out = _out(out, x.shape, arrays.BF16, x)
     heads = x.shape[1] if x.ndim == 3 else 1
     rows = x.size // d
@@ -94,7 +106,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
         loader.get_kernel(_MODULE, "rmsnorm_rope_bf16")(
             rows, _THREADS, (x, 0 if weight is None else weight, 0 if positions is None else positions, out,
                              _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
-                             np.float32(theta), _release()))
+                             theta, _release()))
     return out
 
 
@@ -108,7 +120,7 @@ class NormRope(NamedTuple):
 
 
 def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps: float = 1e-6,
-                      theta: float = 10000.0, outs=None, window=None) -> tuple:
+                      theta=10000.0, outs=None, window=None) -> tuple:
     """`rmsnorm_rope` of two arrays in one launch (e.g. two parts of one concatenated projection's
     output), each exactly as `rmsnorm_rope` computes it, with the same ``positions``, ``eps`` and
     ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs).
@@ -141,6 +153,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             return ys
         kv_ref.append_swa(window, positions, ys[1][:, None, :])
         return ys[0], window
+    theta = device_theta(theta)
     ys = (_out(outs[0], x0.shape, arrays.BF16, x0), window if window is not None else _out(outs[1], x1.shape, arrays.BF16, x1))
     rows0, rows1 = x0.size // x0.shape[-1], x1.size // x1.shape[-1]
     if rows0 + rows1:
@@ -149,7 +162,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             rows0 + rows1, _THREADS,
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
-             0 if positions is None else positions, np.float32(eps), np.float32(theta),
+             0 if positions is None else positions, np.float32(eps), theta,
              _U32(0 if window is None else window.shape[1]), _release()))
     return ys
 

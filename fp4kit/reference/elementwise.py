@@ -4,7 +4,8 @@
   once; the norm and the weight are optional. RoPE rotates adjacent channel pairs of the last
   ``rope_dim`` channels by ``pos * theta^(-2i / rope_dim)`` (the convention of the KV cache's
   compressor, `fp4kit.reference.kv_cache.rope`), with cos and sin computed in float64 and rounded
-  to fp32.
+  to fp32. ``theta`` is the base, or (numpy only) the pairs' inverse frequencies themselves, e.g.
+  YaRN-scaled ones (`rope_inv_freq`).
 * ``add_rmsnorm``: the residual stream (fp32) gains ``delta`` (bf16), then its RMSNorm in bf16.
 * ``embed``: rows of a bf16 table as fp32; a token outside ``[0, vocab)`` reads row 0 and is
   reported (`fp4kit.runtime.status.TOKEN_RANGE`).
@@ -27,15 +28,28 @@ def _rsqrt_mean_square(x32: np.ndarray, eps: float) -> np.ndarray:
     return (1.0 / np.sqrt(mean.astype(np.float32).astype(np.float64) + np.float32(eps))).astype(np.float32)
 
 
-def rope(x32: np.ndarray, positions: np.ndarray, rope_dim: int, theta: float) -> np.ndarray:
+def rope_inv_freq(rope_dim: int, theta, name: str = "theta") -> np.ndarray:
+    """float64 ``[rope_dim / 2]``: the inverse frequency of each channel pair, ``theta^(-2i / rope_dim)``
+    for a base ``theta``, or ``theta`` itself where it is already those (a 1-D array, e.g. YaRN's:
+    `fp4kit.reference.hyper_connections.yarn_inv_freq`)."""
+    if np.ndim(theta):
+        freqs = np.asarray(theta, np.float64)
+        if freqs.shape != (rope_dim // 2,):
+            raise ValueError(f"{name}: expected a RoPE base or {rope_dim // 2} inverse frequencies (one per channel "
+                             f"pair of rope_dim {rope_dim}), got shape {freqs.shape}")
+        return freqs
+    i = np.arange(rope_dim // 2, dtype=np.float64)
+    return float(theta) ** (-2.0 * i / rope_dim)
+
+
+def rope(x32: np.ndarray, positions: np.ndarray, rope_dim: int, theta) -> np.ndarray:
     """Rotate the last ``rope_dim`` channels of fp32 ``x [..., D]`` in adjacent pairs; ``positions``
-    broadcasts against ``x``'s leading dimensions."""
+    broadcasts against ``x``'s leading dimensions; ``theta`` as `rope_inv_freq` takes it."""
     if rope_dim == 0:
         return x32
     y = x32.copy()
     d = x32.shape[-1]
-    i = np.arange(rope_dim // 2, dtype=np.float64)
-    angle = np.asarray(positions, np.float64)[..., None] * float(theta) ** (-2.0 * i / rope_dim)
+    angle = np.asarray(positions, np.float64)[..., None] * rope_inv_freq(rope_dim, theta)
     c, s = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
     a, b = x32[..., d - rope_dim :: 2], x32[..., d - rope_dim + 1 :: 2]
     y[..., d - rope_dim :: 2] = a * c - b * s
@@ -44,7 +58,7 @@ def rope(x32: np.ndarray, positions: np.ndarray, rope_dim: int, theta: float) ->
 
 
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
-                 theta: float = 10000.0) -> np.ndarray:
+                 theta=10000.0) -> np.ndarray:
     """bf16 ``[B, H, D]`` (or ``[B, D]``) -> bf16; ``positions`` int ``[B]`` (needed with RoPE)."""
     x32 = np.asarray(x).astype(np.float32)
     y = x32 * _rsqrt_mean_square(x32, eps) if normalize else x32

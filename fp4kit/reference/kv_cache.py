@@ -26,6 +26,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .elementwise import rope_inv_freq
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -44,14 +46,14 @@ def append_swa(swa, pos, kv, counts=None) -> None:
             swa[b, (int(pos[b]) + i) % w] = kv[b, i]
 
 
-def rope(x: np.ndarray, position: int, rope_dim: int, theta: float) -> np.ndarray:
-    """Rotate the last ``rope_dim`` channels of ``x`` (adjacent pairs) by ``position``."""
+def rope(x: np.ndarray, position: int, rope_dim: int, theta) -> np.ndarray:
+    """Rotate the last ``rope_dim`` channels of ``x`` (adjacent pairs) by ``position``; ``theta``: the
+    base, or the pairs' inverse frequencies (`fp4kit.reference.elementwise.rope_inv_freq`)."""
     if rope_dim == 0:
         return x
     y = x.copy()
     d = x.shape[-1]
-    i = np.arange(rope_dim // 2)
-    angle = position * theta ** (-2.0 * i / rope_dim)
+    angle = position * rope_inv_freq(rope_dim, theta)
     c, s = np.cos(angle), np.sin(angle)
     a, b = x[..., d - rope_dim :: 2], x[..., d - rope_dim + 1 :: 2]
     y[..., d - rope_dim :: 2] = a * c - b * s
