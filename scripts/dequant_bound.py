@@ -6,7 +6,7 @@ exponent's two low bits and the mantissa's top bit at bits 6..8, the exponent bi
 scale multiply): the mask M = {6, 7, 8, 15, 22, 23, 24, 31}. An output built from the word shifted
 by s (one SHF or IMAD.SHL unless s = 0) and masked (one LOP3; each further shifted copy merged in
 costs one more LOP3) takes its bits from M - s, and the four outputs together must take each of the
-32 bits exactly once. The search below tries every program of shifts in [-10, 10] with one copy
+32 bits exactly once. The search below tries every program of shifts in [-31, 31] with one copy
 for two or three outputs and two copies for the others, and prints any cheaper than the 11
 instructions the engine's `dequant_step` uses (shifts 0, 3 and 6 for three outputs, three copies
 for the fourth): there is none. Fewer would need the 32 bits tiled by translates of M, which does
@@ -18,7 +18,7 @@ not exist (M is {0, 1, 2, 9} mod 16 twice, and no four translates of that set ti
 import itertools
 
 M = (6, 7, 8, 15, 22, 23, 24, 31)
-SHIFTS = range(-10, 11)
+SHIFTS = range(-31, 32)
 
 
 def cover(outputs, free):
