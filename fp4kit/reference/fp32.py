@@ -23,12 +23,15 @@ def ftz(x):
     """Flush fp32 subnormals to a zero of the same sign (the kernels' ``-ftz=true``). Returns an
     fp32 array: ``x`` itself when it holds no subnormal (the common case, checked on the bits)."""
     x = np.asarray(x, dtype=F32)
-    bits = x.view(np.uint32)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    tiny = (magnitude < np.uint32(0x00800000)) & (magnitude != 0)  # exponent bits zero, mantissa not
+    bits = x.reshape(-1).view(np.uint32)  # 1-d (x may be 0-d), so the arithmetic below stays in arrays
+    # subnormal: exponent bits zero, mantissa not, i.e. bits << 1 (the sign shifted out) in
+    # [2, 0x00FFFFFE]: one unsigned comparison after subtracting 2 (0 and -0 wrap to the top)
+    shifted = np.left_shift(bits, np.uint32(1))
+    np.subtract(shifted, np.uint32(2), out=shifted)
+    tiny = shifted < np.uint32(0x00FFFFFE)
     if not tiny.any():
         return x
-    return np.where(tiny, bits & np.uint32(0x80000000), bits).astype(np.uint32).view(F32)
+    return np.where(tiny, bits & np.uint32(0x80000000), bits).astype(np.uint32).view(F32).reshape(x.shape)
 
 
 def mul(a, b):
