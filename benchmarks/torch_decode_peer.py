@@ -102,14 +102,19 @@ class TorchDecodePeer:
         y = x32 * self.torch.rsqrt((x32 ** 2).mean(-1, keepdim=True) + self.cfg.eps)
         return y if weight is None else y * weight
 
-    def _rope(self, x32, pos, rope_dim: int, theta: float):
-        """RoPE of the last ``rope_dim`` channels (adjacent pairs) of ``x32 [B, ..., D]`` at ``pos [B]``."""
+    def _rope(self, x32, pos, rope_dim: int, theta):
+        """RoPE of the last ``rope_dim`` channels (adjacent pairs) of ``x32 [B, ..., D]`` at ``pos [B]``;
+        ``theta`` the base or the pairs' inverse frequencies (YaRN's), as the model's layers hold it."""
         torch = self.torch
         if not rope_dim:
             return x32
         d = x32.shape[-1]
-        i = torch.arange(rope_dim // 2, device=x32.device, dtype=torch.float64)
-        angle = pos.double()[:, None] * theta ** (-2.0 * i / rope_dim)  # [B, rope_dim / 2]
+        if np.ndim(theta):
+            freqs = torch.as_tensor(np.asarray(theta, np.float64), device=x32.device)
+        else:
+            i = torch.arange(rope_dim // 2, device=x32.device, dtype=torch.float64)
+            freqs = theta ** (-2.0 * i / rope_dim)
+        angle = pos.double()[:, None] * freqs  # [B, rope_dim / 2]
         shape = (x32.shape[0],) + (1,) * (x32.dim() - 2) + (rope_dim // 2,)
         c, s = torch.cos(angle).float().reshape(shape), torch.sin(angle).float().reshape(shape)
         a, b = x32[..., d - rope_dim::2], x32[..., d - rope_dim + 1::2]

@@ -42,6 +42,17 @@ def test_sublayer_check_on_the_gpu(mode):
     assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
 
 
+def test_sublayer_check_with_yarn_on_the_gpu():
+    """YaRN RoPE scaling (factor 4 over 64 tokens, 140 positions) on the GPU model (the kernels read
+    the compressing layers' frequency tables) against the numpy model, sublayer by sublayer."""
+    cfg = configs.tiny(layers=3, rope_factor=4.0, rope_original=64)
+    tokens = runner.random_prompt(1, 140, cfg.vocab, seed=2)
+    model, _ = runner.build(cfg, device=True, seed=3)
+    reference, _ = runner.build(cfg, device=False, seed=3)
+    result = runner.compare_layers(model, runner.record_layers(reference, tokens), tokens)
+    assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
+
+
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 def test_tiny_graph_equals_eager_and_tracks_numpy(mode):
     cfg = configs.tiny(max_context=2048, mode=mode)

@@ -33,6 +33,43 @@ def test_rmsnorm_rope(rng, shape, rope_dim, weight, normalize):
     close_bf16(dev, host)
 
 
+def test_rope_frequencies_from_a_table(rng):
+    """The kernels rotate by a float64 table of the channel pairs' inverse frequencies: a base's
+    table holds the reference's frequencies bit for bit; YaRN-scaled frequencies (a host array, or a
+    device table taken as is) rotate as the reference rotates by them."""
+    from fp4kit.reference.elementwise import rope_inv_freq
+    from fp4kit.reference.hyper_connections import yarn_inv_freq
+
+    x = (rng.standard_normal((4, 8, 512)) * 3).astype(BF16)
+    xd = cp.asarray(x)
+    pos = rng.integers(0, 100000, 4).astype(np.int32)
+    table = ew.rope_table(160000.0, 64, xd)
+    assert table.dtype == np.float64 and np.array_equal(cp.asnumpy(table), rope_inv_freq(64, 160000.0))
+    assert ew.rope_table(160000.0, 64, xd) is table and ew.rope_table(160000.0, 0, xd) == 0
+    yarn = yarn_inv_freq(64, 160000.0, 16.0, 65536)
+    host = ew.rmsnorm_rope(x, None, pos, rope_dim=64, theta=yarn)
+    close_bf16(ew.rmsnorm_rope(xd, None, cp.asarray(pos), rope_dim=64, theta=yarn), host)
+    close_bf16(ew.rmsnorm_rope(xd, None, cp.asarray(pos), rope_dim=64, theta=cp.asarray(yarn)), host)
+    with pytest.raises(ValueError, match=r"theta: expected a float64 \[32\] array"):
+        ew.rmsnorm_rope(xd, None, cp.asarray(pos), rope_dim=64, theta=cp.asarray(yarn, np.float32))
+    with pytest.raises(ValueError, match="theta: expected a RoPE base or 32 inverse frequencies"):
+        ew.rmsnorm_rope(xd, None, cp.asarray(pos), rope_dim=64, theta=yarn[:5])
+
+
+def test_a_new_rope_table_is_refused_inside_a_capture(rng, capture_stream):
+    x = cp.asarray(rng.standard_normal((2, 64)).astype(BF16))
+    pos = cp.zeros(2, np.int32)
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="theta: the first call with these RoPE frequencies"):
+                ew.rmsnorm_rope(x, None, pos, rope_dim=16, theta=123.0)
+        finally:
+            stream.end_capture()
+    assert cp.asnumpy(ew.rmsnorm_rope(x, None, pos, rope_dim=16, theta=123.0)).shape == (2, 64)  # outside: fine
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_rmsnorm_rope_pair_is_bit_identical_to_two_launches(rng, rows, capture_stream):
     """The two-part launch gives the bits of two `rmsnorm_rope` launches (the decode step's pairs:

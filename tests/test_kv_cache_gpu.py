@@ -55,8 +55,13 @@ def assert_same(host, dev):
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("steps", [[1] * 200, [5] * 40, [300, 1, 300]])
-def test_device_cache_equals_reference(rng, ratio, steps):
-    host, dev = pair(2, ratio, rng, max_comp=128)
+@pytest.mark.parametrize("yarn", [False, True])
+def test_device_cache_equals_reference(rng, ratio, steps, yarn):
+    """Also with YaRN-scaled RoPE frequencies (V4-Flash's: factor 16 over 65536 tokens)."""
+    from fp4kit.reference.hyper_connections import yarn_inv_freq
+
+    kw = dict(rope_theta=yarn_inv_freq(64, 160000.0, 16.0, 65536)) if yarn else {}
+    host, dev = pair(2, ratio, rng, max_comp=128, **kw)
     for t in steps:
         kv, kw = inputs(rng, 2, t, host)
         host.append(kv, **kw)

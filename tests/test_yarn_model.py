@@ -1,9 +1,8 @@
 """The example decoder with YaRN RoPE scaling (``ModelConfig.rope_factor > 1``, numpy model): the
 compressing layers (ratio 4 and 128) rotate their queries, latents, compressed entries and
 indexer by YaRN's inverse frequencies over ``compress_rope_theta``, the window-only layers by
-plain ``rope_theta``; the numpy ops take the frequencies in place of a base, the GPU kernels and
-the GPU model refuse them, naming the argument. Prefill still equals token-by-token feeding bit
-for bit."""
+plain ``rope_theta``; the numpy ops take the frequencies in place of a base. Prefill still equals
+token-by-token feeding bit for bit. (The GPU model against this one: tests/test_decode_gpu.py.)"""
 
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from dsv4 import config as configs  # noqa: E402
 from dsv4.init import random_checkpoint  # noqa: E402
 from dsv4.model import Model  # noqa: E402
 
-from fp4kit.ops import elementwise as ew  # noqa: E402
 from fp4kit.reference import elementwise as ref_ew  # noqa: E402
 from fp4kit.reference import kv_cache as ref_kv  # noqa: E402
 from fp4kit.reference.hyper_connections import yarn_inv_freq  # noqa: E402
@@ -44,14 +42,6 @@ def test_rope_takes_a_base_or_its_inverse_frequencies():
     assert not np.array_equal(ref_ew.rope(x, pos, 16, yarn), ref_ew.rope(x, pos, 16, 160000.0))
     with pytest.raises(ValueError, match=r"theta: expected a RoPE base or 8 inverse frequencies .* got shape \(7,\)"):
         ref_ew.rope(x, pos, 16, np.ones(7))
-
-
-def test_the_gpu_kernels_take_a_base_only():
-    assert ew.device_theta(10000.0) == np.float32(10000.0)
-    with pytest.raises(ValueError, match=r"theta: the GPU kernels take a RoPE base .* numpy path only"):
-        ew.device_theta(np.ones(8))
-    with pytest.raises(ValueError, match="rope_theta: the GPU kernels take a RoPE base"):
-        ew.device_theta(np.ones(8), "rope_theta")
 
 
 def test_each_layer_rotates_by_its_frequencies():
@@ -93,10 +83,3 @@ def test_yarn_changes_the_compressing_layers_only():
     plain, yarn = logits_of(cfg, ckpt, tokens), logits_of(configs.tiny(3, **YARN), ckpt, tokens)
     assert np.array_equal(plain[0], yarn[0])  # position 0: no rotation at all
     assert not np.array_equal(plain[-1], yarn[-1])
-
-
-def test_the_gpu_model_refuses_yarn():
-    cfg = configs.tiny(2, **YARN)
-    ckpt = random_checkpoint(cfg, 0, device=False)
-    with pytest.raises(ValueError, match="rope_factor 4: YaRN RoPE scaling runs on the numpy model only"):
-        Model(cfg, ckpt, device=True)

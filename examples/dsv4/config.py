@@ -34,8 +34,7 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     # YaRN RoPE scaling of the compressing layers (ratio 4 and 128: their queries, latents,
     # compressed entries and indexer, with compress_rope_theta; window-only layers keep plain
-    # rope_theta), as the official inference builds it: rope_factor 1 is none. Numpy model only so
-    # far: the GPU kernels take a RoPE base, so the GPU model refuses rope_factor > 1
+    # rope_theta), as the official inference builds it: rope_factor 1 is none
     rope_factor: float = 1.0
     rope_original: int = 0  # the context the model was trained at before scaling (YaRN's ramp)
     beta_fast: float = 32.0
@@ -159,9 +158,6 @@ def official_not_built(d: dict, device: bool = True) -> list[str]:
     if device:
         missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
                        "output's de-rotation, on the GPU (the numpy model builds them)")
-    if device and _yarn(d)["rope_factor"] != 1.0:
-        missing.append(f"YaRN RoPE scaling (factor {_yarn(d)['rope_factor']:g}) of the compressing layers on the GPU: "
-                       f"plain RoPE there (the numpy model builds it)")
     return missing
 
 
@@ -195,8 +191,8 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
     no expert groups, YaRN if any RoPE scaling). What it leaves out is listed by `official_not_built`;
-    the GPU model refuses ``hc_mult > 1``, ``qat_sim`` and ``rope_factor > 1`` (pass ``hc_mult=1,
-    qat_sim=False, rope_factor=1`` to build it without them)."""
+    the GPU model refuses ``hc_mult > 1`` and ``qat_sim`` (pass ``hc_mult=1, qat_sim=False`` to build
+    it without them)."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)

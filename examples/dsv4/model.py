@@ -18,9 +18,10 @@ expert, the V4 SwiGLU clamp.
 
 Left out (documented in the README): on the GPU the hyper-connections (a plain residual stream),
 the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents and the output
-de-rotation (`ModelConfig.qat_sim`: the numpy model builds them, `QatSimulation`) and the YaRN
-RoPE scaling of the compressing layers (`ModelConfig.rope_factor`: the numpy model rotates by
-YaRN's frequencies, `ModelConfig.rope_theta_of`); everywhere multi-token prediction. `Model.prefill` runs a prompt through each layer
+de-rotation (`ModelConfig.qat_sim`: the numpy model builds them, `QatSimulation`); everywhere
+multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`) is
+built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the numpy
+ops take in place of a base and the kernels read from a table. `Model.prefill` runs a prompt through each layer
 once as T tokens (the runner's ``batched_prefill``); by default the prompt goes through the decode
 step one token at a time.
 
@@ -231,7 +232,7 @@ class Attention:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
         p = f"layers.{i}.attn"
         self.cfg, self.ratio, self.xp = cfg, cfg.compress_ratios[i], xp
-        self.theta = cfg.rope_theta_of(self.ratio)  # a base, or YaRN's inverse frequencies (numpy)
+        self.theta = cfg.rope_theta_of(self.ratio)  # a base, or YaRN's inverse frequencies
         self.qat = QatSimulation(cfg, self.theta) if cfg.qat_sim else None
 
         def linear(name: str) -> Linear:
@@ -465,9 +466,6 @@ class Model:
         if device and cfg.qat_sim:
             raise ValueError("qat_sim: the simulated FP8 / FP4 activations and the output de-rotation run on the numpy "
                              "model only (device=False); on the GPU build qat_sim=False")
-        if device and cfg.rope_factor != 1.0:
-            raise ValueError(f"rope_factor {cfg.rope_factor:g}: YaRN RoPE scaling runs on the numpy model only "
-                             f"(device=False; the GPU kernels take a RoPE base); on the GPU build rope_factor=1")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
         self.blocks = [Block(cfg, ckpt, i, xp) for i in range(cfg.layers)]

@@ -43,7 +43,7 @@ class KVCache:
     ape : fp32 ``[ratio, coff*D]`` — the compressor's learned per-slot score bias (zeros if None)
     norm_weight : fp32 ``[D]`` — the compressed entry's RMSNorm weight (ones if None)
     rope_dim, rope_theta, eps : RoPE on the last ``rope_dim`` channels of an entry (``rope_theta`` its
-        base; numpy caches also take the channel pairs' inverse frequencies, e.g. YaRN's), RMSNorm epsilon
+        base, or the channel pairs' inverse frequencies, e.g. YaRN's), RMSNorm epsilon
     device : where the buffers live (see `fp4kit.runtime.device`): True (default) / ``"cuda"`` CuPy's
         current CUDA device, ``"cuda:N"`` / ``N`` device N, False / ``"cpu"`` numpy (the reference backend).
         Without a usable CUDA device a CUDA choice raises RuntimeError saying to pass ``device=False``.
@@ -66,8 +66,6 @@ class KVCache:
             raise ValueError(f"rope_dim: expected an even number in [0, {head_dim}], got {rope_dim}")
         ref_ew.rope_inv_freq(rope_dim, rope_theta, "rope_theta")  # a base, or rope_dim / 2 inverse frequencies
         ordinal = runtime_device.resolve(device)
-        if ordinal is not None:
-            ew_ops.device_theta(rope_theta, "rope_theta")
         with runtime_device.using(ordinal):
             self._allocate(runtime_device.array_module(ordinal), batch, window, head_dim, ratio, max_comp, ape,
                            norm_weight, rope_dim, rope_theta, eps)
@@ -76,6 +74,9 @@ class KVCache:
         self.xp, self.batch, self.window, self.head_dim, self.ratio = xp, batch, window, head_dim, ratio
         self.max_comp, self.rope_dim, self.rope_theta, self.eps = max_comp, rope_dim, rope_theta, eps
         self.swa = xp.zeros((batch, window, head_dim), arrays.BF16)
+        # the compressed entries' RoPE frequencies on the device (the kernels read a table)
+        self.rope_table = None if xp is np else ew_ops.rope_table(rope_theta, rope_dim if ratio else 0, self.swa,
+                                                                  "rope_theta")
         self.pos = xp.zeros(batch, np.int32)
         self.comp = self.comp_len = self.kv_state = self.score_state = self.ape = self.norm_weight = None
         if ratio:
@@ -142,7 +143,7 @@ class KVCache:
         """The cache's arguments of `fp4kit.ops.kv_cache.compress` (positions moved on at its end)."""
         return dict(ape=self.ape, norm_weight=self.norm_weight, kv_state=self.kv_state, score_state=self.score_state,
                     comp=self.comp, comp_len=self.comp_len, pos=self.pos, ratio=self.ratio, eps=self.eps,
-                    rope_dim=self.rope_dim, theta=self.rope_theta, advance=True, report_counts=report_counts)
+                    rope_dim=self.rope_dim, rope_table=self.rope_table, advance=True, report_counts=report_counts)
 
     def _validate(self, kv, comp_kv, comp_score, counts):
         """`append`'s arguments checked against this cache: (kv, comp_kv, comp_score, counts, T)."""
@@ -232,7 +233,7 @@ def append_compressed(first, second, *, counts=None) -> None:
     b_kv, b_score, counts_b, t = b._validate(None, *b_in, counts)[1:]
     arrays.check_same_device(first=a.comp, second=b.comp, counts=counts)
     together = (a.xp is not np and a_kv.dtype == arrays.BF16 and b_kv.dtype == arrays.BF16 and a.batch == b.batch
-                and a_kv.shape[1] == t and a.eps == b.eps and a.rope_theta == b.rope_theta)
+                and a_kv.shape[1] == t and a.eps == b.eps)
     if not together:
         a.append(None, a_kv, a_score, counts=counts)
         b.append(None, b_kv, b_score, counts=counts)

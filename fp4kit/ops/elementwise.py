@@ -74,14 +74,39 @@ def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
     return x, weight, positions
 
 
-def device_theta(theta, name: str = "theta") -> np.float32:
-    """The RoPE base as the kernels take it. The numpy path also takes the channel pairs' inverse
-    frequencies instead (e.g. YaRN's, `fp4kit.reference.elementwise.rope_inv_freq`); the kernels
-    compute theirs from a base, so they refuse those before any launch."""
-    if np.ndim(theta):
-        raise ValueError(f"{name}: the GPU kernels take a RoPE base (a number); inverse frequencies per channel pair "
-                         f"(shape {np.shape(theta)}, e.g. YaRN-scaled) run on the numpy path only")
-    return np.float32(theta)
+# RoPE frequency tables on the device: (device, rope_dim, the float64 frequencies' bytes) -> array
+_ROPE_TABLES: dict = {}
+
+
+def rope_table(theta, rope_dim: int, like, name: str = "theta"):
+    """The RoPE frequencies the kernels read: float64 ``[rope_dim / 2]`` on ``like``'s device, the
+    inverse frequency of each channel pair (`fp4kit.reference.elementwise.rope_inv_freq` of
+    ``theta``: a base, or the frequencies themselves, e.g. YaRN's), or 0 (a null pointer) where
+    ``rope_dim`` is 0. A device float64 array of that shape is taken as is. Tables of a base or
+    host array are made once per device and kept, so the first call with new frequencies copies
+    them to the device: it must not be inside a graph capture (RuntimeError, naming ``name``)."""
+    if not rope_dim:
+        return 0
+    if arrays.is_device_array(theta):
+        if theta.dtype != np.float64 or theta.shape != (rope_dim // 2,) or not theta.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a float64 [{rope_dim // 2}] array of inverse frequencies, got "
+                             f"{arrays.describe(theta)}")
+        arrays.check_same_device(**{name: theta, "input": like})
+        return theta
+    number = not np.ndim(theta)
+    freqs = None if number else ref.rope_inv_freq(rope_dim, theta, name)
+    key = (like.device.id, rope_dim, float(theta) if number else freqs.tobytes())
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        freqs = ref.rope_inv_freq(rope_dim, theta, name) if number else freqs
+        import cupy
+
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(f"{name}: the first call with these RoPE frequencies copies them to the device, which a "
+                               f"graph capture cannot hold; make one call (or build the layer) before capturing")
+        with like.device:
+            table = _ROPE_TABLES[key] = cupy.asarray(freqs)
+    return table
 
 
 def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize: bool = True, rope_dim: int = 0,
@@ -89,8 +114,8 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
     """bf16 ``[B, D]`` or ``[B, H, D]`` -> bf16, see `fp4kit.reference.elementwise.rmsnorm_rope`.
 
     ``weight`` fp32 ``[D]`` or None; ``positions`` int32 ``[B]`` (the token's index in its
-    sequence; read on the device), required when ``rope_dim > 0``; ``theta`` the RoPE base (numpy
-    arrays: or the inverse frequencies, see `device_theta`).
+    sequence; read on the device), required when ``rope_dim > 0``; ``theta`` the RoPE base, or the
+    channel pairs' inverse frequencies (host array, or on the device as `rope_table` takes them).
     """
     x, weight, positions = _norm_rope_args(x, weight, positions, rope_dim)
     d = x.shape[-1]
@@ -98,7 +123,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
     if not arrays.is_device_array(x):
         y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
         return arrays.host_result(y, out)
-    theta = device_theta(theta)
+    table = rope_table(theta, rope_dim, x)
     out = _out(out, x.shape, arrays.BF16, x)
     heads = x.shape[1] if x.ndim == 3 else 1
     rows = x.size // d
@@ -106,7 +131,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
         loader.get_kernel(_MODULE, "rmsnorm_rope_bf16")(
             rows, _THREADS, (x, 0 if weight is None else weight, 0 if positions is None else positions, out,
                              _U32(heads), _U32(d), np.float32(eps), np.int32(bool(normalize)), _U32(rope_dim),
-                             theta, _release()))
+                             table, _release()))
     return out
 
 
@@ -153,7 +178,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             return ys
         kv_ref.append_swa(window, positions, ys[1][:, None, :])
         return ys[0], window
-    theta = device_theta(theta)
+    tables = (rope_table(theta, r0, x0), rope_table(theta, r1, x1))
     ys = (_out(outs[0], x0.shape, arrays.BF16, x0), window if window is not None else _out(outs[1], x1.shape, arrays.BF16, x1))
     rows0, rows1 = x0.size // x0.shape[-1], x1.size // x1.shape[-1]
     if rows0 + rows1:
@@ -162,7 +187,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             rows0 + rows1, _THREADS,
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
-             0 if positions is None else positions, np.float32(eps), theta,
+             0 if positions is None else positions, np.float32(eps), *tables,
              _U32(0 if window is None else window.shape[1]), _release()))
     return ys
 

@@ -19,33 +19,34 @@ def append_swa(swa, pos, kv, counts) -> None:
 
 
 def compress(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, *, ratio, eps, rope_dim,
-             theta, advance: bool = False, report_counts: bool = False) -> None:
+             rope_table, advance: bool = False, report_counts: bool = False) -> None:
     """The compressor over the new tokens; with ``advance`` it also moves the positions on (what
     `advance` does), so a compressing cache appends in two launches (one without a window append);
-    with ``report_counts`` it records a count out of range (which `append_swa` does otherwise)."""
+    with ``report_counts`` it records a count out of range (which `append_swa` does otherwise).
+    ``rope_table``: the entries' RoPE frequencies (`fp4kit.ops.elementwise.rope_table`)."""
     b, t, _ = c.shape
     d = comp.shape[2]
     suffix = "bf16" if c.dtype == arrays.BF16 else "f32"
     loader.get_kernel(_MODULE, f"kv_compress_{suffix}")(
         b, 256, (c, z, 0 if counts is None else counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos,
                  _U32(t), _U32(d), _U32(ratio), _U32(comp.shape[1]), np.float32(eps), _U32(rope_dim),
-                 np.float32(theta), status.device_word(), np.int32(int(advance) | 2 * int(report_counts))))
+                 rope_table, status.device_word(), np.int32(int(advance) | 2 * int(report_counts))))
 
 
 def compress_pair(first, second, counts) -> None:
     """`compress` of two caches in one launch (``kv_compress2_bf16``), each part ``(c, z, args)``
     with bf16 ``c``, ``z [B, T, coff*D]`` of the same B and T and ``args`` the keyword arguments
-    of `compress` after ``counts`` (both with ``advance``; the same ``eps`` and ``theta``)."""
+    of `compress` after ``counts`` (both with ``advance``; the same ``eps``)."""
     b, t, _ = first[0].shape
     params = []
     for c, z, a in (first, second):
         flags = int(a["advance"]) | 2 * int(a["report_counts"])
         params += [c, z, a["ape"], a["norm_weight"], a["kv_state"], a["score_state"], a["comp"], a["comp_len"], a["pos"],
                    _U32(a["comp"].shape[2]), _U32(a["ratio"]), _U32(a["comp"].shape[1]), _U32(a["rope_dim"]),
-                   np.int32(flags)]
+                   a["rope_table"], np.int32(flags)]
     loader.get_kernel(_MODULE, "kv_compress2_bf16")(
         2 * b, 256, (*params, 0 if counts is None else counts, _U32(b), _U32(t), np.float32(first[2]["eps"]),
-                     np.float32(first[2]["theta"]), status.device_word()))
+                     status.device_word()))
 
 
 def advance(pos, counts, t: int) -> None:

@@ -29,9 +29,10 @@ __device__ __forceinline__ float ew_block_sum(float v, float* smem) {
 }
 
 // Rotation of the pair (a, b) at channel pair i of the last rope_dim channels by position p:
-// angle = p * theta^(-2i / rope_dim), in double as in kv_cache.cu, then fp32.
-__device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, unsigned rope_dim, float theta) {
-    const double angle = (double)p * pow((double)theta, -2.0 * (double)i / (double)rope_dim);
+// angle = p * inv_freq[i] (the pair's inverse frequency, theta^(-2i / rope_dim) or YaRN-scaled,
+// computed on the host in float64), in double as in kv_cache.cu, then fp32.
+__device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, const double* inv_freq) {
+    const double angle = (double)p * inv_freq[i];
     double sn, cs;
     sincos(angle, &sn, &cs);
     const float c = (float)cs, s = (float)sn;
@@ -45,8 +46,8 @@ __device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, u
 // else the row's position is pos[r / heads] (the token's index in its sequence).
 __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const float* w, const int* pos,
                                                  __nv_bfloat16* y_row, size_t row, unsigned heads, unsigned D,
-                                                 float eps, int normalize, unsigned rope_dim, float theta,
-                                                 float* smem) {
+                                                 float eps, int normalize, unsigned rope_dim,
+                                                 const double* inv_freq, float* smem) {
     const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * D);
     __nv_bfloat162* yr = reinterpret_cast<__nv_bfloat162*>(y_row);
     const unsigned pairs = D / 2;
@@ -62,11 +63,12 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
     }
     const int p = rope_dim ? pos[row / heads] : 0;
     const unsigned first_rope_pair = (D - rope_dim) / 2;
+#pragma unroll 1  // the rotation's double sincos is long: one copy of the loop body (code fetched at every launch)
     for (unsigned j = threadIdx.x; j < pairs; j += kThreads) {
         const float2 v = __bfloat1622float2(xr[j]);
         float a = __fmul_rn(v.x, inv), b = __fmul_rn(v.y, inv);
         if (w) a = __fmul_rn(a, w[2 * j]), b = __fmul_rn(b, w[2 * j + 1]);
-        if (j >= first_rope_pair) ew_rope(a, b, p, j - first_rope_pair, rope_dim, theta);
+        if (j >= first_rope_pair) ew_rope(a, b, p, j - first_rope_pair, inv_freq);
         yr[j] = __floats2bfloat162_rn(a, b);
     }
 }
@@ -75,34 +77,34 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
         const __nv_bfloat16* __restrict__ x, const float* __restrict__ w, const int* __restrict__ pos,
         __nv_bfloat16* __restrict__ y, unsigned heads, unsigned D, float eps, int normalize, unsigned rope_dim,
-        float theta, int release) {
+        const double* __restrict__ inv_freq, int release) {
     if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
-    rmsnorm_rope_row(x, w, pos, y + (size_t)blockIdx.x * D, blockIdx.x, heads, D, eps, normalize, rope_dim, theta,
+    rmsnorm_rope_row(x, w, pos, y + (size_t)blockIdx.x * D, blockIdx.x, heads, D, eps, normalize, rope_dim, inv_freq,
                      smem);
 }
 
 // Two parts in one launch (e.g. two outputs of one concatenated projection), each as
-// rmsnorm_rope_bf16 runs it, with the same positions, eps and theta: grid rows0 + rows1, block r
+// rmsnorm_rope_bf16 runs it, with the same positions and eps: grid rows0 + rows1, block r
 // < rows0 takes row r of part 0, the others row r - rows0 of part 1. window1 > 0: part 1 is one row
 // per sequence (heads1 = 1) and y1 a sliding-window ring [rows1, window1, D1]: row b goes to slot
 // pos[b] % window1, the slot kv_append_swa writes a decode token's row to (one launch less).
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
         int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
-        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps, float theta,
-        unsigned window1, int release) {
+        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps,
+        const double* inv_freq0, const double* inv_freq1, unsigned window1, int release) {
     if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
     const unsigned r = blockIdx.x;
     if (r < rows0) {
-        rmsnorm_rope_row(x0, w0, pos, y0 + (size_t)r * D0, r, heads0, D0, eps, normalize0, rope_dim0, theta, smem);
+        rmsnorm_rope_row(x0, w0, pos, y0 + (size_t)r * D0, r, heads0, D0, eps, normalize0, rope_dim0, inv_freq0, smem);
     } else {
         const unsigned r1 = r - rows0;
         const size_t dst = window1 ? (size_t)r1 * window1 + (unsigned)pos[r1] % window1 : r1;
-        rmsnorm_rope_row(x1, w1, pos, y1 + dst * D1, r1, heads1, D1, eps, normalize1, rope_dim1, theta, smem);
+        rmsnorm_rope_row(x1, w1, pos, y1 + dst * D1, r1, heads1, D1, eps, normalize1, rope_dim1, inv_freq1, smem);
     }
 }
 

@@ -121,7 +121,7 @@ template <typename T>
 __device__ void compress(const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight,
                          float* kv_state, float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos,
                          unsigned Tn, unsigned D, unsigned ratio, unsigned capacity, float eps, unsigned rope_dim,
-                         float theta, unsigned* status, int flags, unsigned b) {
+                         const double* inv_freq, unsigned* status, int flags, unsigned b) {
     __shared__ float scratch[32];
     __shared__ float pooled[kPooledMax];
     const unsigned cf = ratio == 4 ? 2 : 1, width = cf * D, slots = cf * ratio;
@@ -163,9 +163,9 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
         for (unsigned d0 = 2 * threadIdx.x; d0 < D; d0 += 2 * blockDim.x) {
             float a = channel(d0) * inv_rms * norm_weight[d0];
             float bb = channel(d0 + 1) * inv_rms * norm_weight[d0 + 1];
-            if (d0 >= D - rope_dim) {  // adjacent pairs, angle = block start * theta^(-2i / rope_dim)
+            if (d0 >= D - rope_dim) {  // adjacent pairs, angle = block start * inv_freq[i] (pair i)
                 // in double: the angle of a late position needs more than fp32's 24 bits
-                const double angle = (double)first * pow((double)theta, -2.0 * (double)((d0 - (D - rope_dim)) / 2) / rope_dim);
+                const double angle = (double)first * inv_freq[(d0 - (D - rope_dim)) / 2];
                 double sn, cs;
                 sincos(angle, &sn, &cs);
                 const float ra = a * (float)cs - bb * (float)sn, rb = a * (float)sn + bb * (float)cs;
@@ -188,11 +188,11 @@ __device__ void compress(const T* c, const T* z, const int* counts, const float*
     extern "C" __global__ void __launch_bounds__(256) kv_compress_##SUFFIX(                               \
         const T* c, const T* z, const int* counts, const float* ape, const float* norm_weight, float* kv_state, \
         float* score_state, __nv_bfloat16* comp, int* comp_len, int* pos, unsigned Tn, unsigned D,         \
-        unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, float theta, unsigned* status,    \
-        int flags) {                                                                                      \
+        unsigned ratio, unsigned capacity, float eps, unsigned rope_dim, const double* inv_freq,            \
+        unsigned* status, int flags) {                                                                    \
         pdl::wait_prior();                                                                                     \
         compress<T>(c, z, counts, ape, norm_weight, kv_state, score_state, comp, comp_len, pos, Tn, D, ratio, \
-                    capacity, eps, rope_dim, theta, status, flags, blockIdx.x);                           \
+                    capacity, eps, rope_dim, inv_freq, status, flags, blockIdx.x);                        \
     }
 
 FP4_DEFINE_COMPRESS(f32, float)
@@ -200,20 +200,21 @@ FP4_DEFINE_COMPRESS(bf16, __nv_bfloat16)
 
 // Two caches' compressors over the same B sequences and T tokens in one launch (a ratio-4 layer's
 // KV cache and its indexer's key cache): grid 2B, blocks b < B run kv_compress on part 0's sequence
-// b, the others on part 1's sequence b - B, each part with its own caches and flags (counts, T,
-// eps and theta shared).
+// b, the others on part 1's sequence b - B, each part with its own caches, RoPE frequencies and
+// flags (counts, T and eps shared).
 #define FP4_COMPRESS_PART(P)                                                                                 \
     const __nv_bfloat16 *c##P, const __nv_bfloat16 *z##P, const float *ape##P, const float *norm##P,        \
         float *kv_state##P, float *score_state##P, __nv_bfloat16 *comp##P, int *comp_len##P, int *pos##P,     \
-        unsigned D##P, unsigned ratio##P, unsigned capacity##P, unsigned rope_dim##P, int flags##P
+        unsigned D##P, unsigned ratio##P, unsigned capacity##P, unsigned rope_dim##P, const double *inv_freq##P, \
+        int flags##P
 #define FP4_COMPRESS_PART_CALL(P, B)                                                                          \
     compress<__nv_bfloat16>(c##P, z##P, counts, ape##P, norm##P, kv_state##P, score_state##P, comp##P,        \
-                            comp_len##P, pos##P, Tn, D##P, ratio##P, capacity##P, eps, rope_dim##P, theta, status, \
+                            comp_len##P, pos##P, Tn, D##P, ratio##P, capacity##P, eps, rope_dim##P, inv_freq##P, status, \
                             flags##P, B)
 
 extern "C" __global__ void __launch_bounds__(256) kv_compress2_bf16(FP4_COMPRESS_PART(0), FP4_COMPRESS_PART(1),
                                                                     const int* counts, unsigned B, unsigned Tn,
-                                                                    float eps, float theta, unsigned* status) {
+                                                                    float eps, unsigned* status) {
     pdl::wait_prior();
     if (blockIdx.x < B) FP4_COMPRESS_PART_CALL(0, blockIdx.x);
     else FP4_COMPRESS_PART_CALL(1, blockIdx.x - B);
