@@ -142,9 +142,10 @@ SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)
-SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4")
-#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow)
-SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n4": (4, 4)}
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4", "d1c1n4b6", "d1c1n4b7")
+#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow);
+#: the d1 ones (one weight group in flight per warp, more warps per SM) are candidates, not yet timed
+SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n4": (4, 4), "d1c1n4b6": (4, 6), "d1c1n4b7": (4, 7)}
 
 
 def small_gate_up_variant(tokens: int) -> str:
