@@ -159,9 +159,10 @@ def official_not_built(d: dict, device: bool = True) -> list[str]:
     if device:
         missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
                        "output's de-rotation, on the GPU (the numpy model builds them)")
-    if device and _yarn(d)["rope_factor"] != 1.0:
-        missing.append(f"YaRN RoPE scaling (factor {_yarn(d)['rope_factor']:g}) of the compressing layers on the GPU: "
-                       f"plain RoPE there (the numpy model builds it)")
+    factor = _yarn(d)["rope_factor"]
+    if device and factor != 1.0:
+        missing.append(f"YaRN RoPE scaling (factor {factor:g}) of the compressing layers on the GPU: plain RoPE there "
+                       f"(the numpy model builds it)")
     return missing
 
 
