@@ -237,3 +237,18 @@ def test_device_add_magic_e2m1_form_matches_reference(rng):
     n_plus_m = (a + m.view(F32)).astype(F32).view(np.uint32)
     code = (n_plus_m - m + (m >> 22) - np.uint32(299)) | ((y.view(np.uint32) >> 28) & 8)
     assert np.array_equal(code.astype(np.uint8), ref.e2m1_encode(y))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_has_nonfinite_sees_every_nan_and_inf(dtype):
+    """The host status check: any NaN or ±Inf anywhere (first, last, alone), none in finite or
+    empty arrays, in every input dtype."""
+    assert not ref.has_nonfinite(np.zeros(0, dtype)) and not ref.has_nonfinite(np.zeros((3, 0), dtype))
+    x = np.linspace(-1000, 1000, 257).astype(dtype)
+    assert not ref.has_nonfinite(x) and not ref.has_nonfinite(np.asarray(x[3]))
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 128, 256):
+            y = x.copy()
+            y[at] = bad
+            assert ref.has_nonfinite(y), (bad, at)
+        assert ref.has_nonfinite(np.asarray(bad, dtype))

@@ -19,11 +19,11 @@ expert, the V4 SwiGLU clamp.
 Left out (documented in the README): on the GPU the hyper-connections (a plain residual stream),
 the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents and the output
 de-rotation (`ModelConfig.qat_sim`: the numpy model builds them, `QatSimulation`); everywhere
-multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`) is
-built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the numpy
-ops take in place of a base and the kernels read from a table. `Model.prefill` runs a prompt through each layer
-once as T tokens (the runner's ``batched_prefill``); by default the prompt goes through the decode
-step one token at a time.
+multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
+is built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the
+numpy ops take in place of a base and the kernels read from a table. `Model.prefill` runs a
+prompt through each layer once as T tokens (the runner's ``batched_prefill``); by default the
+prompt goes through the decode step one token at a time.
 
 The same code runs on CuPy arrays (kernels) and on numpy arrays (the reference): `Model(...,
 device=False)`. On the device a `DecodeState` owns every buffer a step writes, so after one eager
@@ -200,7 +200,7 @@ class QatSimulation:
     32) after a Hadamard rotation, and the output's RoPE channels rotated back by the query's
     position. Numpy model only (`ModelConfig.qat_sim`)."""
 
-    def __init__(self, cfg: ModelConfig, theta: float):
+    def __init__(self, cfg: ModelConfig, theta):  # the layer's RoPE base or inverse frequencies
         self.rope_dim, self.theta = cfg.rope_dim, theta
 
     def latent(self, kv):

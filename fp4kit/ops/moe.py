@@ -228,10 +228,10 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    variant = small_gate_up_variant(tokens)
-    warps, per_sm = SMALL_GATE_UP_GEOMETRY[variant]
+    geometry = small_gate_up_variant(tokens)
+    warps, per_sm = SMALL_GATE_UP_GEOMETRY[geometry]
     pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count(), warps, per_sm)
-    variant = _whole_variant(variant, h)
+    variant = _whole_variant(geometry, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),

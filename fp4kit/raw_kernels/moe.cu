@@ -437,8 +437,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
 //   moe_small_gate_up_{bf16,nvfp4}  grid (I / (16 P), T * top_k [+ ceil(T / 8)]), 8 or 4 warps (N):
 //                  block (p, a) computes gate rows 16 (pP + j) .. + 15 (j < P) and the matching up
 //                  rows of expert ids[a] for the token of assignment a (N / P warps per pair split K
-//                  and add their partials in warp order), then SwiGLU (+ clamp, + the routing weight as row factor): fp32 [T * top_k,
-//                  I] for the amax + quantize launch (W4A4), or bf16 (W4A16) for the down projection.
+//                  and add their partials in warp order), then SwiGLU (+ clamp, + the routing weight
+//                  as row factor): fp32 [T * top_k, I] for the amax + quantize launch (W4A4), or bf16
+//                  (W4A16) for the down projection.
 //                  A folded shared expert's blocks take up to 8 tokens each, one per column of the
 //                  MMA's 8 (a routed block repeats its one token there), so its weights are streamed
 //                  once for up to 8 tokens with the same instructions.

@@ -211,5 +211,11 @@ def swiglu_quantize(
 
 
 def has_nonfinite(x) -> bool:
-    """Whether ``x`` holds a NaN or ±Inf (what the kernels record in the status word)."""
-    return not bool(np.isfinite(np.asarray(x).astype(F32)).all())
+    """Whether ``x`` holds a NaN or ±Inf (what the kernels record in the status word): its max and
+    min are both finite exactly when every value is (a NaN propagates through both), two passes
+    without a temporary (fp32 input is read in place)."""
+    x = np.asarray(x)
+    if x.size == 0:
+        return False
+    xf = x if x.dtype == F32 else x.astype(F32)
+    return not (np.isfinite(xf.max()) and np.isfinite(xf.min()))
