@@ -36,7 +36,7 @@ def main() -> None:
             gate_up_rule_only = True
     default = moe_ops.SMALL_GATE_UP_VARIANT, moe_ops.SMALL_DOWN_VARIANT, moe_ops.SMALL_PAIRS_PER_BLOCK
     combos = [(default[0], default[1], None)]  # the launchers' rules first: the baseline
-    combos += [(g, default[1], p) for g, (warps, _) in moe_ops.SMALL_GATE_UP_GEOMETRY.items()
+    combos += [(g, default[1], p) for g, (warps, *_) in moe_ops.SMALL_GATE_UP_GEOMETRY.items()
                for p in PAIRS if (p is None or p <= warps) and not (p is not None and gate_up_rule_only)]
     combos += [(default[0], d, None) for d in moe_ops.SMALL_DOWN_VARIANTS if d != default[1]]
     rng = np.random.default_rng(0)

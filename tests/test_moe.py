@@ -310,15 +310,27 @@ def test_small_pairs_per_block_rule():
 
 
 def test_small_gate_up_geometry_rule(monkeypatch):
-    """4-warp blocks up to SMALL_NARROW_MAX_TOKENS tokens, 8-warp blocks above, the knob overriding
-    both; with 4-warp blocks the pair rule counts four blocks per SM and never groups more pairs than
-    warps (each pair needs a warp at least)."""
+    """Up to SMALL_NARROW_MAX_TOKENS tokens 4-warp blocks: one pair each (SMALL_MANY_BLOCKS) where
+    they fill one wave or their last wave at least half, else two groups in flight at the pair rule
+    (SMALL_FEW_BLOCKS); 8-warp blocks above; the knob overrides all. With 4-warp blocks the pair rule
+    counts their blocks per SM and never groups more pairs than warps (each pair needs a warp)."""
     from fp4kit.ops import moe as moe_ops
 
-    assert moe_ops.small_gate_up_variant(1) == moe_ops.small_gate_up_variant(moe_ops.SMALL_NARROW_MAX_TOKENS) == "d2c1n4"
-    assert moe_ops.small_gate_up_variant(moe_ops.SMALL_NARROW_MAX_TOKENS + 1) == "d2c1"
+    many, few = moe_ops.SMALL_MANY_BLOCKS, moe_ops.SMALL_FEW_BLOCKS
+    assert moe_ops.SMALL_GATE_UP_GEOMETRY[many] == (4, 7, 1) and moe_ops.SMALL_GATE_UP_GEOMETRY[few] == (4, 4, None)
+    assert moe_ops.SMALL_GATE_UP_GEOMETRY["d2c1"] == (8, 2, None)
+    assert all(pairs is None or 1 <= pairs <= warps for warps, _, pairs in moe_ops.SMALL_GATE_UP_GEOMETRY.values())
+    # 128 one-pair blocks per assignment on 132 SMs x 7 slots = 924
+    assert moe_ops.small_gate_up_variant(1, 2048, 7, 132) == many  # V4-Flash T = 1: 896 blocks, one wave
+    assert moe_ops.small_gate_up_variant(1, 2048, 8, 132) == few  # V3 T = 1: 1024, a last wave of 100
+    assert moe_ops.small_gate_up_variant(3, 2048, 24, 132) == few  # 3072: 300 of 924 in the last wave
+    assert moe_ops.small_gate_up_variant(2, 2048, 14, 132) == many  # V4-Flash T = 2: 1792, 868 of 924
+    assert moe_ops.small_gate_up_variant(4, 2048, 28, 132) == many  # T = 4: 3584, 812 of 924
+    assert moe_ops.small_gate_up_variant(4, 2112, 33, 132) == many  # 4356 blocks: 4.7 waves, half or more
+    assert moe_ops.small_gate_up_variant(4, 16 * 33, 28, 132) == many  # 924 blocks: one whole wave
+    assert moe_ops.small_gate_up_variant(moe_ops.SMALL_NARROW_MAX_TOKENS + 1, 2048, 35, 132) == "d2c1"
     monkeypatch.setattr(moe_ops, "SMALL_GATE_UP_VARIANT", "d2c1")
-    assert moe_ops.small_gate_up_variant(1) == "d2c1"
+    assert moe_ops.small_gate_up_variant(1, 2048, 7, 132) == "d2c1"
     assert moe_ops.small_pairs_per_block(2048, 7, 132, 4, 4) == 2  # V4-Flash T = 1: 448 blocks, one wave of 528
     assert moe_ops.small_pairs_per_block(2048, 25, 132, 4, 4) == 4  # T = 4: 800 blocks, no single wave
     assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132, 4, 4) == 4  # never 8 pairs over 4 warps

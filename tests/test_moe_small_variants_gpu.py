@@ -84,7 +84,7 @@ def test_gate_up_block_geometries(rng, monkeypatch, quantize_where, h, i, top_k,
     want = host(x).astype(np.float32)
     xd = cp.asarray(x)
     by_split = {}
-    for variant, (warps, _) in moe_ops.SMALL_GATE_UP_GEOMETRY.items():
+    for variant, (warps, *_) in moe_ops.SMALL_GATE_UP_GEOMETRY.items():
         for pairs in (None, 1, 2, 4, 8):
             if pairs is not None and pairs > warps:
                 continue

@@ -126,12 +126,10 @@ SMALL_PAIRS_PER_BLOCK = None
 #: m16n8k16 MMA (moe.cu kSharedTokens)
 SHARED_TOKENS_PER_BLOCK = 8
 #: the kernel variants of the two small-T launches (the ones moe.cu instantiates, measured there);
-#: None for the first launch: by token count (`small_gate_up_variant`)
+#: None for the first launch: by token and block count (`small_gate_up_variant`)
 SMALL_GATE_UP_VARIANT = None
-#: up to this many tokens the first launch runs in 4-warp blocks (``d2c1n4``), above it in 8-warp
-#: ones (``d2c1``). H200, V4-Flash, the MoE layer, W4A16 / W4A4 (two rounds, interleaved): T = 1 48.7 ->
-#: 48.2 / 59.3 -> 59.6 us, T = 2 76.4 -> 76.2 / 88.8 -> 88.9, T = 4 135.7 -> 126.6 / 150.4 -> 142.6;
-#: T = 8 no better (223.5, 240 both); the decode step at batch 1 545.7 -> 541.4 us, batch 8 equal
+#: up to this many tokens the first launch runs in 4-warp blocks (`small_gate_up_variant`), above it
+#: in 8-warp ones (``d2c1``)
 SMALL_NARROW_MAX_TOKENS = 4
 SMALL_DOWN_VARIANT = "d1c2b4"
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
@@ -142,18 +140,37 @@ SMALL_WHOLE_FETCHES = True
 #: the down-projection variants moe.cu instantiates (for scripts/sweep_moe_small.py)
 SMALL_DOWN_VARIANTS = ("d1c2b4", "d2c1b2", "d2c2b2", "d4c1b2")
 #: the variants with a whole-fetch build (moe.cu)
-SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4", "d1c1n4b6", "d1c1n4b7")
-#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow);
-#: the d1 ones (one weight group in flight per warp, more warps per SM) are candidates, not yet timed
-SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2), "d2c1n4": (4, 4), "d1c1n4b6": (4, 6), "d1c1n4b7": (4, 7)}
+SMALL_WHOLE_VARIANTS = ("d2c1", "d1c2b4", "d2c1n4", "d1c1n4b7")
+#: the first launch's variants: (warps per block, blocks per multiprocessor its registers allow,
+#: pairs per block or None for the rule of `small_pairs_per_block`). ``d2c1n4`` keeps two weight
+#: groups in flight per warp, ``d1c1n4b7`` one (72 registers, so 7 blocks per SM instead of 4), at
+#: one pair per block: more, shorter blocks (its pair rule, one wave of longer ones, measured slower)
+SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2, None), "d2c1n4": (4, 4, None), "d1c1n4b7": (4, 7, 1)}
+#: the 4-warp geometries: ``d1c1n4b7`` where its blocks fill one wave or their last wave at least
+#: half, else ``d2c1n4``. H200, the MoE layer, two interleaved rounds, W4A16 / W4A4, d2c1n4 -> d1c1n4b7
+#: (fraction of the last wave): V4-Flash T = 1 (0.97) 47.9 -> 46.0 / 59.5 -> 60.4 us, T = 2 (0.94)
+#: 76.7 -> 71.2 / 88.8 -> 85.5, T = 3 (0.91) 106.7 -> 100.5 / 123.0 -> 116.4, T = 4 (0.88) 127.3 ->
+#: 126.3 / 143.0 -> 143.9; V3 T = 1 (0.11) 97.6 -> 99.7 / 112.3 -> 118.6, T = 2 (0.22) 152.5 ->
+#: 153.3 / 169.9 -> 174.1, T = 3 (0.32) 219.2 -> 210.3 / 236.6 -> 234.3, T = 4 (0.43) 263.7 -> 261.6
+#: / 282.5 -> 285.8. The decode step (V4-Flash slice) at batch 1: 535.4 -> 528.3 us
+SMALL_MANY_BLOCKS, SMALL_FEW_BLOCKS = "d1c1n4b7", "d2c1n4"
 
 
-def small_gate_up_variant(tokens: int) -> str:
-    """The first launch's kernel variant for ``tokens`` tokens: `SMALL_GATE_UP_VARIANT` if set, else
-    4-warp blocks up to `SMALL_NARROW_MAX_TOKENS` tokens and 8-warp blocks above."""
+def small_gate_up_variant(tokens: int, inner: int, assignments: int, sms: int) -> str:
+    """The first launch's kernel variant for ``tokens`` tokens, ``assignments`` rows of blocks (one
+    per (token, expert) and per shared-expert block) over ``inner`` rows, on ``sms`` multiprocessors:
+    `SMALL_GATE_UP_VARIANT` if set; above
+    `SMALL_NARROW_MAX_TOKENS` tokens 8-warp blocks; else `SMALL_MANY_BLOCKS` where its blocks fill one
+    wave or leave their last wave at least half full, `SMALL_FEW_BLOCKS` where that wave would be
+    mostly idle (a tail of a few blocks costs a whole block's time)."""
     if SMALL_GATE_UP_VARIANT is not None:
         return SMALL_GATE_UP_VARIANT
-    return "d2c1n4" if tokens <= SMALL_NARROW_MAX_TOKENS else "d2c1"
+    if tokens > SMALL_NARROW_MAX_TOKENS:
+        return "d2c1"
+    _, per_sm, pairs = SMALL_GATE_UP_GEOMETRY[SMALL_MANY_BLOCKS]
+    blocks, slots = -(-inner // (16 * pairs)) * assignments, per_sm * sms
+    tail = blocks % slots
+    return SMALL_MANY_BLOCKS if blocks <= slots or tail == 0 or 2 * tail >= slots else SMALL_FEW_BLOCKS
 
 
 def _whole_variant(variant: str, k: int) -> str:
@@ -228,9 +245,11 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     if shared is not None:
         s_weight, s_row_decode, s_limit = shared
         s_gate, s_up = (s_weight, s_row_decode), (s_weight, s_row_decode)
-    geometry = small_gate_up_variant(tokens)
-    warps, per_sm = SMALL_GATE_UP_GEOMETRY[geometry]
-    pp = small_pairs_per_block(inner, blocks_y, loader.current_sm_count(), warps, per_sm)
+    sms = loader.current_sm_count()
+    geometry = small_gate_up_variant(tokens, inner, blocks_y, sms)
+    warps, per_sm, pp = SMALL_GATE_UP_GEOMETRY[geometry]
+    if pp is None or SMALL_PAIRS_PER_BLOCK is not None:  # the knob overrides a geometry's fixed pairs
+        pp = small_pairs_per_block(inner, blocks_y, sms, warps, per_sm)
     variant = _whole_variant(geometry, h)
     common = (*_weight_rows(gs, g_step, g_first), *_weight_rows(us, u_step, u_first), *_weight_rows(s_gate, 2, 0),
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),

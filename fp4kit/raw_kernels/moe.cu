@@ -994,11 +994,9 @@ FP4_DEFINE_SMALL_DOWN(d1c2b4w, 1, 2, 4, true)
 // 2-warp blocks: no faster at T <= 4, 30 % slower at T = 8)
 FP4_DEFINE_SMALL_GATE_UP(d2c1n4, 2, 1, 4, false, 4)
 FP4_DEFINE_SMALL_GATE_UP(d2c1n4w, 2, 1, 4, true, 4)
-// candidates with more warps per scheduler (ops/moe.py SMALL_GATE_UP_GEOMETRY, timed by
-// scripts/sweep_moe_small.py): one weight group in flight per warp, which frees the registers of
-// the second buffer (127 -> 77 and 73), so 6 or 7 blocks of 4 warps fit an SM instead of 4
-FP4_DEFINE_SMALL_GATE_UP(d1c1n4b6, 1, 1, 6, false, 4)
-FP4_DEFINE_SMALL_GATE_UP(d1c1n4b6w, 1, 1, 6, true, 4)
+// gate|up in blocks of 4 warps with one weight group in flight per warp, for T <= 4 (ops/moe.py
+// SMALL_GATE_UP_GEOMETRY): without the second buffer's registers (127 -> 72) 7 blocks fit an SM
+// instead of 4; at one pair per block, V4-Flash W4A16 T = 1 48.3 -> 46.2 us, T = 2 76.8 -> 71.0
 FP4_DEFINE_SMALL_GATE_UP(d1c1n4b7, 1, 1, 7, false, 4)
 FP4_DEFINE_SMALL_GATE_UP(d1c1n4b7w, 1, 1, 7, true, 4)
 // down candidates with more weight groups in flight per warp (ops/moe.py SMALL_DOWN_VARIANTS, timed by
