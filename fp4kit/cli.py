@@ -247,9 +247,11 @@ def read_calibration(path, plan: Plan, src: checkpoint.CheckpointFiles) -> dict[
     return scales
 
 
-def _quantize_one(name: str, w: np.ndarray, device: str) -> tuple[Nvfp4Tensor, np.ndarray]:
-    """NVFP4 of ``w`` and its fp32 dequantization, both on the host."""
-    bad = w.size - int(np.count_nonzero(np.isfinite(w)))
+def _quantize_one(name: str, w, device: str, host_dequantized: bool = True) -> tuple[Nvfp4Tensor, np.ndarray]:
+    """NVFP4 of ``w`` (host, or device for ``device`` cuda) on the host, and its fp32
+    dequantization: on the host, or with ``host_dequantized=False`` where ``w`` is."""
+    xp = formats.array_module(w)
+    bad = w.size - int(xp.count_nonzero(xp.isfinite(w)))
     if bad:
         raise ValueError(f"{name}: holds {bad} non-finite value(s); refusing to quantize it")
     if device == "cpu":
@@ -259,7 +261,8 @@ def _quantize_one(name: str, w: np.ndarray, device: str) -> tuple[Nvfp4Tensor, n
 
     q = quantize(cupy.asarray(w))
     host = Nvfp4Tensor(q.packed.get(), q.block_scales.get(), q.global_scale.get(), q.scale_layout, q.shape)
-    return host, dequantize(q).get()
+    d = dequantize(q)
+    return host, d.get() if host_dequantized else d
 
 
 def error_stats(w: np.ndarray, d: np.ndarray) -> tuple[float, float]:
@@ -475,6 +478,15 @@ def _deepseek_sources(src: checkpoint.CheckpointFiles) -> dict:
     return deepseek.find_sources({name: (f.tensors[name].dtype, f.tensors[name].shape) for name, f in src.where.items()})
 
 
+def _uploader(device: str):
+    """What moves a converted weight's source bytes to ``device``: ``cupy.asarray`` or None (host)."""
+    if device == "cpu":
+        return None
+    import cupy
+
+    return cupy.asarray
+
+
 def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: str) -> dict:
     """Convert input shard ``index`` into ``out/out_name`` (written whole, then moved into place);
     returns its record for `CONVERT_STATE` and a line for the log. Runs in a worker process with
@@ -497,7 +509,8 @@ def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: s
             continue
         s = sources[name]
         c = deepseek.convert_weight(s, f.read(name), src.where[s.scale_name].read(s.scale_name),
-                                    lambda where, w: _quantize_one(where, w, device))
+                                    lambda where, w: _quantize_one(where, w, device, host_dequantized=False),
+                                    upload=_uploader(device))
         weights[c.prefix] = c.weight
         rows.append([name, _shape(c.weight.shape), c.source, c.method, "" if c.spread is None else str(c.spread),
                      f"{c.rel_error:.3e}"])

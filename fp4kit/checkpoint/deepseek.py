@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..formats import E2M1_VALUES, Nvfp4Tensor, unpack_nibbles
+from ..formats import E2M1_VALUES, E4M3_VALUES, Nvfp4Tensor, array_module, unpack_nibbles
 
 FP8_BLOCK = 128  # the FP8 weights' block scales cover 128 x 128
 MX_BLOCK = 32  # one MXFP4 scale per 32 codes along K
@@ -116,24 +116,32 @@ def _scale_values(scale: np.ndarray, where: str) -> np.ndarray:
     return s
 
 
-def fp8_dequantize(weight: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
-    """fp32 ``[N, K]`` of an FP8 E4M3 weight with one scale per 128 x 128 block."""
-    n, k = weight.shape
+def fp8_dequantize(weight, scale: np.ndarray, where: str):
+    """fp32 ``[N, K]`` of an FP8 E4M3 weight with one scale per 128 x 128 block, in the weight's
+    memory: host (``float8_e4m3fn`` or its bytes) or device (its bytes, as ``fp4kit convert
+    --device cuda`` uploads them); the scale is read on the host. A table lookup per byte (exact,
+    and cheaper than a dtype conversion)."""
+    xp = array_module(weight)
+    codes = weight.view(xp.uint8)
+    n, k = codes.shape
     s = _scale_values(scale, where)
-    w = weight.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    if not np.isfinite(w).all():
+    if bool(((codes & 0x7F) == 0x7F).any()):
         raise ValueError(f"{where}: the FP8 weight holds NaN")
+    w = xp.take(xp.asarray(E4M3_VALUES), codes)
+    s = xp.asarray(s)
     bn, bk = s.shape
     if n == bn * FP8_BLOCK and k == bk * FP8_BLOCK:  # whole blocks: scale a blocked view in place
         w.reshape(bn, FP8_BLOCK, bk, FP8_BLOCK)[...] *= s[:, None, :, None]
         return w
-    return w * np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
+    return w * xp.repeat(xp.repeat(s, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
 
 
-def mxfp4_dequantize(codes: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
-    """fp32 ``[N, K]`` of MXFP4 codes ``[N, K/2]`` with UE8M0 scales ``[N, K/32]`` (exact)."""
-    s = _scale_values(scale, where)
-    return E2M1_VALUES[unpack_nibbles(codes.view(np.uint8))].astype(np.float32) * np.repeat(s, MX_BLOCK, axis=1)
+def mxfp4_dequantize(codes, scale: np.ndarray, where: str):
+    """fp32 ``[N, K]`` of MXFP4 codes ``[N, K/2]`` with UE8M0 scales ``[N, K/32]`` (exact), in the
+    codes' memory (host or device); the scale is read on the host."""
+    xp = array_module(codes)
+    s = xp.asarray(_scale_values(scale, where))
+    return xp.take(xp.asarray(E2M1_VALUES), unpack_nibbles(codes.view(xp.uint8))) * xp.repeat(s, MX_BLOCK, axis=1)
 
 
 def _e4m3_power_of_two(p: np.ndarray) -> np.ndarray:
@@ -182,23 +190,29 @@ class Converted:
     rel_error: float  # relative L2 error of the NVFP4 values against the source values
 
 
-def convert_weight(src: Source, weight: np.ndarray, scale: np.ndarray, quantize) -> Converted:
-    """``src``'s weight as NVFP4; ``quantize(name, fp32 [N, K])`` gives ``(Nvfp4Tensor, its fp32
-    dequantization)`` with the TE recipe (the CLI passes the CPU or CUDA quantizer)."""
+def convert_weight(src: Source, weight: np.ndarray, scale: np.ndarray, quantize, upload=None) -> Converted:
+    """``src``'s weight (host arrays) as NVFP4; ``quantize(name, fp32 [N, K])`` gives ``(Nvfp4Tensor,
+    its fp32 dequantization)`` with the TE recipe (the CLI passes the CPU or CUDA quantizer).
+    ``upload`` (``cupy.asarray`` for the CUDA quantizer) moves the weight's bytes to where the
+    dequantization, quantization and error run, so only FP8 or FP4 bytes cross to the device and
+    only the NVFP4 result and one number come back; the exact MXFP4 form is found on the host."""
     where = f"{src.prefix}.weight"
+    upload = upload or (lambda a: a)
     if src.format == "mxfp4":
         exact, spread = mxfp4_to_nvfp4(weight, scale, f"{src.prefix} ({src.scale_name})")
         if exact is not None:
             return Converted(src.prefix, exact, src.format, "exact", spread, 0.0)
-        values = mxfp4_dequantize(weight, scale, src.scale_name)
+        values = mxfp4_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name)
         q, d = quantize(where, values)
         return Converted(src.prefix, q, src.format, "re-quantized", spread, _rel_error(values, d))
-    values = fp8_dequantize(weight, scale, src.scale_name)
+    values = fp8_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name)
     q, d = quantize(where, values)
     return Converted(src.prefix, q, src.format, "quantized", None, _rel_error(values, d))
 
 
-def _rel_error(w: np.ndarray, d: np.ndarray) -> float:
-    """``|d - w| / |w|`` for the report (fp32 norms: pairwise sums, ample for three digits)."""
-    ref = float(np.linalg.norm(w.ravel()))
-    return float(np.linalg.norm((d - w).ravel())) / ref if ref else 0.0
+def _rel_error(w, d) -> float:
+    """``|d - w| / |w|`` for the report, on the host or the device (fp32 norms: pairwise sums,
+    ample for three digits)."""
+    xp = array_module(w)
+    ref = float(xp.linalg.norm(w.ravel()))
+    return float(xp.linalg.norm((d - w).ravel())) / ref if ref else 0.0
