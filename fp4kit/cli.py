@@ -527,6 +527,7 @@ def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: s
 
 
 def cmd_convert(args) -> int:
+    import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
 
@@ -566,7 +567,10 @@ def cmd_convert(args) -> int:
                 converted_bytes += result["bytes"]
                 bar.update(1)
         else:
-            with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo))) as pool:
+            # spawned, not forked: a fork of a process that has touched CUDA (the device check
+            # above) cannot use it ("initialization error" in every worker)
+            with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo)),
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
                 futures = {pool.submit(_convert_shard, task[0], index, task[1], out_name, device): out_name
                            for index, out_name in todo}
                 for future in futures:  # in shard order; each result is recorded as soon as it is read

@@ -114,7 +114,8 @@ def test_convert_on_the_gpu_writes_the_cpu_bytes(tmp_path, rng, capsys):
     quantizes and measures the error on the device: every file it writes is byte for byte the CPU
     run's (the quantizers are bit-exact), and so is the report (errors to the digits printed), for
     a V4 checkpoint with a re-quantized expert (exponent spread 20) and an FP8 weight of partial
-    128 x 128 blocks with a V3 fp32 scale."""
+    128 x 128 blocks with a V3 fp32 scale; with ``--jobs 2`` too (workers spawned: a forked worker
+    of a process that has used CUDA cannot)."""
     from test_convert_deepseek import fp8_weight, write_v4
 
     from fp4kit import checkpoint
@@ -139,8 +140,11 @@ def test_convert_on_the_gpu_writes_the_cpu_bytes(tmp_path, rng, capsys):
         assert any("re-quantized" in r for r in rows["cpu"]) == (name == "v4")
         for got, want in zip(rows["cuda"], rows["cpu"]):  # device norms add in another order: the 3rd digit may move
             assert abs(float(got[-1]) - float(want[-1])) <= 1e-3 * float(want[-1]), (got, want)
+        assert main(["convert", str(folder), str(tmp_path / f"{name}-jobs"), "--device", "cuda", "--jobs", "2"]) == 0
+        capsys.readouterr()
         files = sorted(p.name for p in (tmp_path / f"{name}-cpu").iterdir())
-        assert files == sorted(p.name for p in (tmp_path / f"{name}-cuda").iterdir())
-        for f in files:
-            if f.endswith(".safetensors"):
-                assert (tmp_path / f"{name}-cuda" / f).read_bytes() == (tmp_path / f"{name}-cpu" / f).read_bytes(), f
+        for run in ("cuda", "jobs"):
+            assert files == sorted(p.name for p in (tmp_path / f"{name}-{run}").iterdir())
+            for f in (f for f in files if f.endswith(".safetensors")):
+                got, want = tmp_path / f"{name}-{run}" / f, tmp_path / f"{name}-cpu" / f
+                assert got.read_bytes() == want.read_bytes(), (run, f)
