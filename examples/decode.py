@@ -74,13 +74,13 @@ def parse_args(argv=None):
 
 def make_config(args, official: dict | None = None, device: bool = False) -> configs.ModelConfig:
     """The model's configuration: a saved folder's, an official config.json's (``official``, read
-    from ``--config``) or a preset's. On the GPU (``device``) an official config's hyper-connections
-    and activation simulation are left out (`configs.official_not_built` says so)."""
+    from ``--config``) or a preset's. On the GPU (``device``) an official config's activation
+    simulation is left out (`configs.official_not_built` says so)."""
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
     if device and (official is not None or args.load):
-        overrides.update(hc_mult=1, qat_sim=False)
+        overrides.update(qat_sim=False)
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:

@@ -53,6 +53,29 @@ def test_sublayer_check_with_yarn_on_the_gpu():
     assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
 
 
+def test_sublayer_check_with_hyper_connections_on_the_gpu():
+    """Four copies of the residual stream (raw_kernels/hyper.cu's sites) on the GPU model against
+    the numpy model, sublayer by sublayer: the copies, each sublayer's input and output, the logits."""
+    cfg = configs.tiny(layers=3, hc_mult=4, mode="w4a16")
+    tokens = runner.random_prompt(2, 40, cfg.vocab, seed=7)
+    model, _ = runner.build(cfg, device=True, seed=3)
+    reference, _ = runner.build(cfg, device=False, seed=3)
+    result = runner.compare_layers(model, runner.record_layers(reference, tokens), tokens)
+    assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
+
+
+def test_hyper_connections_graph_equals_eager_and_tracks_numpy():
+    cfg = configs.tiny(max_context=2048, hc_mult=4, mode="w4a16")
+    prompt = runner.random_prompt(2, 10, cfg.vocab, seed=8)
+    model, _ = runner.build(cfg, device=True, seed=3)
+    runs = graph_and_eager(model, prompt, 16)
+    np.testing.assert_array_equal(runs["graph"][0], runs["eager"][0])
+    np.testing.assert_array_equal(runs["graph"][1], runs["eager"][1])
+    cmp = runner.compare_with_numpy(cfg, 3, np.concatenate([prompt, runs["graph"][0]], axis=1))
+    assert cmp["first_ok"], cmp
+    assert cmp["median"] <= cmp["tolerance"]["median"] and cmp["max"] <= cmp["tolerance"]["max"], cmp
+
+
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 def test_tiny_graph_equals_eager_and_tracks_numpy(mode):
     cfg = configs.tiny(max_context=2048, mode=mode)
