@@ -183,7 +183,8 @@ def report(model, cfg, res: dict, batch: int, device: bool) -> None:
     total = sum(weights.values()) + kv
     line = (f"bytes per step: {total / 1e6:.1f} MB (attention {weights['attention'] / 1e6:.1f}, routed experts "
             f"{weights['routed'] / 1e6:.1f} for {touched} experts touched, shared {weights['shared'] / 1e6:.1f}, "
-            f"router {weights['router'] / 1e6:.1f}, lm_head {weights['lm_head'] / 1e6:.1f}, KV {kv / 1e6:.2f})")
+            f"router {weights['router'] / 1e6:.1f}, lm_head {weights['lm_head'] / 1e6:.1f}, "
+            + (f"hyper-connections {weights['hyper'] / 1e6:.1f}, " if "hyper" in weights else "") + f"KV {kv / 1e6:.2f})")
     print(line)
     if device:  # a bandwidth of the numpy reference says nothing about the kernels: left out
         achieved = total / step_s

@@ -606,12 +606,15 @@ class Model:
     def weight_bytes(self, experts_touched: list[int]) -> dict:
         """NVFP4 + high-precision weight bytes a step reads on this GPU: every attention and
         shared-expert weight (this rank's shards), each layer's router and its share of the
-        ``experts_touched[i]`` distinct experts, the lm_head."""
+        ``experts_touched[i]`` distinct experts, the lm_head, and the hyper-connections' mixing
+        weights where the model has copies."""
         total = {"attention": 0, "shared": 0, "routed": 0, "router": 0}
         for i, touched in enumerate(experts_touched):
             for part, n in self.layer_weight_bytes(i, touched).items():
                 total[part] += n
-        return {**total, "lm_head": _weight_bytes(self.lm_head)}
+        sites = [] if self.hc_head is None else [self.hc_head] + [s for b in self.blocks for s in (b.hc_attn, b.hc_ffn)]
+        mixing = sum(int(s.fn.nbytes + s.scale.nbytes + s.base.nbytes) for s in sites)
+        return {**total, "lm_head": _weight_bytes(self.lm_head), **({"hyper": mixing} if sites else {})}
 
     def layer_weight_bytes(self, i: int, experts_touched: int) -> dict:
         """`weight_bytes` of layer ``i`` alone, with ``experts_touched`` distinct routed experts."""
