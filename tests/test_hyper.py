@@ -38,7 +38,8 @@ def test_site_on_numpy_is_the_reference(rng):
     fn_h, scale_h, base_h, norm_h = site_params(rng, d, head=True)
     head, p, c = hyper.hc_site(x, fn_h, scale_h, base_h, norm_h, head=True)
     assert p is None and c is None
-    assert np.array_equal(head, ew_ref.add_rmsnorm(ref.hc_head(x, fn_h, scale_h, base_h).astype(np.float32), None, norm_h))
+    want = ew_ref.add_rmsnorm(ref.hc_head(x, fn_h, scale_h, base_h).astype(np.float32), None, norm_h)
+    assert np.array_equal(head, want)
 
 
 def test_bad_inputs_name_the_argument(rng):
@@ -57,7 +58,8 @@ def test_bad_inputs_name_the_argument(rng):
     with pytest.raises(ValueError, match="post, comb"):
         hyper.hc_site(x, fn, scale, base, norm, y=y)
     with pytest.raises(ValueError, match="comb: expected float32 \\[2x4x4\\]"):
-        hyper.hc_site(x, fn, scale, base, norm, y=y, post=np.zeros((2, 4), np.float32), comb=np.zeros((2, 16), np.float32))
+        hyper.hc_site(x, fn, scale, base, norm, y=y, post=np.zeros((2, 4), np.float32),
+                      comb=np.zeros((2, 16), np.float32))
     with pytest.raises(ValueError, match="y: expected bfloat16 or float32"):
         hyper.hc_site(x, fn, scale, base, norm, y=y[:1], start=True)
     with pytest.raises(ValueError, match="start: needs y"):

@@ -25,6 +25,9 @@ HC = 4  # copies the kernels are built for (hc_mult of DeepSeek-V4-Flash and V4-
 SITE_MIXES = (2 + HC) * HC  # the pre, post and comb logits of a sublayer's site
 _MIX_THREADS = 128  # channels per hc_mix block (raw_kernels/hyper.cu kMixThreads)
 _PARTIAL_WORDS = 32  # fp32 words per (block, row) partial
+#: hc_mix blocks along the rows: each block of channels runs its rows in this many strided groups
+#: (one at decode batch 1; a batch of 32 rows in 16 blocks of 2 instead of one block of 32)
+MIX_ROW_BLOCKS = 16
 _U32 = np.uint32
 
 
@@ -118,9 +121,10 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
         return out, (None if head else post_out), (None if head else comb_out)
     chunks = -(-d // _MIX_THREADS)
     mix = loader.get_kernel(_MODULE, "hc_mix_head" if head else "hc_mix_site", block=_MIX_THREADS)
-    mix(chunks, _MIX_THREADS, (x, 0 if y is None else y, np.int32(y is not None and y.dtype == np.float32),
-                               0 if post is None else post, 0 if comb is None else comb, fn, scratch, _U32(rows),
-                               _U32(d), np.int32(mode)))
+    y_f32 = np.int32(y is not None and y.dtype == np.float32)
+    mix.launch((chunks, min(rows, MIX_ROW_BLOCKS)), _MIX_THREADS,
+               (x, 0 if y is None else y, y_f32, 0 if post is None else post, 0 if comb is None else comb, fn,
+                scratch, _U32(rows), _U32(d), np.int32(mode)))
     loader.get_kernel(_MODULE, "hc_pre_norm")(
         rows, 256, (x, scratch, _U32(chunks), _U32(rows), _U32(d), scale, base, np.int32(head), _U32(iters),
                     np.float32(hc_eps), np.float32(norm_eps), norm, np.float32(eps), out,

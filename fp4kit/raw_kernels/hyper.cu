@@ -4,7 +4,8 @@
 // compute in fp32 and agree with it within rounding (tests/test_hyper_gpu.py states the bounds).
 //
 // One mixing site (before a sublayer, or the head) is two launches:
-//   hc_mix_<M>   columns of D split over blocks; each thread owns one channel d of every copy:
+//   hc_mix_<M>   columns of D split over blocks (and rows over the grid's y); each thread owns one
+//                channel d of every copy:
 //                (mode 1) the copies after the previous sublayer, x'[j] = post[j] * y +
 //                sum_i comb[i][j] * x[i], written back; (mode 2) x[j] = y, the stream's start;
 //                then its partial sums of the M mixing dots (fn [M, kHc * D], held in registers
@@ -70,7 +71,7 @@ __device__ __forceinline__ void hc_mix_impl(float* __restrict__ x, const void* _
         for (int j = 0; j < kHc; ++j) w[m][j] = live ? __ldg(fn + m * width + (size_t)j * D + d) : 0.0f;
     pdl::wait_prior();
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (unsigned r = 0; r < rows; ++r) {
+    for (unsigned r = blockIdx.y; r < rows; r += gridDim.y) {  // rows split over the grid's y
         float* xr = x + r * width;
         float c[kHc] = {};
         if (live) {
@@ -157,7 +158,8 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
     pdl::wait_prior();
     if (threadIdx.x <= M) {
         float total = 0.0f;
-        for (unsigned c = 0; c < chunks; ++c) total = __fadd_rn(total, partial[((size_t)c * rows + r) * 32 + threadIdx.x]);
+        for (unsigned c = 0; c < chunks; ++c)
+            total = __fadd_rn(total, partial[((size_t)c * rows + r) * 32 + threadIdx.x]);
         mixes[threadIdx.x] = total;
     }
     __syncthreads();
@@ -165,22 +167,16 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
         const unsigned lane = threadIdx.x;
         // 1 / sqrt(mean of the copies' squares + norm_eps), as the reference's rms
         const float rms = __frsqrt_rn(__fadd_rn(__fdiv_rn(mixes[M], (float)(kHc * D)), norm_eps));
-        if (head) {
-            if (lane < kHc) pre[lane] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mixes[lane], rms), s0),
-                                                                       __ldg(base + lane))), hc_eps);
-        } else {
-            if (lane < kHc) {
-                pre[lane] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mixes[lane], rms), s0), __ldg(base + lane))),
-                                      hc_eps);
-                const unsigned p = kHc + lane;
-                post_out[r * kHc + lane] =
-                    __fmul_rn(2.0f, hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mixes[p], rms), s1), __ldg(base + p))));
-            }
+        auto mix = [&](unsigned m, float scale_m) {  // a mixing logit: dot * rms * scale + base
+            return __fadd_rn(__fmul_rn(__fmul_rn(mixes[m], rms), scale_m), __ldg(base + m));
+        };
+        if (lane < kHc) pre[lane] = __fadd_rn(hc_sigmoid(mix(lane, s0)), hc_eps);
+        if (!head) {
+            if (lane < kHc) post_out[r * kHc + lane] = __fmul_rn(2.0f, hc_sigmoid(mix(kHc + lane, s1)));
             // comb[i][j] on lane 4 i + j (lanes 16..31 mirror 0..15 and are not stored): the row
             // softmax + eps, the columns divided by their sum + eps, then iters - 1 rounds of
             // rows then columns
-            const unsigned k = lane & 15, q = 2 * kHc + k;
-            const float logit = __fadd_rn(__fmul_rn(__fmul_rn(mixes[q], rms), s2), __ldg(base + q));
+            const float logit = mix(2 * kHc + (lane & 15), s2);
             float mx = logit;
             mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
