@@ -246,6 +246,8 @@ def parallel_group(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.save and args.ep is not None:
+        raise SystemExit("--save: with --ep each rank reads and holds only its own experts; save without --ep")
     comm = parallel_group(args)
     if comm is not None and comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
@@ -272,8 +274,9 @@ def main(argv=None) -> int:
           + ("simulated FP8/FP4 activations, " if cfg.qat_sim else "")
           + f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
     t0 = time.perf_counter()
+    # with --ep every rank builds (and reads) its own routed experts only
     model, ckpt = runner.build(cfg, device=device, seed=args.seed, load=args.load, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p)
+                               top_k=args.top_k, top_p=args.top_p, expert_comm=comm if args.ep is not None else None)
     print(f"built in {time.perf_counter() - t0:.1f} s; weights: "
           + (f"read from {args.load}" if args.load else f"random (seed {args.seed}), so the generated token ids "
                                                          "mean nothing"))

@@ -402,7 +402,7 @@ class HyperConnection:
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp, expert_comm=None):
         p = f"layers.{i}"
         self.attn_norm, self.ffn_norm = ckpt.extra[f"{p}.attn_norm"], ckpt.extra[f"{p}.ffn_norm"]
         if cfg.hc_mult > 1:
@@ -411,9 +411,15 @@ class Block:
         self.attn = Attention(cfg, ckpt, i, xp)
         routing = RoutingConfig(top_k=cfg.top_k, score_func="sqrtsoftplus", routed_scale=cfg.routed_scale)
         shared = SharedExpert.from_checkpoint(ckpt, f"{p}.ffn.shared", limit=cfg.swiglu_limit, mode=cfg.mode)
-        self.moe = MoE.from_checkpoint(ckpt, f"{p}.ffn", routing, num_experts=cfg.experts, bias="gate.bias",
-                                       tid2eid=ckpt.extra.get(f"{p}.ffn.tid2eid"), limit=cfg.swiglu_limit,
-                                       mode=cfg.mode, shared=shared)
+        common = dict(num_experts=cfg.experts, bias="gate.bias", tid2eid=ckpt.extra.get(f"{p}.ffn.tid2eid"),
+                      limit=cfg.swiglu_limit, mode=cfg.mode, shared=shared)
+        if expert_comm is None:
+            self.moe = MoE.from_checkpoint(ckpt, f"{p}.ffn", routing, **common)
+        else:  # this rank's experts only, as `Model.parallelize` would leave them
+            from fp4kit import distributed as dist
+
+            self.moe = dist.ExpertParallelMoE.from_checkpoint(ckpt, f"{p}.ffn", routing, expert_comm,
+                                                              tokens="replicated", **common)
 
 
 class DecodeState:
@@ -442,10 +448,12 @@ class DecodeState:
 class Model:
     """The decoder (see the module docstring). ``ckpt`` holds the weights (`init.random_checkpoint`
     or `fp4kit.load_nvfp4`), in the memory the model runs in: CuPy arrays for ``device=True``,
-    numpy for ``device=False``."""
+    numpy for ``device=False``. With ``expert_comm`` (`fp4kit.distributed`) every MoE is built
+    expert-parallel from the start, from this rank's experts alone (what `parallelize` with ``ep``
+    leaves), so ``ckpt`` needs to hold no other experts."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, device: bool, seed: int = 0, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0):
+                 top_k: int = 0, top_p: float = 1.0, expert_comm=None):
         if device:
             import cupy as xp
         else:
@@ -458,7 +466,7 @@ class Model:
                              "model only (device=False); on the GPU build qat_sim=False")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
-        self.blocks = [Block(cfg, ckpt, i, xp) for i in range(cfg.layers)]
+        self.blocks = [Block(cfg, ckpt, i, xp, expert_comm) for i in range(cfg.layers)]
         self.norm = ckpt.extra["norm"]
         self.hc_head = HyperConnection(cfg, ckpt, "hc_head", head=True) if cfg.hc_mult > 1 else None
         self.lm_head = Linear.from_checkpoint(ckpt, "lm_head", mode=cfg.mode, static_input_scale=False)
@@ -589,7 +597,7 @@ class Model:
                 return lin
 
         for blk in self.blocks:
-            if ep:
+            if ep and not isinstance(blk.moe, dist.ExpertParallelMoE):  # not built expert-parallel already
                 blk.moe = dist.ExpertParallelMoE.shard(blk.moe, comm, tokens="replicated")
             if tp:
                 a = blk.attn

@@ -67,19 +67,29 @@ def is_official(ckpt: Checkpoint) -> bool:
     return "embed.weight" in ckpt.extra and "embed" not in ckpt.extra
 
 
-def needed(cfg: ModelConfig):
+def needed(cfg: ModelConfig, experts: range | None = None):
     """``keep(name)`` for `fp4kit.checkpoint.load_nvfp4`: the tensors of ``cfg``'s layers and the
     model-wide ones (embedding, final norm, head, ...); not those of later layers or of the MTP
-    layers, so a slice of a large checkpoint reads only what it runs."""
+    layers, so a slice of a large checkpoint reads only what it runs; with ``experts`` (an
+    expert-parallel rank's) no other routed expert either."""
     def keep(name: str) -> bool:
         if name.startswith("mtp."):
             return False
         if name.startswith("layers."):
             index = name.split(".", 2)[1]
-            return index.isdigit() and int(index) < cfg.layers
+            return index.isdigit() and int(index) < cfg.layers and routed_expert_kept(name, experts)
         return True
 
     return keep
+
+
+def routed_expert_kept(name: str, experts: range | None) -> bool:
+    """Whether tensor ``name`` is not a routed expert's (``...ffn.experts.{e}...``) or is one of
+    ``experts`` (None: all)."""
+    if experts is None or ".ffn.experts." not in name:
+        return True
+    index = name.split(".ffn.experts.", 1)[1].split(".", 1)[0]
+    return not index.isdigit() or int(index) in experts
 
 
 def _official_name(ours: str) -> str:
@@ -143,11 +153,13 @@ def _split_rows(w: Nvfp4Tensor, parts: int) -> list[Nvfp4Tensor]:
                         w.global_scale, "linear", (rows, k)) for g in range(parts)]
 
 
-def from_official(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[Checkpoint, Report]:
+def from_official(ckpt: Checkpoint, cfg: ModelConfig, experts: range | None = None) -> tuple[Checkpoint, Report]:
     """``(checkpoint in this model's names, report)`` of a converted official checkpoint (host or
-    device arrays, as loaded). Raises KeyError naming the first missing tensor, ValueError naming
-    the first one of the wrong shape."""
-    linears, others = _linears(cfg), _others(cfg)
+    device arrays, as loaded); with ``experts`` (an expert-parallel rank's) only those routed
+    experts are expected. Raises KeyError naming the first missing tensor, ValueError naming the
+    first one of the wrong shape."""
+    linears = {n: v for n, v in _linears(cfg).items() if routed_expert_kept(n, experts)}
+    others = _others(cfg)
     for name, (_, shape) in linears.items():  # every check before any conversion
         if name in ckpt.weights:
             have = tuple(ckpt.weights[name].shape)

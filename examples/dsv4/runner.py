@@ -21,20 +21,31 @@ CONFIG_FILE = "fp4kit_model.json"
 OFFICIAL_CONFIG_FILE = "config.json"  # an official checkpoint's, which `fp4kit convert` copies
 
 
-def build(cfg: configs.ModelConfig, *, device: bool, seed: int = 0, load: str | None = None, **sampling):
+def build(cfg: configs.ModelConfig, *, device: bool, seed: int = 0, load: str | None = None, expert_comm=None,
+          **sampling):
     """``(model, checkpoint)``: seeded random weights, or a checkpoint saved by `save`, or a
     converted official DeepSeek-V4 checkpoint (``fp4kit convert``; its names mapped by
-    `official.from_official`, what that did beyond renaming in ``model.load_report``)."""
+    `official.from_official`, what that did beyond renaming in ``model.load_report``). With
+    ``expert_comm`` the MoEs are built expert-parallel and a loaded checkpoint is read for this
+    rank's routed experts only (`Model`)."""
     report = []
+    experts = None
+    if expert_comm is not None:
+        from fp4kit import distributed as dist
+
+        experts = dist.expert_range(cfg.experts, expert_comm)
     if load is not None:
-        keep = official.needed(cfg) if official_config(load) is not None else None  # a slice reads its layers only
+        if official_config(load) is not None:  # a slice reads its layers only
+            keep = official.needed(cfg, experts)
+        else:
+            keep = None if experts is None else (lambda name: official.routed_expert_kept(name, experts))
         ckpt = load_nvfp4(load, device="cuda" if device else None, keep=keep)
         if official.is_official(ckpt):
-            ckpt, done = official.from_official(ckpt, cfg)
+            ckpt, done = official.from_official(ckpt, cfg, experts)
             report = done.lines()
     else:
         ckpt = random_checkpoint(cfg, seed, device=device)
-    model = Model(cfg, ckpt, device=device, seed=seed, **sampling)
+    model = Model(cfg, ckpt, device=device, seed=seed, expert_comm=expert_comm, **sampling)
     model.load_report = report
     return model, ckpt
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Nvfp4Tensor
-from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids
+from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids, checkpoint_parts
 from ..layers.shared_expert import SharedExpert, interleave_rows
 from ..ops import quant as quant_ops
 from ..runtime import arrays, workspace
@@ -210,6 +210,19 @@ class ExpertParallelMoE:
                    w3=slice_stack(moe.w3, experts), bias=moe.bias, tid2eid=moe.tid2eid, limit=moe.limit,
                    weight_before_down=moe.weight_before_down, mode=moe.mode, shared=moe.shared,
                    capacity_factor=capacity_factor, tokens=tokens)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, prefix: str, routing: RoutingConfig, comm: Communicator, *,
+                        num_experts: int, gate: str = "gate.weight", bias: str | None = None,
+                        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), fused: bool = True,
+                        **kwargs) -> "ExpertParallelMoE":
+        """This rank's share of the MoE ``prefix`` of a checkpoint, as `fp4kit.layers.MoE.from_checkpoint`
+        reads it, stacking only the experts this rank owns: the checkpoint needs to hold no others
+        (load it with a ``keep`` that skips them, and no rank ever holds the whole layer)."""
+        experts = expert_range(num_experts, comm)
+        gate_weight, w2, parts, sel_bias = checkpoint_parts(checkpoint, prefix, experts, gate=gate, bias=bias,
+                                                            names=names, fused=fused)
+        return cls(gate_weight, w2, routing, comm, bias=sel_bias, **parts, **kwargs)
 
     @classmethod
     def from_float(cls, gate_weight, w1, w3, w2, routing: RoutingConfig, comm: Communicator, *, fused: bool = True,

@@ -356,23 +356,8 @@ class MoE:
         decode factor per row, no re-quantization). The router weight ``{prefix}.{gate}`` and the
         optional selection bias ``{prefix}.{bias}`` are unquantized tensors of the checkpoint.
         """
-        def stack(which: str) -> ExpertStack:
-            missing = [f"{prefix}.experts.{i}.{which}" for i in range(num_experts)
-                       if f"{prefix}.experts.{i}.{which}" not in checkpoint.weights]
-            if missing:
-                raise KeyError(f"checkpoint: no quantized weight {missing[0]!r} ({len(missing)} experts missing)")
-            return ExpertStack.from_tensors([checkpoint.weights[f"{prefix}.experts.{i}.{which}"]
-                                             for i in range(num_experts)])
-
-        for name in [gate] + ([bias] if bias else []):
-            if f"{prefix}.{name}" not in checkpoint.extra:
-                raise KeyError(f"checkpoint: no tensor {prefix}.{name!s}")
-        w1, w3, w2 = (stack(n) for n in names)
-        parts = {"w13": ExpertStack.fuse_gate_up(w1, w3)} if fused else {"w1": w1, "w3": w3}
-        gate_weight = checkpoint.extra[f"{prefix}.{gate}"]
-        if gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
-            gate_weight = gate_weight.astype(np.float32)
-        sel_bias = None if bias is None else checkpoint.extra[f"{prefix}.{bias}"].astype(np.float32)
+        gate_weight, w2, parts, sel_bias = checkpoint_parts(checkpoint, prefix, range(num_experts), gate=gate, bias=bias,
+                                                            names=names, fused=fused)
         return cls(gate_weight, w2, routing, bias=sel_bias, **parts, **kwargs)
 
     def route(self, x, token_ids=None):
@@ -625,3 +610,27 @@ def _concat_experts(w1: ExpertStack, w3: ExpertStack) -> tuple[list[Nvfp4Tensor]
                                row_decodes=[None if s.row_decode is None else s.row_decode[i] for s in (w1, w3)])
              for i in range(w1.shape[0])]
     return [f for f, _ in fused], [d for _, d in fused]
+
+
+def checkpoint_parts(checkpoint, prefix: str, experts: range, *, gate: str = "gate.weight", bias: str | None = None,
+                     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), fused: bool = True):
+    """``(gate_weight, w2, {"w13": ...} or {"w1": ..., "w3": ...}, selection bias or None)`` of the
+    MoE ``prefix`` of a checkpoint, with the experts ``experts`` stacked (`MoE.from_checkpoint`: all
+    of them; an expert-parallel rank: its own, so a checkpoint read for that rank may hold no others)."""
+    def stack(which: str) -> ExpertStack:
+        missing = [f"{prefix}.experts.{i}.{which}" for i in experts
+                   if f"{prefix}.experts.{i}.{which}" not in checkpoint.weights]
+        if missing:
+            raise KeyError(f"checkpoint: no quantized weight {missing[0]!r} ({len(missing)} experts missing)")
+        return ExpertStack.from_tensors([checkpoint.weights[f"{prefix}.experts.{i}.{which}"] for i in experts])
+
+    for name in [gate] + ([bias] if bias else []):
+        if f"{prefix}.{name}" not in checkpoint.extra:
+            raise KeyError(f"checkpoint: no tensor {prefix}.{name!s}")
+    w1, w3, w2 = (stack(n) for n in names)
+    parts = {"w13": ExpertStack.fuse_gate_up(w1, w3)} if fused else {"w1": w1, "w3": w3}
+    gate_weight = checkpoint.extra[f"{prefix}.{gate}"]
+    if gate_weight.dtype not in (arrays.BF16, np.dtype(np.float32)):
+        gate_weight = gate_weight.astype(np.float32)
+    sel_bias = None if bias is None else checkpoint.extra[f"{prefix}.{bias}"].astype(np.float32)
+    return gate_weight, w2, parts, sel_bias
