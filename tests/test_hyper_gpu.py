@@ -88,3 +88,32 @@ def test_other_copy_counts_are_refused_on_the_device(rng):
     fn, scale, base, norm = (cp.asarray(a) for a in site_params(rng, 16, hc=2))
     with pytest.raises(ValueError, match="built for 4 copies"):
         hyper.hc_site(cp.zeros((1, 2, 16), cp.float32), fn, scale, base, norm)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("head", [False, True])
+def test_one_launch_site_equals_two(rng, rows, head):
+    """With an arrivals counter, up to FUSED_MAX_ROWS rows run the site in one launch (hc_*_fused):
+    the same copies, post and comb bit for bit as the two launches, the normed input within one
+    bf16 step (its sum of squares adds over 4 warps, not 8), and the counter back at zero, so a
+    graph replay gives the same bits again."""
+    assert rows <= hyper.FUSED_MAX_ROWS
+    d = 1024
+    params = [cp.asarray(a) for a in site_params(rng, d, head=head)]
+    x0 = cp.asarray(rng.standard_normal((rows, 4, d)).astype(np.float32))
+    y = cp.asarray(rng.standard_normal((rows, d)).astype(BF16))
+    post = None if head else cp.asarray(rng.random((rows, 4)).astype(np.float32) * 2)
+    comb = None if head else cp.asarray(rng.random((rows, 4, 4)).astype(np.float32) / 2)
+    kw = dict(head=head) if head else dict(y=y, post=post, comb=comb)
+    x_two, x_one = x0.copy(), x0.copy()
+    two = hyper.hc_site(x_two, *params, **kw)
+    arrivals = cp.zeros(1, cp.uint32)
+    one = hyper.hc_site(x_one, *params, arrivals=arrivals, **kw)
+    assert int(arrivals[0]) == 0
+    assert np.array_equal(x_one.get(), x_two.get())
+    if not head:
+        assert np.array_equal(one[1].get(), two[1].get()) and np.array_equal(one[2].get(), two[2].get())
+    close_bf16(one[0].get(), two[0].get().astype(np.float32))
+    x_one[...] = x0
+    again = hyper.hc_site(x_one, *params, arrivals=arrivals, **kw)
+    assert np.array_equal(again[0].get().view(np.uint16), one[0].get().view(np.uint16))

@@ -28,6 +28,9 @@ _PARTIAL_WORDS = 32  # fp32 words per (block, row) partial
 #: hc_mix blocks along the rows: each block of channels runs its rows in this many strided groups
 #: (one at decode batch 1; a batch of 32 rows in 16 blocks of 2 instead of one block of 32)
 MIX_ROW_BLOCKS = 16
+#: up to this many rows a site given an ``arrivals`` counter runs in one launch (hc_site_fused: the
+#: last block of hc_mix does every row's mix and norm) instead of two; 0: always two
+FUSED_MAX_ROWS = 4
 _U32 = np.uint32
 
 
@@ -47,7 +50,7 @@ def _check(name: str, a, dtype, shape: tuple, like=None):
 
 def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bool = False, head: bool = False,
             iters: int = 20, hc_eps: float = 1e-6, norm_eps: float = 1e-6, eps: float = 1e-6, out=None,
-            post_out=None, comb_out=None, scratch=None):
+            post_out=None, comb_out=None, scratch=None, arrivals=None):
     """One site of the hyper-connections; ``x`` is updated in place.
 
     Parameters
@@ -64,6 +67,9 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
     head : the head's site (only ``pre``; returns no ``post`` / ``comb``).
     out, post_out, comb_out, scratch : optional preallocated results and the device scratch
         (fp32, `scratch_words` long) for a captured step.
+    arrivals : uint32 ``[1]`` device counter, zero, optional
+        With it, up to `FUSED_MAX_ROWS` rows run the site in one launch (its last block counts
+        the others in and leaves the counter at zero); one counter per site of a captured step.
 
     Returns
     -------
@@ -99,8 +105,10 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
             mode = 1
     elif start:
         raise ValueError("start: needs y, the rows the copies start from (the embedding)")
+    if arrivals is not None:
+        arrivals = _check("arrivals", arrivals, np.uint32, (1,))
     arrays.check_same_device(x=x, fn=fn, scale=scale, base=base, norm=norm, y=y, post=post, comb=comb, out=out,
-                             post_out=post_out, comb_out=comb_out, scratch=scratch)
+                             post_out=post_out, comb_out=comb_out, scratch=scratch, arrivals=arrivals)
     if not arrays.is_device_array(x):
         return _host_site(x, fn, scale, base, norm, y, post, comb, mode, head, iters, hc_eps, norm_eps, eps, out)
     if hc != HC:
@@ -120,15 +128,21 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
     if rows == 0:
         return out, (None if head else post_out), (None if head else comb_out)
     chunks = -(-d // _MIX_THREADS)
-    mix = loader.get_kernel(_MODULE, "hc_mix_head" if head else "hc_mix_site", block=_MIX_THREADS)
+    grid = (chunks, min(rows, MIX_ROW_BLOCKS))
     y_f32 = np.int32(y is not None and y.dtype == np.float32)
-    mix.launch((chunks, min(rows, MIX_ROW_BLOCKS)), _MIX_THREADS,
-               (x, 0 if y is None else y, y_f32, 0 if post is None else post, 0 if comb is None else comb, fn,
-                scratch, _U32(rows), _U32(d), np.int32(mode)))
+    mix_args = (x, 0 if y is None else y, y_f32, 0 if post is None else post, 0 if comb is None else comb, fn,
+                scratch, _U32(rows), _U32(d), np.int32(mode))
+    site_args = (scale, base, _U32(iters), np.float32(hc_eps), np.float32(norm_eps), norm, np.float32(eps), out,
+                 0 if head else post_out, 0 if head else comb_out)
+    if arrivals is not None and rows <= FUSED_MAX_ROWS:
+        fused = loader.get_kernel(_MODULE, "hc_head_fused" if head else "hc_site_fused", block=_MIX_THREADS)
+        fused.launch(grid, _MIX_THREADS, (*mix_args, arrivals, *site_args))
+        return out, (None if head else post_out), (None if head else comb_out)
+    mix = loader.get_kernel(_MODULE, "hc_mix_head" if head else "hc_mix_site", block=_MIX_THREADS)
+    mix.launch(grid, _MIX_THREADS, mix_args)
     loader.get_kernel(_MODULE, "hc_pre_norm")(
-        rows, 256, (x, scratch, _U32(chunks), _U32(rows), _U32(d), scale, base, np.int32(head), _U32(iters),
-                    np.float32(hc_eps), np.float32(norm_eps), norm, np.float32(eps), out,
-                    0 if head else post_out, 0 if head else comb_out))
+        rows, 256, (x, scratch, _U32(chunks), _U32(rows), _U32(d), site_args[0], site_args[1], np.int32(head),
+                    *site_args[2:]))
     return out, (None if head else post_out), (None if head else comb_out)
 
 

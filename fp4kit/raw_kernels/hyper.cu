@@ -143,23 +143,24 @@ __device__ __forceinline__ float hc_sigmoid(float z) {
 }
 
 // Row r's site: pre (and, unless head, post and comb: stored at post_out / comb_out), then the
-// RMSNorm (weight norm_w, eps) of sum_j pre[j] x[r][j] into out [rows, D] bf16. scale [3] and
-// base [M] are the site's; chunks: hc_mix's blocks.
-extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
-        const float* __restrict__ x, const float* __restrict__ partial, unsigned chunks, unsigned rows, unsigned D,
-        const float* __restrict__ scale, const float* __restrict__ base, int head, unsigned iters, float hc_eps,
-        float norm_eps, const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
-        float* __restrict__ post_out, float* __restrict__ comb_out) {
-    __shared__ float mixes[32];
-    __shared__ float pre[kHc];
-    __shared__ float smem[kNormWarps];
-    const unsigned r = blockIdx.x, M = head ? kHc : kSiteMixes;
-    const float s0 = __ldg(scale), s1 = head ? 0.0f : __ldg(scale + 1), s2 = head ? 0.0f : __ldg(scale + 2);
-    pdl::wait_prior();
+// RMSNorm (weight norm_w, eps) of sum_j pre[j] x[r][j] into out [rows, D] bf16, by a block of
+// kThreadsT threads. s0..s2 and base [M] are the site's; chunks: hc_mix's blocks. The copies and
+// the partials are read through L2 (another block, or the kernel before, wrote them).
+template <int kThreadsT>
+__device__ __forceinline__ void site_row(const float* __restrict__ x, const float* __restrict__ partial,
+                                         unsigned chunks, unsigned rows, unsigned D, unsigned r, int head,
+                                         float s0, float s1, float s2, const float* __restrict__ base,
+                                         unsigned iters, float hc_eps, float norm_eps,
+                                         const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
+                                         float* __restrict__ post_out, float* __restrict__ comb_out, float* mixes,
+                                         float* pre, float* smem) {
+    constexpr int kWarpsT = kThreadsT / 32;
+    const unsigned M = head ? kHc : kSiteMixes;
+    __syncthreads();  // the shared arrays of the row before are read
     if (threadIdx.x <= M) {
         float total = 0.0f;
         for (unsigned c = 0; c < chunks; ++c)
-            total = __fadd_rn(total, partial[((size_t)c * rows + r) * 32 + threadIdx.x]);
+            total = __fadd_rn(total, __ldcg(partial + ((size_t)c * rows + r) * 32 + threadIdx.x));
         mixes[threadIdx.x] = total;
     }
     __syncthreads();
@@ -203,10 +204,10 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
     __syncthreads();
     const float* xr = x + (size_t)r * kHc * D;
     float ss = 0.0f;
-    for (unsigned d = threadIdx.x; d < D; d += kNormThreads) {
+    for (unsigned d = threadIdx.x; d < D; d += kThreadsT) {
         float h = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], xr[(size_t)j * D + d], h);
+        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], __ldcg(xr + (size_t)j * D + d), h);
         ss = __fmaf_rn(h, h, ss);
     }
 #pragma unroll
@@ -215,12 +216,67 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
     __syncthreads();
     float total = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kNormWarps; ++w) total = __fadd_rn(total, smem[w]);
+    for (int w = 0; w < kWarpsT; ++w) total = __fadd_rn(total, smem[w]);
     const float inv = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)D), eps));
-    for (unsigned d = threadIdx.x; d < D; d += kNormThreads) {
+    for (unsigned d = threadIdx.x; d < D; d += kThreadsT) {
         float h = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], xr[(size_t)j * D + d], h);
+        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], __ldcg(xr + (size_t)j * D + d), h);
         out[(size_t)r * D + d] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(h, inv), __ldg(norm_w + d)));
     }
 }
+
+// The site's second launch: one block per row.
+extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
+        const float* __restrict__ x, const float* __restrict__ partial, unsigned chunks, unsigned rows, unsigned D,
+        const float* __restrict__ scale, const float* __restrict__ base, int head, unsigned iters, float hc_eps,
+        float norm_eps, const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
+        float* __restrict__ post_out, float* __restrict__ comb_out) {
+    __shared__ float mixes[32];
+    __shared__ float pre[kHc];
+    __shared__ float smem[kNormWarps];
+    const float s0 = __ldg(scale), s1 = head ? 0.0f : __ldg(scale + 1), s2 = head ? 0.0f : __ldg(scale + 2);
+    pdl::wait_prior();
+    site_row<kNormThreads>(x, partial, chunks, rows, D, blockIdx.x, head, s0, s1, s2, base, iters, hc_eps, norm_eps,
+                           norm_w, eps, out, post_out, comb_out, mixes, pre, smem);
+}
+
+// A whole site in one launch, for few rows: hc_mix, then the last of its blocks to arrive (a
+// counter, left at zero for the next launch) runs every row's site_row. *arrivals is 0 on entry.
+template <int M>
+__device__ __forceinline__ void hc_site_impl(float* x, const void* y, int y_f32, const float* post,
+                                             const float* comb, const float* fn, float* partial, unsigned rows,
+                                             unsigned D, int mode, unsigned* arrivals, const float* scale,
+                                             const float* base, unsigned iters, float hc_eps, float norm_eps,
+                                             const float* norm_w, float eps, __nv_bfloat16* out, float* post_out,
+                                             float* comb_out) {
+    __shared__ float mixes[32];
+    __shared__ float pre[kHc];
+    __shared__ float smem[kMixWarps];
+    __shared__ bool last;
+    constexpr int head = M == kHc;
+    hc_mix_impl<M>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
+    __threadfence();  // this block's copies and partials, before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(arrivals, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float s0 = __ldg(scale), s1 = head ? 0.0f : __ldg(scale + 1), s2 = head ? 0.0f : __ldg(scale + 2);
+    for (unsigned r = 0; r < rows; ++r)
+        site_row<kMixThreads>(x, partial, gridDim.x, rows, D, r, head, s0, s1, s2, base, iters, hc_eps, norm_eps,
+                              norm_w, eps, out, post_out, comb_out, mixes, pre, smem);
+    if (threadIdx.x == 0) *arrivals = 0u;
+}
+
+#define FP4_DEFINE_HC_SITE(NAME, M)                                                                                \
+    extern "C" __global__ void __launch_bounds__(kMixThreads) NAME(                                              \
+            float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,            \
+            float* partial, unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale,           \
+            const float* base, unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps,      \
+            __nv_bfloat16* out, float* post_out, float* comb_out) {                                                \
+        hc_site_impl<M>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters,        \
+                        hc_eps, norm_eps, norm_w, eps, out, post_out, comb_out);                                   \
+    }
+FP4_DEFINE_HC_SITE(hc_site_fused, kSiteMixes)
+FP4_DEFINE_HC_SITE(hc_head_fused, kHc)
