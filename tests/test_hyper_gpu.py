@@ -90,14 +90,14 @@ def test_other_copy_counts_are_refused_on_the_device(rng):
         hyper.hc_site(cp.zeros((1, 2, 16), cp.float32), fn, scale, base, norm)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("head", [False, True])
-def test_one_launch_site_equals_two(rng, rows, head):
+def test_one_launch_site_equals_two(rng, monkeypatch, rows, head):
     """With an arrivals counter, up to FUSED_MAX_ROWS rows run the site in one launch (hc_*_fused):
     the same copies, post and comb bit for bit as the two launches, the normed input within one
     bf16 step (its sum of squares adds over 4 warps, not 8), and the counter back at zero, so a
     graph replay gives the same bits again."""
-    assert rows <= hyper.FUSED_MAX_ROWS
+    monkeypatch.setattr(hyper, "FUSED_MAX_ROWS", 4)
     d = 1024
     params = [cp.asarray(a) for a in site_params(rng, d, head=head)]
     x0 = cp.asarray(rng.standard_normal((rows, 4, d)).astype(np.float32))

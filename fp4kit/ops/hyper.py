@@ -29,8 +29,9 @@ _PARTIAL_WORDS = 32  # fp32 words per (block, row) partial
 #: (one at decode batch 1; a batch of 32 rows in 16 blocks of 2 instead of one block of 32)
 MIX_ROW_BLOCKS = 16
 #: up to this many rows a site given an ``arrivals`` counter runs in one launch (hc_site_fused: the
-#: last block of hc_mix does every row's mix and norm) instead of two; 0: always two
-FUSED_MAX_ROWS = 4
+#: last block of hc_mix does every row's mix and norm, one row after another) instead of two; 0:
+#: always two. A single row (decode at batch 1) saves a launch; more rows serialize in one block
+FUSED_MAX_ROWS = 1
 _U32 = np.uint32
 
 

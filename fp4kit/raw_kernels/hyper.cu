@@ -269,14 +269,20 @@ __device__ __forceinline__ void hc_site_impl(float* x, const void* y, int y_f32,
     if (threadIdx.x == 0) *arrivals = 0u;
 }
 
-#define FP4_DEFINE_HC_SITE(NAME, M)                                                                                \
-    extern "C" __global__ void __launch_bounds__(kMixThreads) NAME(                                              \
-            float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,            \
-            float* partial, unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale,           \
-            const float* base, unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps,      \
-            __nv_bfloat16* out, float* post_out, float* comb_out) {                                                \
-        hc_site_impl<M>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters,        \
-                        hc_eps, norm_eps, norm_w, eps, out, post_out, comb_out);                                   \
-    }
-FP4_DEFINE_HC_SITE(hc_site_fused, kSiteMixes)
-FP4_DEFINE_HC_SITE(hc_head_fused, kHc)
+extern "C" __global__ void __launch_bounds__(kMixThreads) hc_site_fused(
+        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn, float* partial,
+        unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale, const float* base,
+        unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps, __nv_bfloat16* out,
+        float* post_out, float* comb_out) {
+    hc_site_impl<kSiteMixes>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters,
+                             hc_eps, norm_eps, norm_w, eps, out, post_out, comb_out);
+}
+
+extern "C" __global__ void __launch_bounds__(kMixThreads) hc_head_fused(
+        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn, float* partial,
+        unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale, const float* base,
+        unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps, __nv_bfloat16* out,
+        float* post_out, float* comb_out) {
+    hc_site_impl<kHc>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters, hc_eps,
+                      norm_eps, norm_w, eps, out, post_out, comb_out);
+}
