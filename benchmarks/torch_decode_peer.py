@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fp4kit.reference.elementwise import rope_inv_freq
+
 
 def _tensor(torch, a, device):
     """A numpy or CuPy array as a torch tensor on ``device`` (a copy: the peer owns its state)."""
@@ -109,11 +111,7 @@ class TorchDecodePeer:
         if not rope_dim:
             return x32
         d = x32.shape[-1]
-        if np.ndim(theta):
-            freqs = torch.as_tensor(np.asarray(theta, np.float64), device=x32.device)
-        else:
-            i = torch.arange(rope_dim // 2, device=x32.device, dtype=torch.float64)
-            freqs = theta ** (-2.0 * i / rope_dim)
+        freqs = torch.as_tensor(rope_inv_freq(rope_dim, theta), device=x32.device)  # float64
         angle = pos.double()[:, None] * freqs  # [B, rope_dim / 2]
         shape = (x32.shape[0],) + (1,) * (x32.dim() - 2) + (rope_dim // 2,)
         c, s = torch.cos(angle).float().reshape(shape), torch.sin(angle).float().reshape(shape)

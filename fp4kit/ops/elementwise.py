@@ -93,12 +93,12 @@ def rope_table(theta, rope_dim: int, like, name: str = "theta"):
                              f"{arrays.describe(theta)}")
         arrays.check_same_device(**{name: theta, "input": like})
         return theta
-    number = not np.ndim(theta)
-    freqs = None if number else ref.rope_inv_freq(rope_dim, theta, name)
-    key = (like.device.id, rope_dim, float(theta) if number else freqs.tobytes())
+    # a base is its own key; frequencies are checked (and keyed) by their bytes
+    key = (like.device.id, rope_dim,
+           float(theta) if not np.ndim(theta) else ref.rope_inv_freq(rope_dim, theta, name).tobytes())
     table = _ROPE_TABLES.get(key)
     if table is None:
-        freqs = ref.rope_inv_freq(rope_dim, theta, name) if number else freqs
+        freqs = ref.rope_inv_freq(rope_dim, theta, name)
         import cupy
 
         if cupy.cuda.get_current_stream().is_capturing():

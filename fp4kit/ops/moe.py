@@ -156,19 +156,24 @@ SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2, None), "d2c1n4": (4, 4, None), "d1c1n4b
 SMALL_MANY_BLOCKS, SMALL_FEW_BLOCKS = "d1c1n4b7", "d2c1n4"
 
 
+def _pair_blocks(inner: int, pairs: int) -> int:
+    """Blocks of the first launch along ``inner`` gate|up rows at ``pairs`` pairs (16 rows each) per block."""
+    return -(-inner // (16 * pairs))
+
+
 def small_gate_up_variant(tokens: int, inner: int, assignments: int, sms: int) -> str:
     """The first launch's kernel variant for ``tokens`` tokens, ``assignments`` rows of blocks (one
     per (token, expert) and per shared-expert block) over ``inner`` rows, on ``sms`` multiprocessors:
-    `SMALL_GATE_UP_VARIANT` if set; above
-    `SMALL_NARROW_MAX_TOKENS` tokens 8-warp blocks; else `SMALL_MANY_BLOCKS` where its blocks fill one
-    wave or leave their last wave at least half full, `SMALL_FEW_BLOCKS` where that wave would be
-    mostly idle (a tail of a few blocks costs a whole block's time)."""
+    `SMALL_GATE_UP_VARIANT` if set; above `SMALL_NARROW_MAX_TOKENS` tokens 8-warp blocks; else
+    `SMALL_MANY_BLOCKS` where its blocks fill one wave or leave their last wave at least half full,
+    `SMALL_FEW_BLOCKS` where that wave would be mostly idle (a tail of a few blocks costs a whole
+    block's time)."""
     if SMALL_GATE_UP_VARIANT is not None:
         return SMALL_GATE_UP_VARIANT
     if tokens > SMALL_NARROW_MAX_TOKENS:
         return "d2c1"
     _, per_sm, pairs = SMALL_GATE_UP_GEOMETRY[SMALL_MANY_BLOCKS]
-    blocks, slots = -(-inner // (16 * pairs)) * assignments, per_sm * sms
+    blocks, slots = _pair_blocks(inner, pairs) * assignments, per_sm * sms
     tail = blocks % slots
     return SMALL_MANY_BLOCKS if blocks <= slots or tail == 0 or 2 * tail >= slots else SMALL_FEW_BLOCKS
 
@@ -190,10 +195,10 @@ def small_pairs_per_block(inner: int, assignments: int, sms: int, warps: int = 8
         return min(SMALL_PAIRS_PER_BLOCK, warps)
     choices = [pp for pp in (1, 2, 4, 8) if pp <= warps]
     for pp in choices:
-        if -(-inner // (16 * pp)) * assignments <= blocks_per_sm * sms:
+        if _pair_blocks(inner, pp) * assignments <= blocks_per_sm * sms:
             return pp
     pp = 1
-    while pp < warps and -(-inner // (16 * 2 * pp)) * assignments >= blocks_per_sm * sms:
+    while pp < warps and _pair_blocks(inner, 2 * pp) * assignments >= blocks_per_sm * sms:
         pp *= 2
     return pp
 
@@ -256,7 +261,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
-    grid = (-(-inner // (16 * pp)), blocks_y)
+    grid = (_pair_blocks(inner, pp), blocks_y)
     if x_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)

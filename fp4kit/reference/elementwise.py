@@ -4,8 +4,8 @@
   once; the norm and the weight are optional. RoPE rotates adjacent channel pairs of the last
   ``rope_dim`` channels by ``pos * theta^(-2i / rope_dim)`` (the convention of the KV cache's
   compressor, `fp4kit.reference.kv_cache.rope`), with cos and sin computed in float64 and rounded
-  to fp32. ``theta`` is the base, or (numpy only) the pairs' inverse frequencies themselves, e.g.
-  YaRN-scaled ones (`rope_inv_freq`).
+  to fp32. ``theta`` is the base, or the pairs' inverse frequencies themselves, e.g. YaRN-scaled
+  ones (`rope_inv_freq`; the kernels read them from a table, `fp4kit.ops.elementwise.rope_table`).
 * ``add_rmsnorm``: the residual stream (fp32) gains ``delta`` (bf16), then its RMSNorm in bf16.
 * ``embed``: rows of a bf16 table as fp32; a token outside ``[0, vocab)`` reads row 0 and is
   reported (`fp4kit.runtime.status.TOKEN_RANGE`).
