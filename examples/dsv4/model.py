@@ -392,17 +392,13 @@ class HyperConnection:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, prefix: str, head: bool = False):
         self.cfg, self.head = cfg, head
         self.fn, self.scale, self.base = (ckpt.extra[f"{prefix}_{n}"] for n in ("fn", "scale", "base"))
-        # the site's own arrival counter (zero between launches): few rows run it in one launch
-        xp = arrays.array_module(self.fn)
-        self.arrivals = None if xp is np else xp.zeros(1, np.uint32)
 
     def site(self, x, norm, y=None, post=None, comb=None, start: bool = False) -> tuple:
         """``(normed bf16 [rows, D], post, comb)`` for the sublayer (post, comb None for the head);
         ``x`` updated in place with ``y`` and the previous site's ``post`` / ``comb``."""
         cfg = self.cfg
         return hyper.hc_site(x, self.fn, self.scale, self.base, norm, y=y, post=post, comb=comb, start=start,
-                             head=self.head, iters=cfg.hc_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.eps, eps=cfg.eps,
-                             arrivals=self.arrivals)
+                             head=self.head, iters=cfg.hc_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.eps, eps=cfg.eps)
 
 
 class Block:

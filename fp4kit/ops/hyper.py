@@ -19,19 +19,19 @@ import numpy as np
 from ..reference import elementwise as ew_ref
 from ..reference import hyper_connections as ref
 from ..runtime import arrays, loader
+from . import elementwise
 
 _MODULE = "hyper"
 HC = 4  # copies the kernels are built for (hc_mult of DeepSeek-V4-Flash and V4-Pro)
 SITE_MIXES = (2 + HC) * HC  # the pre, post and comb logits of a sublayer's site
+SITE_GROUPS = 4  # hc_mix blocks per column block at a sublayer's site, each 6 of the 24 dots (kSiteGroups)
 _MIX_THREADS = 128  # channels per hc_mix block (raw_kernels/hyper.cu kMixThreads)
-_PARTIAL_WORDS = 32  # fp32 words per (block, row) partial
+_PARTIAL_WORDS = 40  # fp32 words per (block, row) partial (raw_kernels/hyper.cu kPartialWords)
+_NORM_THREADS = 128  # hc_pre_norm block (kNormThreads)
+_NORM_CHANNELS = 512  # channels per hc_pre_norm block (kNormChannels)
 #: hc_mix blocks along the rows: each block of channels runs its rows in this many strided groups
 #: (one at decode batch 1; a batch of 32 rows in 16 blocks of 2 instead of one block of 32)
 MIX_ROW_BLOCKS = 16
-#: up to this many rows a site given an ``arrivals`` counter runs in one launch (hc_site_fused: the
-#: last block of hc_mix does every row's mix and norm, one row after another) instead of two; 0:
-#: always two. A single row (decode at batch 1) saves a launch; more rows serialize in one block
-FUSED_MAX_ROWS = 1
 _U32 = np.uint32
 
 
@@ -51,7 +51,7 @@ def _check(name: str, a, dtype, shape: tuple, like=None):
 
 def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bool = False, head: bool = False,
             iters: int = 20, hc_eps: float = 1e-6, norm_eps: float = 1e-6, eps: float = 1e-6, out=None,
-            post_out=None, comb_out=None, scratch=None, arrivals=None):
+            post_out=None, comb_out=None, scratch=None):
     """One site of the hyper-connections; ``x`` is updated in place.
 
     Parameters
@@ -68,9 +68,6 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
     head : the head's site (only ``pre``; returns no ``post`` / ``comb``).
     out, post_out, comb_out, scratch : optional preallocated results and the device scratch
         (fp32, `scratch_words` long) for a captured step.
-    arrivals : uint32 ``[1]`` device counter, zero, optional
-        With it, up to `FUSED_MAX_ROWS` rows run the site in one launch (its last block counts
-        the others in and leaves the counter at zero); one counter per site of a captured step.
 
     Returns
     -------
@@ -106,10 +103,8 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
             mode = 1
     elif start:
         raise ValueError("start: needs y, the rows the copies start from (the embedding)")
-    if arrivals is not None:
-        arrivals = _check("arrivals", arrivals, np.uint32, (1,))
     arrays.check_same_device(x=x, fn=fn, scale=scale, base=base, norm=norm, y=y, post=post, comb=comb, out=out,
-                             post_out=post_out, comb_out=comb_out, scratch=scratch, arrivals=arrivals)
+                             post_out=post_out, comb_out=comb_out, scratch=scratch)
     if not arrays.is_device_array(x):
         return _host_site(x, fn, scale, base, norm, y, post, comb, mode, head, iters, hc_eps, norm_eps, eps, out)
     if hc != HC:
@@ -121,6 +116,11 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
     if not head:
         post_out = _device_out("post_out", post_out, (rows, hc), np.float32, x)
         comb_out = _device_out("comb_out", comb_out, (rows, hc, hc), np.float32, x)
+        # the row's first block stores this site's post / comb while the others read the last site's
+        for name, a in (("post_out", post_out), ("comb_out", comb_out)):
+            if any(_overlap(a, b) for b in (post, comb) if b is not None):
+                raise ValueError(f"{name}: must not overlap post or comb (the previous site's, still read while "
+                                 "this site's are written); pass other buffers")
     words = scratch_words(rows, d)
     if scratch is None:
         scratch = cupy.empty(words, np.float32)
@@ -129,22 +129,24 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
     if rows == 0:
         return out, (None if head else post_out), (None if head else comb_out)
     chunks = -(-d // _MIX_THREADS)
-    grid = (chunks, min(rows, MIX_ROW_BLOCKS))
-    y_f32 = np.int32(y is not None and y.dtype == np.float32)
-    mix_args = (x, 0 if y is None else y, y_f32, 0 if post is None else post, 0 if comb is None else comb, fn,
-                scratch, _U32(rows), _U32(d), np.int32(mode))
-    site_args = (scale, base, _U32(iters), np.float32(hc_eps), np.float32(norm_eps), norm, np.float32(eps), out,
-                 0 if head else post_out, 0 if head else comb_out)
-    if arrivals is not None and rows <= FUSED_MAX_ROWS:
-        fused = loader.get_kernel(_MODULE, "hc_head_fused" if head else "hc_site_fused", block=_MIX_THREADS)
-        fused.launch(grid, _MIX_THREADS, (*mix_args, arrivals, *site_args))
-        return out, (None if head else post_out), (None if head else comb_out)
+    copies = (x, 0 if y is None else y, np.int32(y is not None and y.dtype == np.float32),
+              0 if post is None else post, 0 if comb is None else comb)
     mix = loader.get_kernel(_MODULE, "hc_mix_head" if head else "hc_mix_site", block=_MIX_THREADS)
-    mix.launch(grid, _MIX_THREADS, mix_args)
-    loader.get_kernel(_MODULE, "hc_pre_norm")(
-        rows, 256, (x, scratch, _U32(chunks), _U32(rows), _U32(d), site_args[0], site_args[1], np.int32(head),
-                    *site_args[2:]))
+    mix.launch((chunks * (1 if head else SITE_GROUPS), min(rows, MIX_ROW_BLOCKS)), _MIX_THREADS,
+               (*copies, fn, scratch, _U32(rows), _U32(d), np.int32(mode)))
+    norm_kernel = loader.get_kernel(_MODULE, "hc_pre_norm", block=_NORM_THREADS)
+    norm_grid = (-(-d // _NORM_CHANNELS), min(rows, 65535))
+    # like the row norms, it lets the next kernel's blocks start early, where its blocks fit one wave
+    release = np.int32(elementwise.EARLY_RELEASE and norm_grid[0] * norm_grid[1] <= norm_kernel.max_blocks)
+    norm_kernel.launch(norm_grid, _NORM_THREADS,
+                       (*copies, np.int32(mode), scratch, _U32(chunks), _U32(rows), _U32(d), scale, base,
+                        np.int32(head), _U32(iters), np.float32(hc_eps), np.float32(norm_eps), norm, np.float32(eps),
+                        out, 0 if head else post_out, 0 if head else comb_out, release))
     return out, (None if head else post_out), (None if head else comb_out)
+
+
+def _overlap(a, b) -> bool:
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 def _device_out(name, a, shape, dtype, like):

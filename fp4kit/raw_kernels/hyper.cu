@@ -3,19 +3,22 @@
 // output. fp4kit/reference/hyper_connections.py is the specification (float64); these kernels
 // compute in fp32 and agree with it within rounding (tests/test_hyper_gpu.py states the bounds).
 //
-// One mixing site (before a sublayer, or the head) is two launches:
-//   hc_mix_<M>   columns of D split over blocks (and rows over the grid's y); each thread owns one
-//                channel d of every copy:
-//                (mode 1) the copies after the previous sublayer, x'[j] = post[j] * y +
-//                sum_i comb[i][j] * x[i], written back; (mode 2) x[j] = y, the stream's start;
-//                then its partial sums of the M mixing dots (fn [M, kHc * D], held in registers
-//                from before the wait: constant weights) and of x'^2, one partial per block
-//                and row;
-//   hc_pre_norm  one block per row: the partials summed in block order, the mixing logits
-//                scaled by the copies' RMS, pre / post / comb (sigmoids, a row softmax and
-//                the Sinkhorn rounds on one warp, lane 4 i + j holding comb[i][j]), post and
-//                comb stored for the next site's hc_mix, then the sublayer input
-//                sum_j pre[j] x'[j] and its RMSNorm (bf16), computed as add_rmsnorm_bf16 does.
+// One mixing site (before a sublayer, or the head) is two launches. Both compute the copies the
+// site mixes, x'[j] = post[j] * y + sum_i comb[i][j] * x[i] (mode 1: after the previous
+// sublayer, with its site's post and comb), x'[j] = y (mode 2: the stream's start) or x' = x
+// (mode 0), with the same instructions (`site_copies`), so they agree bit for bit:
+//   hc_mix_<M>   columns of D split over blocks, each block one group of the M mixing dots (rows
+//                over the grid's y); each thread owns one channel d of every copy: its partial
+//                sums of the group's dots (fn [M, kHc * D], held in registers from before the
+//                wait: constant weights) and, in group 0, of the copies' Gram matrix
+//                G[i][j] = sum_d x'[i][d] x'[j][d]; one partial per column block and row;
+//   hc_pre_norm  columns of D split over blocks, rows over the grid's y: every block sums the
+//                partials in block order and computes the row's pre (the mixing logits scaled by
+//                the copies' RMS, trace(G)); the row's first block also post and comb (sigmoids,
+//                a row softmax and the Sinkhorn rounds on one warp, every lane holding the whole
+//                4 x 4 comb) for the next site; then each block writes its columns of x' back and
+//                of the sublayer input h = sum_j pre[j] x'[j], RMS-normed (bf16):
+//                sum_d h[d]^2 = sum_ij pre[i] pre[j] G[i][j], so no block waits for another.
 // The head's site has M = kHc and only pre (sigmoid + eps), no post or comb.
 //
 // Reductions are deterministic: fixed shuffle trees, warps and blocks summed in index order.
@@ -25,11 +28,19 @@
 
 constexpr int kHc = 4;                        // copies of the stream (hc_mult of V4-Flash and V4-Pro)
 constexpr int kSiteMixes = (2 + kHc) * kHc;   // pre, post and comb logits of a sublayer's site
+constexpr int kSiteGroups = 4;                // hc_mix blocks per column block at a sublayer's site
 constexpr int kMixThreads = 128;              // hc_mix: one channel per thread
 constexpr int kMixWarps = kMixThreads / 32;
-constexpr int kNormThreads = 256;             // hc_pre_norm
-constexpr int kNormWarps = kNormThreads / 32;
+constexpr int kGram = kHc * (kHc + 1) / 2;    // distinct entries of the copies' Gram matrix
+constexpr int kPartialWords = 40;             // fp32 words per (block, row) partial: M dots + kGram
+constexpr int kNormThreads = 128;             // hc_pre_norm
+constexpr int kNormPerThread = 4;             // channels per thread (strided by kNormThreads)
+constexpr int kNormChannels = kNormThreads * kNormPerThread;
+constexpr int kMaxStagedChunks = 64;          // hc_mix column blocks whose partials hc_pre_norm stages at once
+constexpr int kStageLoads = kMaxStagedChunks * kPartialWords / kNormThreads;  // per thread
+static_assert(kMaxStagedChunks * kPartialWords % kNormThreads == 0, "the staging loads split evenly");
 constexpr unsigned kFull = 0xffffffffu;
+static_assert(kHc == 4, "gram_i / gram_j list the pairs of four copies");
 
 // One butterfly step: lanes with bit S set keep the upper S of their 2S values, the others the
 // lower S, each adding its partner's copy of the half it keeps.
@@ -52,237 +63,272 @@ __device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
     return v[0];
 }
 
-// The M mixing dots and the sum of squares of row r's copies, one partial per block:
-// partial[(blockIdx.x * rows + r) * 32 + m], m < M dots, m = M the sum of squares.
-template <int M>
-__device__ __forceinline__ void hc_mix_impl(float* __restrict__ x, const void* __restrict__ y, int y_f32,
+// Gram entry g of the copies: g < kHc the diagonal (g, g), then (0,1) (0,2) (0,3) (1,2) (1,3) (2,3).
+__device__ __forceinline__ constexpr int gram_i(int g) { return g < kHc ? g : g < 7 ? 0 : g < 9 ? 1 : 2; }
+__device__ __forceinline__ constexpr int gram_j(int g) { return g < kHc ? g : g < 7 ? g - 3 : g < 9 ? g - 5 : 3; }
+
+// Channel d of row r's copies as this site mixes them (see the top of the file).
+__device__ __forceinline__ void site_copies(const float* __restrict__ x, const void* __restrict__ y, int y_f32,
+                                            const float* __restrict__ post, const float* __restrict__ comb,
+                                            unsigned r, unsigned D, unsigned d, int mode, float (&c)[kHc]) {
+    const float* xr = x + (size_t)r * kHc * D;
+    if (mode == 1) {
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) c[j] = xr[(size_t)j * D + d];
+    }
+    if (mode == 0) {
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) c[j] = xr[(size_t)j * D + d];
+        return;
+    }
+    const float yv = y_f32 ? reinterpret_cast<const float*>(y)[(size_t)r * D + d]
+                           : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(y)[(size_t)r * D + d]);
+    if (mode == 2) {
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) c[j] = yv;
+        return;
+    }
+    float n[kHc];
+#pragma unroll
+    for (int j = 0; j < kHc; ++j) {
+        float acc = __fmul_rn(post[r * kHc + j], yv);
+#pragma unroll
+        for (int i = 0; i < kHc; ++i) acc = __fmaf_rn(comb[(r * kHc + i) * kHc + j], c[i], acc);
+        n[j] = acc;
+    }
+#pragma unroll
+    for (int j = 0; j < kHc; ++j) c[j] = n[j];
+}
+
+// Group g = blockIdx.x % G of the M mixing dots (M / G of them) and, in group 0, the Gram entries
+// of row r's copies, one partial per column block c = blockIdx.x / G:
+// partial[(c * rows + r) * kPartialWords + k], k < M the dots, then the kGram entries.
+// hc_mix only reads the copies: hc_pre_norm writes them back.
+template <int M, int G>
+__device__ __forceinline__ void hc_mix_impl(const float* __restrict__ x, const void* __restrict__ y, int y_f32,
                                             const float* __restrict__ post, const float* __restrict__ comb,
                                             const float* __restrict__ fn, float* __restrict__ partial,
                                             unsigned rows, unsigned D, int mode) {
-    static_assert(M + 1 <= 32, "the dots and the sum of squares share one 32-value reduce-scatter");
+    static_assert(M % G == 0, "the groups split the dots evenly");
+    constexpr int Mg = M / G, K = Mg + kGram;
+    static_assert(K <= 32 && M + kGram <= kPartialWords, "a group's dots and the Gram entries fit one reduce-scatter");
     __shared__ float warp_sums[kMixWarps][32];
-    const unsigned d = blockIdx.x * kMixThreads + threadIdx.x;
+    const unsigned chunk = blockIdx.x / G, group = blockIdx.x % G;
+    const unsigned d = chunk * kMixThreads + threadIdx.x;
     const bool live = d < D;
     const size_t width = (size_t)kHc * D;
-    float w[M][kHc];
+    float w[Mg][kHc];
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < Mg; ++m)
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) w[m][j] = live ? __ldg(fn + m * width + (size_t)j * D + d) : 0.0f;
+        for (int j = 0; j < kHc; ++j)
+            w[m][j] = live ? __ldg(fn + (group * Mg + m) * width + (size_t)j * D + d) : 0.0f;
     pdl::wait_prior();
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (unsigned r = blockIdx.y; r < rows; r += gridDim.y) {  // rows split over the grid's y
-        float* xr = x + r * width;
         float c[kHc] = {};
-        if (live) {
-#pragma unroll
-            for (int j = 0; j < kHc; ++j) c[j] = xr[(size_t)j * D + d];
-            if (mode) {
-                const float yv = y_f32 ? reinterpret_cast<const float*>(y)[(size_t)r * D + d]
-                                       : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(y)[(size_t)r * D + d]);
-                float n[kHc];
-#pragma unroll
-                for (int j = 0; j < kHc; ++j) {
-                    if (mode == 2) {
-                        n[j] = yv;
-                        continue;
-                    }
-                    float acc = __fmul_rn(post[r * kHc + j], yv);
-#pragma unroll
-                    for (int i = 0; i < kHc; ++i) acc = __fmaf_rn(comb[(r * kHc + i) * kHc + j], c[i], acc);
-                    n[j] = acc;
-                }
-#pragma unroll
-                for (int j = 0; j < kHc; ++j) {
-                    c[j] = n[j];
-                    xr[(size_t)j * D + d] = n[j];
-                }
-            }
-        }
+        if (live) site_copies(x, y, y_f32, post, comb, r, D, d, mode, c);
         float v[32];
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
+        for (int m = 0; m < Mg; ++m) {
             float acc = 0.0f;
 #pragma unroll
             for (int j = 0; j < kHc; ++j) acc = __fmaf_rn(w[m][j], c[j], acc);
             v[m] = acc;
         }
-        float ss = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) ss = __fmaf_rn(c[j], c[j], ss);
-        v[M] = ss;
+        for (int g = 0; g < kGram; ++g) v[Mg + g] = __fmul_rn(c[gram_i(g)], c[gram_j(g)]);
 #pragma unroll
-        for (int m = M + 1; m < 32; ++m) v[m] = 0.0f;
+        for (int k = K; k < 32; ++k) v[k] = 0.0f;
         const float mine = warp_reduce_scatter32(v);
         __syncthreads();  // warp_sums of the row before is read
         warp_sums[warp][lane] = mine;
         __syncthreads();
-        if (threadIdx.x <= M) {
+        const unsigned k = threadIdx.x;
+        if (k < Mg || (group == 0 && k < K)) {
             float total = 0.0f;
 #pragma unroll
-            for (int k = 0; k < kMixWarps; ++k) total = __fadd_rn(total, warp_sums[k][threadIdx.x]);
-            partial[((size_t)blockIdx.x * rows + r) * 32 + threadIdx.x] = total;
+            for (int i = 0; i < kMixWarps; ++i) total = __fadd_rn(total, warp_sums[i][k]);
+            const unsigned word = k < Mg ? group * Mg + k : M + (k - Mg);
+            partial[((size_t)chunk * rows + r) * kPartialWords + word] = total;
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(kMixThreads) hc_mix_site(
-        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,
+        const float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,
         float* partial, unsigned rows, unsigned D, int mode) {
-    hc_mix_impl<kSiteMixes>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
+    hc_mix_impl<kSiteMixes, kSiteGroups>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
 }
 
 extern "C" __global__ void __launch_bounds__(kMixThreads) hc_mix_head(
-        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,
+        const float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn,
         float* partial, unsigned rows, unsigned D, int mode) {
-    hc_mix_impl<kHc>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
+    hc_mix_impl<kHc, 1>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
+}
+
+// 1 / v by the special-function unit (within an ulp; the exact division's slow path is a call
+// that serialises the Sinkhorn rounds)
+__device__ __forceinline__ float fast_rcp(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
 }
 
 __device__ __forceinline__ float hc_sigmoid(float z) {
-    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z)));
+    return fast_rcp(__fadd_rn(1.0f, expf(-z)));
 }
 
-// Row r's site: pre (and, unless head, post and comb: stored at post_out / comb_out), then the
-// RMSNorm (weight norm_w, eps) of sum_j pre[j] x[r][j] into out [rows, D] bf16, by a block of
-// kThreadsT threads. s0..s2 and base [M] are the site's; chunks: hc_mix's blocks. The copies and
-// the partials are read through L2 (another block, or the kernel before, wrote them).
-template <int kThreadsT>
-__device__ __forceinline__ void site_row(const float* __restrict__ x, const float* __restrict__ partial,
-                                         unsigned chunks, unsigned rows, unsigned D, unsigned r, int head,
-                                         float s0, float s1, float s2, const float* __restrict__ base,
-                                         unsigned iters, float hc_eps, float norm_eps,
-                                         const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
-                                         float* __restrict__ post_out, float* __restrict__ comb_out, float* mixes,
-                                         float* pre, float* smem) {
-    constexpr int kWarpsT = kThreadsT / 32;
-    const unsigned M = head ? kHc : kSiteMixes;
-    __syncthreads();  // the shared arrays of the row before are read
-    if (threadIdx.x <= M) {
-        float total = 0.0f;
-        for (unsigned c = 0; c < chunks; ++c)
-            total = __fadd_rn(total, __ldcg(partial + ((size_t)c * rows + r) * 32 + threadIdx.x));
-        mixes[threadIdx.x] = total;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        const unsigned lane = threadIdx.x;
-        // 1 / sqrt(mean of the copies' squares + norm_eps), as the reference's rms
-        const float rms = __frsqrt_rn(__fadd_rn(__fdiv_rn(mixes[M], (float)(kHc * D)), norm_eps));
-        auto mix = [&](unsigned m, float scale_m) {  // a mixing logit: dot * rms * scale + base
-            return __fadd_rn(__fmul_rn(__fmul_rn(mixes[m], rms), scale_m), __ldg(base + m));
-        };
-        if (lane < kHc) pre[lane] = __fadd_rn(hc_sigmoid(mix(lane, s0)), hc_eps);
-        if (!head) {
-            if (lane < kHc) post_out[r * kHc + lane] = __fmul_rn(2.0f, hc_sigmoid(mix(kHc + lane, s1)));
-            // comb[i][j] on lane 4 i + j (lanes 16..31 mirror 0..15 and are not stored): the row
-            // softmax + eps, the columns divided by their sum + eps, then iters - 1 rounds of
-            // rows then columns
-            const float logit = mix(2 * kHc + (lane & 15), s2);
-            float mx = logit;
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float e = expf(__fsub_rn(logit, mx));
-            float sum = __fadd_rn(e, __shfl_xor_sync(kFull, e, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(kFull, sum, 2));
-            float cv = __fadd_rn(__fdiv_rn(e, sum), hc_eps);
-            auto row_sum = [&](float v) {
-                v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 1));
-                return __fadd_rn(v, __shfl_xor_sync(kFull, v, 2));
-            };
-            auto col_sum = [&](float v) {
-                v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 4));
-                return __fadd_rn(v, __shfl_xor_sync(kFull, v, 8));
-            };
-            cv = __fdiv_rn(cv, __fadd_rn(col_sum(cv), hc_eps));
-            for (unsigned it = 1; it < iters; ++it) {
-                cv = __fdiv_rn(cv, __fadd_rn(row_sum(cv), hc_eps));
-                cv = __fdiv_rn(cv, __fadd_rn(col_sum(cv), hc_eps));
-            }
-            if (lane < 16) comb_out[r * kHc * kHc + lane] = cv;
+// comb (4 x 4, in every lane's registers) divided by its row sums + eps (by_rows) or its column
+// sums + eps.
+__device__ __forceinline__ void sinkhorn_half(float (&cm)[kHc][kHc], bool by_rows, float eps) {
+#pragma unroll
+    for (int a = 0; a < kHc; ++a) {
+        auto e = [&](int b) { return by_rows ? cm[a][b] : cm[b][a]; };
+        const float s = __fadd_rn(__fadd_rn(e(0), e(1)), __fadd_rn(e(2), e(3)));  // a tree: half the latency
+        const float inv = fast_rcp(__fadd_rn(s, eps));
+#pragma unroll
+        for (int b = 0; b < kHc; ++b) {
+            float& v = by_rows ? cm[a][b] : cm[b][a];
+            v = __fmul_rn(v, inv);
         }
     }
-    __syncthreads();
-    const float* xr = x + (size_t)r * kHc * D;
-    float ss = 0.0f;
-    for (unsigned d = threadIdx.x; d < D; d += kThreadsT) {
-        float h = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], __ldcg(xr + (size_t)j * D + d), h);
-        ss = __fmaf_rn(h, h, ss);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(kFull, ss, o));
-    if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarpsT; ++w) total = __fadd_rn(total, smem[w]);
-    const float inv = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)D), eps));
-    for (unsigned d = threadIdx.x; d < D; d += kThreadsT) {
-        float h = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kHc; ++j) h = __fmaf_rn(pre[j], __ldcg(xr + (size_t)j * D + d), h);
-        out[(size_t)r * D + d] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(h, inv), __ldg(norm_w + d)));
-    }
 }
 
-// The site's second launch: one block per row.
+// The site's second launch: block (bx, r) sums row r's partials and computes pre (and, in the
+// row's first block, unless head, post and comb, stored at post_out / comb_out) and the row's
+// RMS, then writes its kNormChannels columns of the copies x' back (mode 1, 2) and of the RMSNorm
+// (weight norm_w, eps) of h = sum_j pre[j] x'[j] into out [rows, D] bf16. scale, base [M] are
+// the site's; chunks: hc_mix's column blocks. release: let the next kernel's blocks start now.
 extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
-        const float* __restrict__ x, const float* __restrict__ partial, unsigned chunks, unsigned rows, unsigned D,
-        const float* __restrict__ scale, const float* __restrict__ base, int head, unsigned iters, float hc_eps,
-        float norm_eps, const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
-        float* __restrict__ post_out, float* __restrict__ comb_out) {
-    __shared__ float mixes[32];
+        float* __restrict__ x, const void* __restrict__ y, int y_f32, const float* __restrict__ post,
+        const float* __restrict__ comb, int mode, const float* __restrict__ partial, unsigned chunks, unsigned rows,
+        unsigned D, const float* __restrict__ scale, const float* __restrict__ base, int head, unsigned iters,
+        float hc_eps, float norm_eps, const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
+        float* __restrict__ post_out, float* __restrict__ comb_out, int release) {
+    __shared__ float staged[kMaxStagedChunks * kPartialWords];
+    __shared__ float mixes[kPartialWords];
+    __shared__ float base_s[kPartialWords];
     __shared__ float pre[kHc];
-    __shared__ float smem[kNormWarps];
+    __shared__ float inv_rms;
+    if (release) pdl::release_next();
+    const unsigned M = head ? kHc : kSiteMixes, K = M + kGram;
     const float s0 = __ldg(scale), s1 = head ? 0.0f : __ldg(scale + 1), s2 = head ? 0.0f : __ldg(scale + 2);
+    if (threadIdx.x < M) base_s[threadIdx.x] = __ldg(base + threadIdx.x);  // constant: ahead of the wait
+    const unsigned d0 = blockIdx.x * kNormChannels + threadIdx.x;
+    float wn[kNormPerThread];
+#pragma unroll
+    for (int k = 0; k < kNormPerThread; ++k) {
+        const unsigned d = d0 + k * kNormThreads;
+        wn[k] = d < D ? __ldg(norm_w + d) : 0.0f;
+    }
     pdl::wait_prior();
-    site_row<kNormThreads>(x, partial, chunks, rows, D, blockIdx.x, head, s0, s1, s2, base, iters, hc_eps, norm_eps,
-                           norm_w, eps, out, post_out, comb_out, mixes, pre, smem);
-}
-
-// A whole site in one launch, for few rows: hc_mix, then the last of its blocks to arrive (a
-// counter, left at zero for the next launch) runs every row's site_row. *arrivals is 0 on entry.
-template <int M>
-__device__ __forceinline__ void hc_site_impl(float* x, const void* y, int y_f32, const float* post,
-                                             const float* comb, const float* fn, float* partial, unsigned rows,
-                                             unsigned D, int mode, unsigned* arrivals, const float* scale,
-                                             const float* base, unsigned iters, float hc_eps, float norm_eps,
-                                             const float* norm_w, float eps, __nv_bfloat16* out, float* post_out,
-                                             float* comb_out) {
-    __shared__ float mixes[32];
-    __shared__ float pre[kHc];
-    __shared__ float smem[kMixWarps];
-    __shared__ bool last;
-    constexpr int head = M == kHc;
-    hc_mix_impl<M>(x, y, y_f32, post, comb, fn, partial, rows, D, mode);
-    __threadfence();  // this block's copies and partials, before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(arrivals, 1u) == gridDim.x * gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float s0 = __ldg(scale), s1 = head ? 0.0f : __ldg(scale + 1), s2 = head ? 0.0f : __ldg(scale + 2);
-    for (unsigned r = 0; r < rows; ++r)
-        site_row<kMixThreads>(x, partial, gridDim.x, rows, D, r, head, s0, s1, s2, base, iters, hc_eps, norm_eps,
-                              norm_w, eps, out, post_out, comb_out, mixes, pre, smem);
-    if (threadIdx.x == 0) *arrivals = 0u;
-}
-
-extern "C" __global__ void __launch_bounds__(kMixThreads) hc_site_fused(
-        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn, float* partial,
-        unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale, const float* base,
-        unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps, __nv_bfloat16* out,
-        float* post_out, float* comb_out) {
-    hc_site_impl<kSiteMixes>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters,
-                             hc_eps, norm_eps, norm_w, eps, out, post_out, comb_out);
-}
-
-extern "C" __global__ void __launch_bounds__(kMixThreads) hc_head_fused(
-        float* x, const void* y, int y_f32, const float* post, const float* comb, const float* fn, float* partial,
-        unsigned rows, unsigned D, int mode, unsigned* arrivals, const float* scale, const float* base,
-        unsigned iters, float hc_eps, float norm_eps, const float* norm_w, float eps, __nv_bfloat16* out,
-        float* post_out, float* comb_out) {
-    hc_site_impl<kHc>(x, y, y_f32, post, comb, fn, partial, rows, D, mode, arrivals, scale, base, iters, hc_eps,
-                      norm_eps, norm_w, eps, out, post_out, comb_out);
+    for (unsigned r = blockIdx.y; r < rows; r += gridDim.y) {
+        // the copies this block writes, loaded first: their latency under the partials' sums
+        float c[kNormPerThread][kHc];
+#pragma unroll
+        for (int k = 0; k < kNormPerThread; ++k) {
+            const unsigned d = d0 + k * kNormThreads;
+            if (d < D) site_copies(x, y, y_f32, post, comb, r, D, d, mode, c[k]);
+        }
+        __syncthreads();  // the shared values of the row before are read
+        // the partials, summed over hc_mix's column blocks in block order; staged: every load issued
+        // before the first lands (one L2 round trip, not one per load)
+        const bool stage = chunks <= kMaxStagedChunks;
+        if (stage) {
+            float v[kStageLoads];
+#pragma unroll
+            for (int t = 0; t < kStageLoads; ++t) {
+                const unsigned i = threadIdx.x + t * kNormThreads, cb = i / kPartialWords, k = i % kPartialWords;
+                if (cb < chunks && k < K) v[t] = __ldcg(partial + ((size_t)cb * rows + r) * kPartialWords + k);
+            }
+#pragma unroll
+            for (int t = 0; t < kStageLoads; ++t) {
+                const unsigned i = threadIdx.x + t * kNormThreads, cb = i / kPartialWords, k = i % kPartialWords;
+                if (cb < chunks && k < K) staged[i] = v[t];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x < K) {
+            float total = 0.0f;
+            for (unsigned cb = 0; cb < chunks; ++cb)
+                total = __fadd_rn(total, stage ? staged[cb * kPartialWords + threadIdx.x]
+                                               : __ldcg(partial + ((size_t)cb * rows + r) * kPartialWords + threadIdx.x));
+            mixes[threadIdx.x] = total;
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const unsigned lane = threadIdx.x;
+            const float* gram = mixes + M;
+            const float trace = __fadd_rn(__fadd_rn(gram[0], gram[1]), __fadd_rn(gram[2], gram[3]));
+            // 1 / sqrt(mean of the copies' squares + norm_eps), as the reference's rms
+            const float rms = __frsqrt_rn(__fadd_rn(__fdiv_rn(trace, (float)(kHc * D)), norm_eps));
+            auto mix = [&](unsigned m, float scale_m) {  // a mixing logit: dot * rms * scale + base
+                return __fadd_rn(__fmul_rn(__fmul_rn(mixes[m], rms), scale_m), base_s[m]);
+            };
+            float p[kHc];
+#pragma unroll
+            for (int j = 0; j < kHc; ++j) p[j] = __fadd_rn(hc_sigmoid(mix(j, s0)), hc_eps);
+            if (lane == 0) {  // sum_d h^2 from the Gram matrix: the diagonal, then twice each pair
+#pragma unroll
+                for (int j = 0; j < kHc; ++j) pre[j] = p[j];
+                float q = 0.0f;
+#pragma unroll
+                for (int g = 0; g < kGram; ++g) {
+                    const float t = __fmul_rn(__fmul_rn(p[gram_i(g)], p[gram_j(g)]), gram[g]);
+                    q = __fadd_rn(q, g < kHc ? t : __fmul_rn(2.0f, t));
+                }
+                inv_rms = __frsqrt_rn(__fadd_rn(__fdiv_rn(fmaxf(q, 0.0f), (float)D), eps));
+            }
+            if (!head && blockIdx.x == 0) {
+                if (lane < kHc) post_out[r * kHc + lane] = __fmul_rn(2.0f, hc_sigmoid(mix(kHc + lane, s1)));
+                // comb: the row softmax + eps, the columns divided by their sum + eps, then
+                // iters - 1 rounds of rows then columns
+                float cm[kHc][kHc];
+#pragma unroll
+                for (int i = 0; i < kHc; ++i) {
+#pragma unroll
+                    for (int j = 0; j < kHc; ++j) cm[i][j] = mix(2 * kHc + i * kHc + j, s2);
+                    float mx = cm[i][0];
+#pragma unroll
+                    for (int j = 1; j < kHc; ++j) mx = fmaxf(mx, cm[i][j]);
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < kHc; ++j) {
+                        cm[i][j] = expf(__fsub_rn(cm[i][j], mx));
+                        sum = __fadd_rn(sum, cm[i][j]);
+                    }
+                    const float inv = fast_rcp(sum);
+#pragma unroll
+                    for (int j = 0; j < kHc; ++j) cm[i][j] = __fadd_rn(__fmul_rn(cm[i][j], inv), hc_eps);
+                }
+                sinkhorn_half(cm, false, hc_eps);
+                for (unsigned it = 1; it < iters; ++it) {
+                    sinkhorn_half(cm, true, hc_eps);
+                    sinkhorn_half(cm, false, hc_eps);
+                }
+#pragma unroll
+                for (int i = 0; i < kHc * kHc; ++i)
+                    if (lane == i) comb_out[r * kHc * kHc + i] = cm[i / kHc][i % kHc];
+            }
+        }
+        __syncthreads();
+        const float inv = inv_rms;
+        float pj[kHc];
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) pj[j] = pre[j];
+        float* xr = x + (size_t)r * kHc * D;
+#pragma unroll
+        for (int k = 0; k < kNormPerThread; ++k) {
+            const unsigned d = d0 + k * kNormThreads;
+            if (d >= D) continue;
+            float h = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kHc; ++j) {
+                h = __fmaf_rn(pj[j], c[k][j], h);
+                if (mode) xr[(size_t)j * D + d] = c[k][j];
+            }
+            out[(size_t)r * D + d] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(h, inv), wn[k]));
+        }
+    }
 }
