@@ -6,7 +6,7 @@
 // One mixing site (before a sublayer, or the head) is two launches. Both compute the copies the
 // site mixes, x'[j] = post[j] * y + sum_i comb[i][j] * x[i] (mode 1: after the previous
 // sublayer, with its site's post and comb), x'[j] = y (mode 2: the stream's start) or x' = x
-// (mode 0), with the same instructions (`site_copies`), so they agree bit for bit:
+// (mode 0), with the same instructions (`mix_channel`), so they agree bit for bit:
 //   hc_mix_<M>   columns of D split over blocks, each block one group of the M mixing dots (rows
 //                over the grid's y); each thread owns one channel d of every copy: its partial
 //                sums of the group's dots (fn [M, kHc * D], held in registers from before the
@@ -36,9 +36,8 @@ constexpr int kPartialWords = 40;             // fp32 words per (block, row) par
 constexpr int kNormThreads = 128;             // hc_pre_norm
 constexpr int kNormPerThread = 4;             // channels per thread (strided by kNormThreads)
 constexpr int kNormChannels = kNormThreads * kNormPerThread;
-constexpr int kMaxStagedChunks = 64;          // hc_mix column blocks whose partials hc_pre_norm stages at once
-constexpr int kStageLoads = kMaxStagedChunks * kPartialWords / kNormThreads;  // per thread
-static_assert(kMaxStagedChunks * kPartialWords % kNormThreads == 0, "the staging loads split evenly");
+constexpr int kNormWarps = kNormThreads / 32;
+constexpr int kWarpValues = (kPartialWords + kNormWarps - 1) / kNormWarps;  // partial words summed per warp
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(kHc == 4, "gram_i / gram_j list the pairs of four copies");
 
@@ -67,22 +66,39 @@ __device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
 __device__ __forceinline__ constexpr int gram_i(int g) { return g < kHc ? g : g < 7 ? 0 : g < 9 ? 1 : 2; }
 __device__ __forceinline__ constexpr int gram_j(int g) { return g < kHc ? g : g < 7 ? g - 3 : g < 9 ? g - 5 : 3; }
 
-// Channel d of row r's copies as this site mixes them (see the top of the file).
-__device__ __forceinline__ void site_copies(const float* __restrict__ x, const void* __restrict__ y, int y_f32,
-                                            const float* __restrict__ post, const float* __restrict__ comb,
-                                            unsigned r, unsigned D, unsigned d, int mode, float (&c)[kHc]) {
-    const float* xr = x + (size_t)r * kHc * D;
-    if (mode == 1) {
+// The previous site's post and comb of row r (read in mode 1 only).
+struct RowMix {
+    float post[kHc];
+    float comb[kHc][kHc];
+};
+
+__device__ __forceinline__ void load_row_mix(const float* __restrict__ post, const float* __restrict__ comb,
+                                             unsigned r, int mode, RowMix& m) {
+    if (mode != 1) return;
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) c[j] = xr[(size_t)j * D + d];
-    }
-    if (mode == 0) {
+    for (int j = 0; j < kHc; ++j) m.post[j] = post[r * kHc + j];
 #pragma unroll
-        for (int j = 0; j < kHc; ++j) c[j] = xr[(size_t)j * D + d];
-        return;
+    for (int i = 0; i < kHc; ++i)
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) m.comb[i][j] = comb[(r * kHc + i) * kHc + j];
+}
+
+// Channel d of row r's inputs: the copies (modes 0, 1) and y (modes 1, 2).
+__device__ __forceinline__ void load_channel(const float* __restrict__ x, const void* __restrict__ y, int y_f32,
+                                             unsigned r, unsigned D, unsigned d, int mode, float (&c)[kHc],
+                                             float& yv) {
+    if (mode != 2) {
+#pragma unroll
+        for (int j = 0; j < kHc; ++j) c[j] = x[((size_t)r * kHc + j) * D + d];
     }
-    const float yv = y_f32 ? reinterpret_cast<const float*>(y)[(size_t)r * D + d]
-                           : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(y)[(size_t)r * D + d]);
+    if (mode != 0)
+        yv = y_f32 ? reinterpret_cast<const float*>(y)[(size_t)r * D + d]
+                   : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(y)[(size_t)r * D + d]);
+}
+
+// The copies this site mixes (see the top of the file), in place of the loaded ones in c.
+__device__ __forceinline__ void mix_channel(const RowMix& m, int mode, float yv, float (&c)[kHc]) {
+    if (mode == 0) return;
     if (mode == 2) {
 #pragma unroll
         for (int j = 0; j < kHc; ++j) c[j] = yv;
@@ -91,9 +107,9 @@ __device__ __forceinline__ void site_copies(const float* __restrict__ x, const v
     float n[kHc];
 #pragma unroll
     for (int j = 0; j < kHc; ++j) {
-        float acc = __fmul_rn(post[r * kHc + j], yv);
+        float acc = __fmul_rn(m.post[j], yv);
 #pragma unroll
-        for (int i = 0; i < kHc; ++i) acc = __fmaf_rn(comb[(r * kHc + i) * kHc + j], c[i], acc);
+        for (int i = 0; i < kHc; ++i) acc = __fmaf_rn(m.comb[i][j], c[i], acc);
         n[j] = acc;
     }
 #pragma unroll
@@ -126,8 +142,13 @@ __device__ __forceinline__ void hc_mix_impl(const float* __restrict__ x, const v
     pdl::wait_prior();
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (unsigned r = blockIdx.y; r < rows; r += gridDim.y) {  // rows split over the grid's y
-        float c[kHc] = {};
-        if (live) site_copies(x, y, y_f32, post, comb, r, D, d, mode, c);
+        RowMix rm;
+        load_row_mix(post, comb, r, mode, rm);
+        float c[kHc] = {}, yv = 0.0f;
+        if (live) {
+            load_channel(x, y, y_f32, r, D, d, mode, c, yv);
+            mix_channel(rm, mode, yv, c);
+        }
         float v[32];
 #pragma unroll
         for (int m = 0; m < Mg; ++m) {
@@ -206,7 +227,6 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
         unsigned D, const float* __restrict__ scale, const float* __restrict__ base, int head, unsigned iters,
         float hc_eps, float norm_eps, const float* __restrict__ norm_w, float eps, __nv_bfloat16* __restrict__ out,
         float* __restrict__ post_out, float* __restrict__ comb_out, int release) {
-    __shared__ float staged[kMaxStagedChunks * kPartialWords];
     __shared__ float mixes[kPartialWords];
     __shared__ float base_s[kPartialWords];
     __shared__ float pre[kHc];
@@ -224,41 +244,46 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
     }
     pdl::wait_prior();
     for (unsigned r = blockIdx.y; r < rows; r += gridDim.y) {
-        // the copies this block writes, loaded first: their latency under the partials' sums
-        float c[kNormPerThread][kHc];
+        // every load of the row issued at once (one round trip): this block's channels of the
+        // copies' inputs, mixed once pre is known, and the partials
+        RowMix rm;
+        load_row_mix(post, comb, r, mode, rm);
+        float c[kNormPerThread][kHc], yv[kNormPerThread];
 #pragma unroll
         for (int k = 0; k < kNormPerThread; ++k) {
             const unsigned d = d0 + k * kNormThreads;
-            if (d < D) site_copies(x, y, y_f32, post, comb, r, D, d, mode, c[k]);
+            if (d < D) load_channel(x, y, y_f32, r, D, d, mode, c[k], yv[k]);
         }
+        // the partials: warp w sums values w, w + kNormWarps, ..., lane l adding column blocks
+        // l, l + 32, ... in order, then a butterfly over the lanes (a fixed order)
+        const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        float part[kWarpValues];
+#pragma unroll
+        for (int v = 0; v < kWarpValues; ++v) {
+            const unsigned k = warp + v * kNormWarps;
+            part[v] = k < K && lane < chunks ? __ldcg(partial + ((size_t)lane * rows + r) * kPartialWords + k) : 0.0f;
+        }
+        for (unsigned cb = lane + 32; cb < chunks; cb += 32) {
+#pragma unroll
+            for (int v = 0; v < kWarpValues; ++v) {
+                const unsigned k = warp + v * kNormWarps;
+                if (k < K) part[v] = __fadd_rn(part[v], __ldcg(partial + ((size_t)cb * rows + r) * kPartialWords + k));
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int v = 0; v < kWarpValues; ++v) part[v] = __fadd_rn(part[v], __shfl_xor_sync(kFull, part[v], o));
         __syncthreads();  // the shared values of the row before are read
-        // the partials, summed over hc_mix's column blocks in block order; staged: every load issued
-        // before the first lands (one L2 round trip, not one per load)
-        const bool stage = chunks <= kMaxStagedChunks;
-        if (stage) {
-            float v[kStageLoads];
+        if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < kStageLoads; ++t) {
-                const unsigned i = threadIdx.x + t * kNormThreads, cb = i / kPartialWords, k = i % kPartialWords;
-                if (cb < chunks && k < K) v[t] = __ldcg(partial + ((size_t)cb * rows + r) * kPartialWords + k);
+            for (int v = 0; v < kWarpValues; ++v) {
+                const unsigned k = warp + v * kNormWarps;
+                if (k < K) mixes[k] = part[v];
             }
-#pragma unroll
-            for (int t = 0; t < kStageLoads; ++t) {
-                const unsigned i = threadIdx.x + t * kNormThreads, cb = i / kPartialWords, k = i % kPartialWords;
-                if (cb < chunks && k < K) staged[i] = v[t];
-            }
-            __syncthreads();
-        }
-        if (threadIdx.x < K) {
-            float total = 0.0f;
-            for (unsigned cb = 0; cb < chunks; ++cb)
-                total = __fadd_rn(total, stage ? staged[cb * kPartialWords + threadIdx.x]
-                                               : __ldcg(partial + ((size_t)cb * rows + r) * kPartialWords + threadIdx.x));
-            mixes[threadIdx.x] = total;
         }
         __syncthreads();
-        if (threadIdx.x < 32) {
-            const unsigned lane = threadIdx.x;
+        if (warp == 0) {
             const float* gram = mixes + M;
             const float trace = __fadd_rn(__fadd_rn(gram[0], gram[1]), __fadd_rn(gram[2], gram[3]));
             // 1 / sqrt(mean of the copies' squares + norm_eps), as the reference's rms
@@ -322,6 +347,7 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) hc_pre_norm(
         for (int k = 0; k < kNormPerThread; ++k) {
             const unsigned d = d0 + k * kNormThreads;
             if (d >= D) continue;
+            mix_channel(rm, mode, yv[k], c[k]);
             float h = 0.0f;
 #pragma unroll
             for (int j = 0; j < kHc; ++j) {
