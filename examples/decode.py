@@ -74,13 +74,13 @@ def parse_args(argv=None):
 
 def make_config(args, official: dict | None = None, device: bool = False) -> configs.ModelConfig:
     """The model's configuration: a saved folder's, an official config.json's (``official``, read
-    from ``--config``) or a preset's. On the GPU (``device``) an official config's hyper-connections
-    and activation simulation are left out (`configs.official_not_built` says so)."""
+    from ``--config``) or a preset's. On the GPU (``device``) an official config's activation
+    simulation is left out (`configs.official_not_built` says so)."""
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
     if device and (official is not None or args.load):
-        overrides.update(hc_mult=1, qat_sim=False)
+        overrides.update(qat_sim=False)
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:
@@ -183,7 +183,8 @@ def report(model, cfg, res: dict, batch: int, device: bool) -> None:
     total = sum(weights.values()) + kv
     line = (f"bytes per step: {total / 1e6:.1f} MB (attention {weights['attention'] / 1e6:.1f}, routed experts "
             f"{weights['routed'] / 1e6:.1f} for {touched} experts touched, shared {weights['shared'] / 1e6:.1f}, "
-            f"router {weights['router'] / 1e6:.1f}, lm_head {weights['lm_head'] / 1e6:.1f}, KV {kv / 1e6:.2f})")
+            f"router {weights['router'] / 1e6:.1f}, lm_head {weights['lm_head'] / 1e6:.1f}, "
+            + (f"hyper-connections {weights['hyper'] / 1e6:.1f}, " if "hyper" in weights else "") + f"KV {kv / 1e6:.2f})")
     print(line)
     if device:  # a bandwidth of the numpy reference says nothing about the kernels: left out
         achieved = total / step_s

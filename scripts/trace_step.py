@@ -7,9 +7,10 @@ kernel count. Prints, per kernel in launch order, the median start (from the ste
 kernel's start), duration and the gap after the kernel before (negative: the two overlapped,
 as programmatic dependent launch lets them), then the time by kernel name. Unlike `ncu`, this is
 the step as it runs: clocks unlocked, caches warm, launches overlapped. The benchmark's model
-(v4-flash-slice, 4 layers, context 4096, W4A16).
+(v4-flash-slice, 4 layers, context 4096, W4A16); ``--hc-mult=4`` with DeepSeek-V4's four copies
+of the residual stream.
 
-    PYTHONPATH=. python3 scripts/trace_step.py [--batch=1] [--replays=20] [--out=trace.json]
+    PYTHONPATH=. python3 scripts/trace_step.py [--batch=1] [--replays=20] [--hc-mult=1] [--out=trace.json]
 """
 
 from __future__ import annotations
@@ -55,19 +56,21 @@ def per_position(steps: list[list[tuple[float, float, str]]]) -> list[dict]:
 
 
 def main() -> None:
-    batch, replays, out = 1, 20, None
+    batch, replays, hc, out = 1, 20, 1, None
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
         if key == "--batch":
             batch = int(value)
         elif key == "--replays":
             replays = int(value)
+        elif key == "--hc-mult":
+            hc = int(value)
         elif key == "--out":
             out = value
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = configs.v4_flash_slice(4, max_context=8192)
+    cfg = configs.v4_flash_slice(4, max_context=8192, hc_mult=hc)
     model, _ = runner.build(cfg, device=True, seed=0)
     state = model.new_state(batch, history_rows=64)
     runner.fill_context(model, state, 4096, seed=batch)

@@ -206,9 +206,10 @@ _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP",
 # kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
 # routers: their gate weight; the residual norms: their norm weight)
 # the single-wave row kernels that may release the next kernel at their start (common/pdl.cuh)
-_RELEASING = {"rmsnorm_rope_bf16", "rmsnorm_rope2_bf16", "add_rmsnorm_bf16", "embed_rmsnorm_bf16"}
+_RELEASING = {"rmsnorm_rope_bf16", "rmsnorm_rope2_bf16", "add_rmsnorm_bf16", "embed_rmsnorm_bf16",
+              "hc_pre_norm"}
 _PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
-                          r"embed_rmsnorm_bf16$)")
+                          r"embed_rmsnorm_bf16$|hc_)")
 
 
 @needs_cupy

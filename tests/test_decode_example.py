@@ -231,3 +231,8 @@ def test_step_bytes_are_the_sum_of_the_layers():
     assert layers[1]["routed"] == sum(s.packed.nbytes + s.block_scales.nbytes for s in (moe.w13, moe.w2)) * 5 // cfg.experts
     assert runner.kv_bytes(cfg, 3, 100) == sum(runner.layer_kv_bytes(cfg, r, 3, 100) for r in cfg.compress_ratios)
     assert runner.layer_kv_bytes(cfg, 0, 1, 5) == min(5, cfg.window) * cfg.head_dim * 2  # the window rows only
+    assert "hyper" not in total
+    hc_cfg = configs.tiny(2, hc_mult=4)
+    hc_model, _ = runner.build(hc_cfg, device=False, seed=3)
+    site, head = 24 * 4 * hc_cfg.hidden + 3 + 24, 4 * 4 * hc_cfg.hidden + 1 + 4  # fn, scale, base (fp32)
+    assert hc_model.weight_bytes([1, 1])["hyper"] == 4 * (2 * 2 * site + head)

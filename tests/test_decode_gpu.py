@@ -28,44 +28,62 @@ def graph_and_eager(model, prompt, n):
     return out
 
 
-@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
-def test_sublayer_check_on_the_gpu(mode):
-    """The GPU model against the numpy model sublayer by sublayer (`runner.compare_layers`) over 140
-    positions (ratio-128 entries, the indexer truncating, the window wrapping): within
-    `runner.LAYER_TOLERANCE`."""
-    cfg = configs.tiny(layers=3, mode=mode)
-    tokens = runner.random_prompt(1, 140, cfg.vocab, seed=2)
+def check_sublayers(cfg, tokens):
+    """The GPU model against the numpy model (same weights) sublayer by sublayer over ``tokens``
+    (`runner.compare_layers`): within `runner.LAYER_TOLERANCE`."""
     model, _ = runner.build(cfg, device=True, seed=3)
     reference, _ = runner.build(cfg, device=False, seed=3)
     result = runner.compare_layers(model, runner.record_layers(reference, tokens), tokens)
-    print(mode, result["worst_median"], result["worst_max"])
+    print(cfg.mode, result["worst_median"], result["worst_max"])
     assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_sublayer_check_on_the_gpu(mode):
+    """Over 140 positions (ratio-128 entries, the indexer truncating, the window wrapping)."""
+    cfg = configs.tiny(layers=3, mode=mode)
+    check_sublayers(cfg, runner.random_prompt(1, 140, cfg.vocab, seed=2))
 
 
 def test_sublayer_check_with_yarn_on_the_gpu():
-    """YaRN RoPE scaling (factor 4 over 64 tokens, 140 positions) on the GPU model (the kernels read
-    the compressing layers' frequency tables) against the numpy model, sublayer by sublayer."""
+    """YaRN RoPE scaling (factor 4 over 64 tokens, 140 positions): the kernels read the compressing
+    layers' frequency tables."""
     cfg = configs.tiny(layers=3, rope_factor=4.0, rope_original=64)
-    tokens = runner.random_prompt(1, 140, cfg.vocab, seed=2)
+    check_sublayers(cfg, runner.random_prompt(1, 140, cfg.vocab, seed=2))
+
+
+def test_sublayer_check_with_hyper_connections_on_the_gpu():
+    """Four copies of the residual stream (raw_kernels/hyper.cu's sites): the copies, each
+    sublayer's input and output, the logits."""
+    cfg = configs.tiny(layers=3, hc_mult=4, mode="w4a16")
+    check_sublayers(cfg, runner.random_prompt(2, 40, cfg.vocab, seed=7))
+
+
+def check_graph_and_numpy(cfg, prompt, n):
+    """Decoding ``n`` tokens after ``prompt``: the captured step gives the eager step's tokens and
+    logits bit for bit, and its logits track the numpy model's within `runner.NUMPY_TOLERANCE`.
+    Returns the runs (`graph_and_eager`)."""
     model, _ = runner.build(cfg, device=True, seed=3)
-    reference, _ = runner.build(cfg, device=False, seed=3)
-    result = runner.compare_layers(model, runner.record_layers(reference, tokens), tokens)
-    assert result["ok"], (result["worst_median"], result["worst_max"], result["tolerance"])
+    runs = graph_and_eager(model, prompt, n)
+    np.testing.assert_array_equal(runs["graph"][0], runs["eager"][0])
+    np.testing.assert_array_equal(runs["graph"][1], runs["eager"][1])
+    cmp = runner.compare_with_numpy(cfg, 3, np.concatenate([prompt, runs["graph"][0]], axis=1))
+    print(cfg.mode, cmp["rel"])
+    assert cmp["first_ok"], cmp
+    assert cmp["median"] <= cmp["tolerance"]["median"] and cmp["max"] <= cmp["tolerance"]["max"], cmp
+    return runs
+
+
+def test_hyper_connections_graph_equals_eager_and_tracks_numpy():
+    cfg = configs.tiny(max_context=2048, hc_mult=4, mode="w4a16")
+    check_graph_and_numpy(cfg, runner.random_prompt(2, 10, cfg.vocab, seed=8), 16)
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 def test_tiny_graph_equals_eager_and_tracks_numpy(mode):
     cfg = configs.tiny(max_context=2048, mode=mode)
-    prompt = runner.random_prompt(3, 12, cfg.vocab, seed=5)
-    model, _ = runner.build(cfg, device=True, seed=3)
-    runs = graph_and_eager(model, prompt, 24)
+    runs = check_graph_and_numpy(cfg, runner.random_prompt(3, 12, cfg.vocab, seed=5), 24)
     assert runs["graph"][2].decode_graph is not None and runs["graph"][2].prefill_graph is not None
-    np.testing.assert_array_equal(runs["graph"][0], runs["eager"][0])
-    np.testing.assert_array_equal(runs["graph"][1], runs["eager"][1])
-    cmp = runner.compare_with_numpy(cfg, 3, np.concatenate([prompt, runs["graph"][0]], axis=1))
-    print(mode, cmp["rel"])
-    assert cmp["first_ok"], cmp
-    assert cmp["median"] <= cmp["tolerance"]["median"] and cmp["max"] <= cmp["tolerance"]["max"], cmp
 
 
 def test_v4_flash_slice_two_layers_graph_equals_eager():

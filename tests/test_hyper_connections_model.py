@@ -1,4 +1,5 @@
-"""The example decoder with manifold-constrained hyper-connections (``hc_mult > 1``, numpy model):
+"""The example decoder with manifold-constrained hyper-connections (``hc_mult > 1``, numpy model;
+tests/test_decode_gpu.py checks the GPU model against it):
 with mixing parameters that make the mix trivial it is the plain one-stream model bit for bit, so
 the copies' wiring (the sublayer input, the output added back, the head's mix, every norm) is the
 plain residual stream's; with random parameters the copies drift apart and prefill still equals
@@ -70,8 +71,9 @@ def test_parameter_shapes_and_refusals():
                                                     "hc_head_base": (4,)}
     assert hc_shapes(configs.tiny(2), "hc_head", head=True) == {}
     ckpt = random_checkpoint(cfg, 0, device=False)
-    with pytest.raises(ValueError, match="hc_mult 4: the hyper-connections run on the numpy model only"):
-        Model(cfg, ckpt, device=True)
+    two = configs.tiny(2, hc_mult=2)
+    with pytest.raises(ValueError, match="hc_mult 2: the device kernels are built for 4 copies"):
+        Model(two, random_checkpoint(two, 0, device=False), device=True)
     del ckpt.extra["layers.1.hc_ffn_base"]
     with pytest.raises(KeyError, match="layers.1.hc_ffn_base"):
         Model(cfg, ckpt, device=False)

@@ -46,15 +46,15 @@ class ModelConfig:
     # (one launch before each GEMM): the decode step 1.10 -> 0.78 ms at batch 1 (README, "Decode step")
     mode: str = "w4a16"
     # manifold-constrained hyper-connections: hc_mult copies of the residual stream mixed around
-    # every sublayer (fp4kit.reference.hyper_connections); 1 is one plain residual stream. Built on
-    # the numpy model only so far: the GPU model refuses hc_mult > 1
+    # every sublayer (fp4kit.reference.hyper_connections); 1 is one plain residual stream. The GPU
+    # model builds 4 (fp4kit.ops.hyper: DeepSeek-V4's), the numpy model any
     hc_mult: int = 1
     hc_iters: int = 20  # Sinkhorn iterations of the copies' mixing matrix
     hc_eps: float = 1e-6
     # the official inference's simulated activation quantization (the latents' channels outside
     # RoPE through E4M3, the indexer's queries and keys through E2M1 after a Hadamard rotation:
     # fp4kit.reference.qat) and the de-rotation of the attention output's RoPE channels. Numpy
-    # model only so far, like the hyper-connections
+    # model only so far
     qat_sim: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -152,9 +152,6 @@ def official_not_built(d: dict, device: bool = True) -> list[str]:
     (a model built from it anyway computes something else than the checkpoint was trained as), on
     the GPU (``device``) or on numpy."""
     missing = []
-    if d.get("hc_mult", 1) != 1 and device:
-        missing.append(f"manifold-constrained hyper-connections (hc_mult {d['hc_mult']}) on the GPU: one residual "
-                       f"stream there (the numpy model builds them)")
     if device:
         missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
                        "output's de-rotation, on the GPU (the numpy model builds them)")
@@ -191,8 +188,8 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
     no expert groups, YaRN if any RoPE scaling). What it leaves out is listed by `official_not_built`;
-    the GPU model refuses ``hc_mult > 1`` and ``qat_sim`` (pass ``hc_mult=1, qat_sim=False`` to build
-    it without them)."""
+    the GPU model refuses ``qat_sim`` (pass ``qat_sim=False`` to build it without) and copies other
+    than DeepSeek-V4's 4."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)

@@ -1,7 +1,7 @@
 """A DeepSeek-V4-style decoder assembled from fp4kit layers, for one decode token per sequence.
 
 Per layer: RMSNorm -> attention -> RMSNorm -> MoE, on a plain fp32 residual stream, or on the
-``hc_mult`` copies of manifold-constrained hyper-connections (numpy only: `HyperConnection`); then
+``hc_mult`` copies of manifold-constrained hyper-connections (`HyperConnection`; 4 on the GPU); then
 the final norm, the NVFP4 ``lm_head`` and the sampler. Attention (one 512-d latent shared by all heads,
 K = V): a low-rank query (``wq_a`` -> RMSNorm -> ``wq_b``, per-head RMS norm, RoPE), the latent
 ``wkv`` -> RMSNorm -> RoPE appended to the layer's `fp4kit.KVCache`, whose compressor emits
@@ -16,10 +16,9 @@ indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one
 routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
 expert, the V4 SwiGLU clamp.
 
-Left out (documented in the README): on the GPU the hyper-connections (a plain residual stream),
-the Hadamard rotation and FP4/FP8 simulation of the indexer and KV latents and the output
-de-rotation (`ModelConfig.qat_sim`: the numpy model builds them, `QatSimulation`); everywhere
-multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
+Left out (documented in the README): on the GPU the Hadamard rotation and FP4/FP8 simulation of
+the indexer and KV latents and the output de-rotation (`ModelConfig.qat_sim`: the numpy model
+builds them, `QatSimulation`); everywhere multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
 is built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the
 numpy ops take in place of a base and the kernels read from a table. `Model.prefill` runs a
 prompt through each layer once as T tokens (the runner's ``batched_prefill``); by default the
@@ -45,9 +44,9 @@ from fp4kit.layers.kv_cache import append_compressed
 from fp4kit.layers.linear import split_columns
 from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
+from fp4kit.ops import hyper
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import sampling as sampling_ops
-from fp4kit.reference import hyper_connections as hc_ref
 from fp4kit.reference import qat
 from fp4kit.reference.elementwise import rope as rope_ref
 from fp4kit.runtime import arrays, workspace
@@ -384,30 +383,22 @@ class Attention:
 
 
 class HyperConnection:
-    """One mixing site of the manifold-constrained hyper-connections (`fp4kit.reference.hyper_connections`,
-    float64; the copies kept in fp32): before a sublayer (or the head) the copies ``x [rows, hc, D]``
-    are mixed into its input, which the sublayer's RMSNorm then normalises (`pre`); after it, its
-    output and the copies make the new copies (`post`, in place). Numpy model only."""
+    """One mixing site of the manifold-constrained hyper-connections (`fp4kit.ops.hyper.hc_site`:
+    the reference in float64 on numpy, raw_kernels/hyper.cu on the device; the copies kept in
+    fp32): the copies ``x [rows, hc, D]`` are first brought up to date with the previous
+    sublayer's output (or started from the embedding), then mixed into this sublayer's input,
+    which the sublayer's RMSNorm normalises."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, prefix: str, head: bool = False):
         self.cfg, self.head = cfg, head
         self.fn, self.scale, self.base = (ckpt.extra[f"{prefix}_{n}"] for n in ("fn", "scale", "base"))
 
-    def pre(self, x, norm) -> tuple:
-        """``(normed bf16 [rows, D], post, comb)`` for the sublayer (post, comb None for the head)."""
+    def site(self, x, norm, y=None, post=None, comb=None, start: bool = False) -> tuple:
+        """``(normed bf16 [rows, D], post, comb)`` for the sublayer (post, comb None for the head);
+        ``x`` updated in place with ``y`` and the previous site's ``post`` / ``comb``."""
         cfg = self.cfg
-        if self.head:
-            mixed = hc_ref.hc_head(x, self.fn, self.scale, self.base, eps=cfg.hc_eps, norm_eps=cfg.eps)
-            post = comb = None
-        else:
-            mixed, post, comb = hc_ref.hc_pre(x, self.fn, self.scale, self.base, iters=cfg.hc_iters, eps=cfg.hc_eps,
-                                              norm_eps=cfg.eps)
-        return ew.add_rmsnorm(mixed.astype(np.float32), None, norm, eps=cfg.eps), post, comb
-
-    @staticmethod
-    def post(y, x, post, comb) -> None:
-        """The copies ``x`` after a sublayer whose output is ``y [rows, D]``."""
-        x[...] = hc_ref.hc_post(np.asarray(y).astype(np.float32), x, post, comb).astype(np.float32)
+        return hyper.hc_site(x, self.fn, self.scale, self.base, norm, y=y, post=post, comb=comb, start=start,
+                             head=self.head, iters=cfg.hc_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.eps, eps=cfg.eps)
 
 
 class Block:
@@ -467,10 +458,9 @@ class Model:
             import cupy as xp
         else:
             xp = np
-        if device and cfg.hc_mult > 1:
-            raise ValueError(f"hc_mult {cfg.hc_mult}: the hyper-connections run on the numpy model only (device=False); "
-                             f"on the GPU build hc_mult=1, one residual stream, which is not what such a checkpoint "
-                             f"computes")
+        if device and cfg.hc_mult not in (1, hyper.HC):
+            raise ValueError(f"hc_mult {cfg.hc_mult}: the device kernels are built for {hyper.HC} copies (DeepSeek-V4's); "
+                             f"this one runs on the numpy model only (device=False)")
         if device and cfg.qat_sim:
             raise ValueError("qat_sim: the simulated FP8 / FP4 activations and the output de-rotation run on the numpy "
                              "model only (device=False); on the GPU build qat_sim=False")
@@ -519,23 +509,29 @@ class Model:
         return st.logits
 
     def _forward_hc(self, st: DecodeState, sync):
-        """`forward` on the hyper-connections' copies (numpy): the embedding repeated, each
-        sublayer between `HyperConnection.pre` and `HyperConnection.post`, the head's mix."""
-        x = st.resid
-        x[...] = ew.embed(self.embed, st.tokens)[:, None, :]
-        self._blocks_hc(x, st.layers, lambda blk, h, caches: blk.attn(h, caches), st.tokens, sync)
-        h, _, _ = self.hc_head.pre(x, self.norm)
+        """`forward` on the hyper-connections' copies: the embedding starts them, each sublayer
+        runs between two sites (the second bringing the copies up to date with its output), the
+        head's site mixes them once more."""
+        emb = ew.embed(self.embed, st.tokens)
+        y, post, comb = self._blocks_hc(st.resid, emb, st.layers, lambda blk, h, caches: blk.attn(h, caches),
+                                        st.tokens, sync)
+        h, _, _ = self.hc_head.site(st.resid, self.norm, y, post, comb)
         st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
         return st.logits
 
-    def _blocks_hc(self, x, layers, attend, token_ids, sync) -> None:
-        """Every block on the copies ``x [rows, hc, D]`` (in place); ``attend(blk, h, caches)`` runs
-        a block's attention on its normed input."""
+    def _blocks_hc(self, x, emb, layers, attend, token_ids, sync) -> tuple:
+        """Every block on the copies ``x [rows, hc, D]`` (in place, started from ``emb``);
+        ``attend(blk, h, caches)`` runs a block's attention on its normed input. Returns the last
+        sublayer's output and its site's ``post`` / ``comb``, for the head's site."""
+        y, post, comb = emb, None, None
         for i, (blk, caches) in enumerate(zip(self.blocks, layers)):
-            h, post, comb = blk.hc_attn.pre(sync("resid", 2 * i, x), blk.attn_norm)
-            blk.hc_attn.post(sync("attn.out", i, attend(blk, sync("attn.in", i, h), caches)), x, post, comb)
-            h, post, comb = blk.hc_ffn.pre(sync("resid", 2 * i + 1, x), blk.ffn_norm)
-            blk.hc_ffn.post(sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=token_ids)), x, post, comb)
+            h, post, comb = blk.hc_attn.site(x, blk.attn_norm, y, post, comb, start=i == 0)
+            sync("resid", 2 * i, x)
+            y = sync("attn.out", i, attend(blk, sync("attn.in", i, h), caches))
+            h, post, comb = blk.hc_ffn.site(x, blk.ffn_norm, y, post, comb)
+            sync("resid", 2 * i + 1, x)
+            y = sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=token_ids))
+        return y, post, comb
 
     def prefill(self, st: DecodeState, tokens):
         """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched
@@ -549,11 +545,12 @@ class Model:
         flat = tokens.reshape(-1)
         positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
         if self.hc_head is not None:
-            x = np.repeat(ew.embed(self.embed, flat)[:, None, :], cfg.hc_mult, axis=1)
-            self._blocks_hc(x, st.layers, lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
-                            lambda name, i, value: value)
-            h, _, _ = self.hc_head.pre(np.ascontiguousarray(x.reshape(b, t, cfg.hc_mult, -1)[:, -1]), self.norm)
-            st.logits = self.lm_head(h)
+            x = xp.empty((flat.shape[0], cfg.hc_mult, cfg.hidden), np.float32)
+            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, flat), st.layers,
+                                            lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
+                                            lambda name, i, value: value)
+            h, _, _ = self.hc_head.site(x, self.norm, y, post, comb)  # every row: the last update is all rows'
+            st.logits = self.lm_head(xp.ascontiguousarray(h.reshape(b, t, -1)[:, -1]))
             return st.logits
         resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
         h = ew.embed_rmsnorm(self.embed, flat, self.blocks[0].attn_norm, eps=cfg.eps, resid=resid)
@@ -617,12 +614,15 @@ class Model:
     def weight_bytes(self, experts_touched: list[int]) -> dict:
         """NVFP4 + high-precision weight bytes a step reads on this GPU: every attention and
         shared-expert weight (this rank's shards), each layer's router and its share of the
-        ``experts_touched[i]`` distinct experts, the lm_head."""
+        ``experts_touched[i]`` distinct experts, the lm_head, and the hyper-connections' mixing
+        weights where the model has copies."""
         total = {"attention": 0, "shared": 0, "routed": 0, "router": 0}
         for i, touched in enumerate(experts_touched):
             for part, n in self.layer_weight_bytes(i, touched).items():
                 total[part] += n
-        return {**total, "lm_head": _weight_bytes(self.lm_head)}
+        sites = [] if self.hc_head is None else [self.hc_head] + [s for b in self.blocks for s in (b.hc_attn, b.hc_ffn)]
+        mixing = sum(int(s.fn.nbytes + s.scale.nbytes + s.base.nbytes) for s in sites)
+        return {**total, "lm_head": _weight_bytes(self.lm_head), **({"hyper": mixing} if sites else {})}
 
     def layer_weight_bytes(self, i: int, experts_touched: int) -> dict:
         """`weight_bytes` of layer ``i`` alone, with ``experts_touched`` distinct routed experts."""

@@ -15,7 +15,7 @@ names `Model` reads (`init.random_checkpoint`'s), for the architecture of ``cfg`
 * norms (``P.weight``) become fp32 ``P``, ``embed.weight`` ``embed``, ``attn.attn_sink``
   ``attn.sink``, ``ffn.gate.tid2eid`` ``ffn.tid2eid``; the router's weight and bias keep theirs;
 * the hyper-connections' parameters (``layers.{i}.hc_attn_fn`` ... ``hc_head_base``, fp32) keep
-  their names when ``cfg.hc_mult > 1``; with ``hc_mult = 1`` (the GPU model) they are left out;
+  their names when ``cfg.hc_mult > 1``; with ``hc_mult = 1`` they are left out;
 * tensors of parts this model does not build (the MTP layers; the hyper-connections of a
   one-stream model) are left out and listed.
 

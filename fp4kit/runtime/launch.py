@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-PDL_MODULES = frozenset({"attention", "elementwise", "gemm", "indexer", "kv_cache", "moe"})
+PDL_MODULES = frozenset({"attention", "elementwise", "gemm", "hyper", "indexer", "kv_cache", "moe"})
 _ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 

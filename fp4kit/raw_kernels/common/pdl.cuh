@@ -14,8 +14,9 @@
 // the attribute (eager launches, or FP4KIT_PDL=0), the wait is a no-op.
 //
 // The one exception to the second rule: the small row kernels of elementwise.cu (one block per
-// row, a single wave) may release the next kernel at their start (`release_next`, when their launch
-// asks for it: ops/elementwise.py `EARLY_RELEASE`), so that the next kernel's blocks, on the SMs
+// row) and hyper.cu's hc_pre_norm, when their grid is a single wave, may release the next kernel
+// at their start (`release_next`, when their launch asks for it: ops/elementwise.py
+// `EARLY_RELEASE`), so that the next kernel's blocks, on the SMs
 // they leave free, issue their weight loads ahead of their own wait while the row kernel runs. The
 // next kernel's `wait_prior` still waits for the row kernel's completion.
 #pragma once
