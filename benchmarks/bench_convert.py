@@ -5,7 +5,8 @@ layer: the attention projections in FP8 with UE8M0 128 x 128 scales, ``--experts
 in MXFP4 with a UE8M0 scale per 32, the shared expert in FP8), one shard per layer, into a
 temporary folder, converts it with the CLI on the chosen device and reports input GB/s per shard
 and in total, next to the disk's own read rate of the same files. Target (not a test): >= 2 GB/s
-on the GPU, bounded by the disk.
+on the GPU, bounded by the disk. Each shard's log line says where its time went (read, convert and
+of that the quantization, write).
 
     .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda] [--jobs 4]
 """
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--jobs", type=int, default=1, help="shards converted at once (fp4kit convert --jobs)")
     args = ap.parse_args()
+    if args.jobs > 1 and args.layers < 3 * args.jobs:
+        print(f"note: {args.layers} shard(s) over {args.jobs} jobs: each spawned worker starts its interpreter and, on "
+              "the GPU, CUDA and the kernels within its first shard; --layers >= 3 x --jobs shows the steady rate")
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "official", Path(tmp) / "nvfp4"
         src.mkdir()
