@@ -44,6 +44,7 @@ quantized prefix, N, K, the global scale and block-scale statistics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -500,46 +501,45 @@ def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: s
     sources = _deepseek_sources(src)
     consumed = {s.scale_name for s in sources.values()}
     t0 = time.perf_counter()
-    spent = {"read": 0.0, "convert": 0.0, "quantize": 0.0}  # where the shard's time goes, for the log line
+    spent = dict.fromkeys(("read", "convert", "quantize", "write"), 0.0)  # where the shard's time goes
 
-    def read(file, tensor: str):
+    @contextlib.contextmanager
+    def timed(part: str):
         t = time.perf_counter()
-        a = file.read(tensor)
-        spent["read"] += time.perf_counter() - t
-        return a
+        yield
+        spent[part] += time.perf_counter() - t
 
     def quantize(where, w):  # the FP8 (or re-quantized) weights, on ``device``
-        t = time.perf_counter()
-        q = _quantize_one(where, w, device, host_dequantized=False)
-        spent["quantize"] += time.perf_counter() - t
-        return q
+        with timed("quantize"):
+            return _quantize_one(where, w, device, host_dequantized=False)
 
+    upload = _uploader(device)
     weights, extra, rows = {}, {}, []
     for name in f.tensors:
         if name in consumed:
             continue
         if name not in sources:
-            extra[name] = read(f, name)
+            with timed("read"):
+                extra[name] = f.read(name)
             continue
         s = sources[name]
-        weight, scale = read(f, name), read(src.where[s.scale_name], s.scale_name)
-        t = time.perf_counter()
-        c = deepseek.convert_weight(s, weight, scale, quantize, upload=_uploader(device))
-        spent["convert"] += time.perf_counter() - t
+        with timed("read"):
+            weight, scale = f.read(name), src.where[s.scale_name].read(s.scale_name)
+        with timed("convert"):
+            c = deepseek.convert_weight(s, weight, scale, quantize, upload=upload)
         weights[c.prefix] = c.weight
         rows.append([name, _shape(c.weight.shape), c.source, c.method, "" if c.spread is None else str(c.spread),
                      f"{c.rel_error:.3e}"])
-    t = time.perf_counter()
-    tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
     target = Path(out) / out_name
-    partial = target.with_name(out_name + ".partial")
-    checkpoint.write_safetensors(partial, tensors, metadata)
-    os.replace(partial, target)
-    write = time.perf_counter() - t
+    with timed("write"):
+        tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
+        partial = target.with_name(out_name + ".partial")
+        checkpoint.write_safetensors(partial, tensors, metadata)
+        os.replace(partial, target)
     seconds = time.perf_counter() - t0
     line = (f"{out_name}: {len(weights)} weight(s) converted, {len(extra)} tensor(s) copied, {f.size / 1e9:.3f} GB "
             f"in {seconds:.1f} s ({f.size / 1e9 / max(seconds, 1e-9):.2f} GB/s: read {spent['read']:.2f} s, "
-            f"convert {spent['convert']:.2f} s of which quantize {spent['quantize']:.2f} s, write {write:.2f} s)")
+            f"convert {spent['convert']:.2f} s of which quantize {spent['quantize']:.2f} s, write {spent['write']:.2f} s)")
     record = {"size": target.stat().st_size, "names": sorted(tensors), "quantized": sorted(weights), "rows": rows}
     return {"record": record, "log": line, "bytes": f.size}
 

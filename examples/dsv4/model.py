@@ -550,8 +550,11 @@ class Model:
             y, post, comb = self._blocks_hc(x, ew.embed(self.embed, flat), st.layers,
                                             lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
                                             lambda name, i, value: value)
-            h, _, _ = self.hc_head.site(x, self.norm, y, post, comb)  # every row: the last update is all rows'
-            st.logits = self.lm_head(xp.ascontiguousarray(h.reshape(b, t, -1)[:, -1]))
+            def last(a):  # each sequence's last position: the only rows the head reads
+                return xp.ascontiguousarray(a.reshape(b, t, *a.shape[1:])[:, -1])
+
+            h, _, _ = self.hc_head.site(last(x), self.norm, last(y), last(post), last(comb))
+            st.logits = self.lm_head(h)
             return st.logits
         resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
         h = ew.embed_rmsnorm(self.embed, flat, self.blocks[0].attn_norm, eps=cfg.eps, resid=resid)

@@ -41,15 +41,6 @@ def _check(name: str, x, dtype, ndim: tuple[int, ...]):
     return x
 
 
-def _out(out, shape, dtype, like):
-    import cupy
-
-    if out is None:
-        return cupy.empty(shape, dtype)
-    arrays.check_out("out", out, shape, dtype, like)
-    return out
-
-
 def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
     """The validated ``x``, ``weight`` and ``positions`` of one RMSNorm + RoPE (``part``: the
     argument's name prefix in messages, e.g. ``"second."``)."""
@@ -124,7 +115,7 @@ def rmsnorm_rope(x, weight=None, positions=None, *, eps: float = 1e-6, normalize
         y = ref.rmsnorm_rope(x, weight, positions, eps=eps, normalize=normalize, rope_dim=rope_dim, theta=theta)
         return arrays.host_result(y, out)
     table = rope_table(theta, rope_dim, x)
-    out = _out(out, x.shape, arrays.BF16, x)
+    out = arrays.device_out("out", out, x.shape, arrays.BF16, x)
     heads = x.shape[1] if x.ndim == 3 else 1
     rows = x.size // d
     if rows:
@@ -179,7 +170,8 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
         kv_ref.append_swa(window, positions, ys[1][:, None, :])
         return ys[0], window
     tables = (rope_table(theta, r0, x0), rope_table(theta, r1, x1))
-    ys = (_out(outs[0], x0.shape, arrays.BF16, x0), window if window is not None else _out(outs[1], x1.shape, arrays.BF16, x1))
+    ys = (arrays.device_out("outs[0]", outs[0], x0.shape, arrays.BF16, x0),
+          window if window is not None else arrays.device_out("outs[1]", outs[1], x1.shape, arrays.BF16, x1))
     rows0, rows1 = x0.size // x0.shape[-1], x1.size // x1.shape[-1]
     if rows0 + rows1:
         heads = [x.shape[1] if x.ndim == 3 else 1 for x in (x0, x1)]
@@ -226,7 +218,7 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
     arrays.check_same_device(resid=resid, delta=delta, weight=weight, out=out)
     if not arrays.is_device_array(resid):
         return arrays.host_result(ref.add_rmsnorm(resid, delta, weight, eps=eps), out)
-    out = _out(out, resid.shape, arrays.BF16, resid)
+    out = arrays.device_out("out", out, resid.shape, arrays.BF16, resid)
     if resid.size:
         vec = _quad_rows(resid.shape[1], resid, weight, out, delta)
         loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
@@ -265,8 +257,8 @@ def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=N
     arrays.check_same_device(table=table, tokens=tokens, weight=weight, resid=resid, out=out)
     device = arrays.is_device_array(table)
     if device:
-        resid = _out(resid, (tokens.shape[0], h), np.float32, table)
-        out = _out(out, (tokens.shape[0], h), arrays.BF16, table)
+        resid = arrays.device_out("resid", resid, (tokens.shape[0], h), np.float32, table)
+        out = arrays.device_out("out", out, (tokens.shape[0], h), arrays.BF16, table)
     if not device or not _quad_rows(h, table, weight, resid, out):  # numpy, or rows off the quad path
         return add_rmsnorm(embed(table, tokens, out=resid), None, weight, eps=eps, out=out)
     if tokens.shape[0]:
@@ -288,7 +280,7 @@ def embed(table, tokens, *, out=None):
         if bad:
             status.record_host(status.TOKEN_RANGE)
         return arrays.host_result(rows, out)
-    out = _out(out, shape, np.float32, table)
+    out = arrays.device_out("out", out, shape, np.float32, table)
     if tokens.shape[0]:
         vec = table.shape[1] % 8 == 0 and _aligned16(table, out)
         loader.get_kernel(_MODULE, "embed_bf16")(
@@ -306,7 +298,7 @@ def all_entries(comp_len, n: int, *, out=None):
     arrays.check_same_device(comp_len=comp_len, out=out)
     if not arrays.is_device_array(comp_len):
         return arrays.host_result(ref.all_entries(comp_len, n), out)
-    out = _out(out, (comp_len.shape[0], n), np.int32, comp_len)
+    out = arrays.device_out("out", out, (comp_len.shape[0], n), np.int32, comp_len)
     if comp_len.shape[0]:
         loader.get_kernel(_MODULE, "all_entries").launch(
             ((n + _THREADS - 1) // _THREADS, comp_len.shape[0]), _THREADS, (comp_len, out, _U32(n)))

@@ -40,7 +40,7 @@ def scratch_words(rows: int, d: int) -> int:
     return -(-d // _MIX_THREADS) * rows * _PARTIAL_WORDS
 
 
-def _check(name: str, a, dtype, shape: tuple, like=None):
+def _check(name: str, a, dtype, shape: tuple):
     a = arrays.as_array(a, name)
     if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
         want = "x".join(map(str, shape)) if shape else "scalar"
@@ -112,10 +112,10 @@ def hc_site(x, fn, scale, base, norm, *, y=None, post=None, comb=None, start: bo
                          f"{arrays.describe(x)}")
     import cupy
 
-    out = _device_out("out", out, (rows, d), arrays.BF16, x)
+    out = arrays.device_out("out", out, (rows, d), arrays.BF16, x)
     if not head:
-        post_out = _device_out("post_out", post_out, (rows, hc), np.float32, x)
-        comb_out = _device_out("comb_out", comb_out, (rows, hc, hc), np.float32, x)
+        post_out = arrays.device_out("post_out", post_out, (rows, hc), np.float32, x)
+        comb_out = arrays.device_out("comb_out", comb_out, (rows, hc, hc), np.float32, x)
         # the row's first block stores this site's post / comb while the others read the last site's
         for name, a in (("post_out", post_out), ("comb_out", comb_out)):
             if any(_overlap(a, b) for b in (post, comb) if b is not None):
@@ -149,13 +149,6 @@ def _overlap(a, b) -> bool:
     return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
-def _device_out(name, a, shape, dtype, like):
-    import cupy
-
-    if a is None:
-        return cupy.empty(shape, dtype)
-    arrays.check_out(name, a, shape, dtype, like)
-    return a
 
 
 def _host_site(x, fn, scale, base, norm, y, post, comb, mode, head, iters, hc_eps, norm_eps, eps, out):

@@ -116,6 +116,15 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype, like) -> None:
         raise ValueError(f"{name}: expected an array on the same device as the input, got one {describe(out)}")
 
 
+def device_out(name: str, out, shape: tuple[int, ...], dtype, like):
+    """A device op's output: ``out`` checked as `check_out` does, or a new CuPy array of ``shape``
+    and ``dtype`` on the current device when it is None."""
+    if out is None:
+        return _cupy().empty(shape, dtype)
+    check_out(name, out, shape, dtype, like)
+    return out
+
+
 def host_result(result, out=None):
     """The numpy backend's ``result``, written into ``out`` when one was given (and returned)."""
     if out is None:
