@@ -13,7 +13,7 @@ weights and the KV caches that the decode steps of each batch and the prefill ad
 process, through cudaMemGetInfo).
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart] [--batches=1,8] [--step-only]
-        [--peer] [--hc-mult=4]
+        [--peer] [--hc-mult=4] [--qat-sim]
 
 ``--mode`` picks the activation format of every GEMM (default W4A16); ``--projections-apart`` runs
 each attention projection as its own Linear instead of one concatenated Linear per input
@@ -24,6 +24,8 @@ times the same model's step in PyTorch with bf16 weights and cuBLAS GEMMs, graph
 (`torch_decode_peer.py`), from the same state, and reports fp4kit's speedup over it.
 ``--hc-mult=4`` runs the model on DeepSeek-V4's four copies of the residual stream
 (hyper-connections) instead of the preset's one (with ``--step-only``; the peer has one stream).
+``--qat-sim`` adds the official inference's activation simulation and output de-rotation
+(`ModelConfig.qat_sim`, as an official config builds it; with ``--step-only``).
 """
 
 from __future__ import annotations
@@ -178,13 +180,16 @@ def main() -> None:
     hc = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--hc-mult=")), 1))
     if hc != 1 and (torch is not None or not step_only):
         raise SystemExit("--hc-mult: with --step-only and without --peer (the peer and the probes run one stream)")
-    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc)
+    qat_sim = "--qat-sim" in sys.argv
+    if qat_sim and (torch is not None or not step_only):
+        raise SystemExit("--qat-sim: with --step-only and without --peer")
+    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim)
     model, ckpt = runner.build(cfg, device=True, seed=0)
     peer_w = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
     del ckpt
     copy = copy_bandwidth()
     projections = "concatenated" if model_module.FUSE_PROJECTIONS else "apart"
-    streams = f", {hc} residual copies" if hc > 1 else ""
+    streams = (f", {hc} residual copies" if hc > 1 else "") + (", activation simulation" if qat_sim else "")
     table = Table(f"Decode step, v4-flash-slice {LAYERS} layers{streams}, {mode.upper()}, projections {projections}, "
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",

@@ -72,15 +72,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_config(args, official: dict | None = None, device: bool = False) -> configs.ModelConfig:
+def make_config(args, official: dict | None = None) -> configs.ModelConfig:
     """The model's configuration: a saved folder's, an official config.json's (``official``, read
-    from ``--config``) or a preset's. On the GPU (``device``) an official config's activation
-    simulation is left out (`configs.official_not_built` says so)."""
+    from ``--config``) or a preset's."""
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
-    if device and (official is not None or args.load):
-        overrides.update(qat_sim=False)
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         return runner.load_config(args.load, args.layers, **overrides)
     if official is not None:
@@ -253,13 +250,8 @@ def main(argv=None) -> int:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; the others run the same steps silently
     device = cuda_available() and not args.numpy
     official = read_official(args.config) if args.config and not args.load else None
-    cfg = make_config(args, official, device)
+    cfg = make_config(args, official)
     name = args.load or args.config or args.preset
-    if args.load:  # converted official weights: their config.json says what this model leaves out
-        official = runner.official_config(args.load)
-    if official is not None:
-        for part in configs.official_not_built(official, device):
-            print(f"{args.load or args.config}: not built here, so the model differs from the checkpoint's: {part}")
     if not device:
         if cfg.hidden > 1024 and not args.numpy:
             print(f"no CUDA GPU found: {name!r} needs one; running 'tiny' on the numpy reference")

@@ -33,7 +33,8 @@ from fp4kit.ops import elementwise, gemm as gemm_ops, quant  # noqa: E402
 from fp4kit.reference.gemm import calc_diff  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-FAMILIES = ("quant", "gemm", "moe", "kv_cache", "indexer", "attention", "sampling", "elementwise", "dist")
+FAMILIES = ("quant", "gemm", "moe", "kv_cache", "indexer", "attention", "sampling", "elementwise", "hyper", "qat",
+            "dist")
 
 
 class Backend:
@@ -283,6 +284,39 @@ def run_elementwise(be: Backend, rng) -> None:
     want = elementwise.add_rmsnorm(elementwise.embed(table, tokens), None, wt)
     close(be.host(got).astype(np.float32), want.astype(np.float32), "embed_rmsnorm", 1e-5)
     same_bits(be.host(d_resid), elementwise.embed(table, tokens), "embed_rmsnorm residual")
+
+
+def run_hyper(be: Backend, rng) -> None:
+    from fp4kit.ops import hyper
+
+    rows, d, m = 2, 200, hyper.SITE_MIXES  # 200 channels: partial blocks of both kernels
+    fn = (rng.standard_normal((m, 4 * d)) / np.sqrt(4 * d)).astype(np.float32)
+    scale, base = np.array([0.5, 0.3, 0.2], np.float32), (rng.standard_normal(m) * 0.1).astype(np.float32)
+    norm = (rng.random(d) + 0.5).astype(np.float32)
+    x = rng.standard_normal((rows, 4, d)).astype(np.float32)
+    y = rng.standard_normal((rows, d)).astype(BF16)
+    post, comb = rng.random((rows, 4)).astype(np.float32), np.full((rows, 4, 4), 0.25, np.float32)
+    d_x = be.to(x.copy())
+    got = hyper.hc_site(d_x, *(be.to(a) for a in (fn, scale, base, norm)), y=be.to(y), post=be.to(post),
+                        comb=be.to(comb))
+    want = hyper.hc_site(x, fn, scale, base, norm, y=y, post=post, comb=comb)
+    close(be.host(d_x), x, "hc_site copies", 1e-9)
+    close(be.host(got[0]).astype(np.float32), want[0].astype(np.float32), "hc_site input", 1e-5)
+    close(be.host(got[2]), want[2], "hc_site comb", 1e-9)
+
+
+def run_qat(be: Backend, rng) -> None:
+    from fp4kit.ops import qat
+
+    latent = rng.standard_normal((3, 5, 192)).astype(BF16)  # 128 channels outside a RoPE of 64
+    before, after = np.array([0, 2, 4], np.int32), np.array([1, 4, 7], np.int32)  # 4 .. 6: past cap 5
+    d_latent = be.to(latent.copy())
+    qat.latent_entries(d_latent, be.to(before), be.to(after), 64, max_new=3)
+    same_bits(be.host(d_latent), qat.latent_entries(latent, before, after, 64, max_new=3), "latent_entries")
+    keys = rng.standard_normal((3, 5, 128)).astype(BF16)
+    d_keys = be.to(keys.copy())
+    qat.index_entries(d_keys, be.to(before), be.to(after), max_new=3)
+    same_bits(be.host(d_keys), qat.index_entries(keys, before, after, max_new=3), "index_entries")
 
 
 def run_dist(be: Backend, rng) -> None:

@@ -59,6 +59,19 @@ def test_sublayer_check_with_hyper_connections_on_the_gpu():
     check_sublayers(cfg, runner.random_prompt(2, 40, cfg.vocab, seed=7))
 
 
+def qat_config(**overrides):
+    """The tiny model with the official inference's activation simulation: 64 latent channels
+    outside RoPE (one E4M3 block), an indexer of 64 channels (two E2M1 blocks)."""
+    return configs.tiny(head_dim=128, rope_dim=64, index_head_dim=64, qat_sim=True, **overrides)
+
+
+def test_sublayer_check_with_the_activation_simulation_on_the_gpu():
+    """raw_kernels/qat.cu in the model: the window rows, the compressed entries of both caches,
+    the indexer's queries and the output's de-rotation, over 140 positions (ratio-128 entries,
+    the window wrapping), against the numpy model sublayer by sublayer."""
+    check_sublayers(qat_config(layers=3, mode="w4a16"), runner.random_prompt(1, 140, 1024, seed=2))
+
+
 def check_graph_and_numpy(cfg, prompt, n):
     """Decoding ``n`` tokens after ``prompt``: the captured step gives the eager step's tokens and
     logits bit for bit, and its logits track the numpy model's within `runner.NUMPY_TOLERANCE`.
@@ -76,6 +89,11 @@ def check_graph_and_numpy(cfg, prompt, n):
 
 def test_hyper_connections_graph_equals_eager_and_tracks_numpy():
     cfg = configs.tiny(max_context=2048, hc_mult=4, mode="w4a16")
+    check_graph_and_numpy(cfg, runner.random_prompt(2, 10, cfg.vocab, seed=8), 16)
+
+
+def test_activation_simulation_graph_equals_eager_and_tracks_numpy():
+    cfg = qat_config(max_context=2048, mode="w4a16")
     check_graph_and_numpy(cfg, runner.random_prompt(2, 10, cfg.vocab, seed=8), 16)
 
 
@@ -165,16 +183,17 @@ def test_grouped_output_projection_equals_one_linear_per_group(b):
     assert cp.array_equal(again.view(cp.uint16), apart(o).view(cp.uint16))
 
 
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_batched_prefill_on_the_gpu_matches_token_by_token(mode):
+@pytest.mark.parametrize("mode,qat", [("w4a16", False), ("w4a4", False), ("w4a16", True)])
+def test_batched_prefill_on_the_gpu_matches_token_by_token(mode, qat):
     """`Model.prefill` on the device (sparse_prefill_attention, the indexer on one shared key
     cache, the large-T MoE and GEMM paths) against token-by-token feeding on the device: the next
     step's logits within the numpy check's bound (the two differ by GEMM summation orders, the
     attention splits' rounding and, in W4A4, the activation scale over T tokens), the same cache
-    positions, and the status word clean."""
+    positions, and the status word clean. With the activation simulation (``qat``), prefill rounds
+    every latent and the emitted entries of all T tokens at once."""
     from fp4kit.runtime import status
 
-    cfg = configs.tiny(layers=4, mode=mode)
+    cfg = qat_config(layers=4, mode=mode) if qat else configs.tiny(layers=4, mode=mode)
     prompt = runner.random_prompt(2, 150, cfg.vocab, seed=5)
     status.clear()
     logits = {}

@@ -55,17 +55,6 @@ def test_a_slice_keeps_the_first_layers():
             configs.from_official(flash(), layers=bad)
 
 
-def test_what_the_model_does_not_build_is_listed():
-    missing = configs.official_not_built(flash())
-    assert len(missing) == 1  # on the GPU: YaRN and the hyper-connections are built there too
-    assert "simulated FP8 / FP4 activations" in missing[0]
-    plain = {k: v for k, v in flash().items() if k not in ("hc_mult", "rope_scaling")}
-    assert configs.official_not_built(plain, device=False) == []
-    assert len(configs.official_not_built(plain)) == 1  # on the GPU: the activation simulation
-    # numpy builds the hyper-connections, the simulation and YaRN
-    assert configs.official_not_built(flash(), device=False) == []
-
-
 def test_yarn_keys():
     """YaRN from the Hugging Face ``rope_scaling`` entry (V4-Flash: factor 16 over 65536 tokens,
     beta 32 / 1), from the `inference/` copy's keys, none without either; another kind of scaling

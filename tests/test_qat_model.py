@@ -77,9 +77,6 @@ def test_derotation_undoes_the_rotation_of_the_query_position():
     np.testing.assert_allclose(back, o.astype(np.float32), rtol=2**-7, atol=2**-7 * np.abs(o.astype(np.float32)).max())
 
 
-def test_configuration_checks_and_refusals():
+def test_configuration_checks():
     with pytest.raises(ValueError, match="qat_sim: needs head_dim - rope_dim a multiple of 64"):
         configs.tiny(3, qat_sim=True)  # 64 - 16 latent channels outside RoPE
-    cfg = cfg_of(qat_sim=True)
-    with pytest.raises(ValueError, match="qat_sim: the simulated FP8 / FP4 activations"):
-        Model(cfg, random_checkpoint(cfg, 0, device=False), device=True)

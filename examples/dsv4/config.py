@@ -147,17 +147,6 @@ _OFFICIAL_KEYS = {
 _OPTIONAL = {"swiglu_limit", "rope_theta", "compress_rope_theta", "routed_scale", "hc_mult", "hc_iters", "hc_eps"}
 
 
-def official_not_built(d: dict, device: bool = True) -> list[str]:
-    """The parts of the architecture an official config asks for that this model does not build yet
-    (a model built from it anyway computes something else than the checkpoint was trained as), on
-    the GPU (``device``) or on numpy."""
-    missing = []
-    if device:
-        missing.append("the simulated FP8 / FP4 activations of the latents and the indexer, and the attention "
-                       "output's de-rotation, on the GPU (the numpy model builds them)")
-    return missing
-
-
 def _yarn(d: dict) -> dict:
     """This model's YaRN fields from an official config: its ``rope_scaling`` entry (Hugging Face)
     or the `inference/` copy's ``rope_factor``, ``original_seq_len``, ``beta_fast``, ``beta_slow``;
@@ -187,9 +176,8 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     its first ``layers`` layers (all by default; the MTP layer's entry of ``compress_ratios`` is
     dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
-    no expert groups, YaRN if any RoPE scaling). What it leaves out is listed by `official_not_built`;
-    the GPU model refuses ``qat_sim`` (pass ``qat_sim=False`` to build it without) and copies other
-    than DeepSeek-V4's 4."""
+    no expert groups, YaRN if any RoPE scaling). The GPU model refuses copies of the residual stream
+    other than DeepSeek-V4's 4."""
     fields, missing = {}, []
     for name, keys in _OFFICIAL_KEYS.items():
         key = next((k for k in keys if k in d), None)

@@ -16,9 +16,10 @@ indexer's; of the query's low rank: ``wq_b`` and the indexer's query) run as one
 routing on the first ``hash_layers`` layers, learned ``sqrtsoftplus`` routing after, one shared
 expert, the V4 SwiGLU clamp.
 
-Left out (documented in the README): on the GPU the Hadamard rotation and FP4/FP8 simulation of
-the indexer and KV latents and the output de-rotation (`ModelConfig.qat_sim`: the numpy model
-builds them, `QatSimulation`); everywhere multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
+The official inference's simulated activation quantization (the Hadamard rotation and FP4
+simulation of the indexer's queries and keys, FP8 of the KV latents) and the output de-rotation
+are built on both (`ModelConfig.qat_sim`, `QatSimulation` over `fp4kit.ops.qat`). Left out
+(documented in the README): multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
 is built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the
 numpy ops take in place of a base and the kernels read from a table. `Model.prefill` runs a
 prompt through each layer once as T tokens (the runner's ``batched_prefill``); by default the
@@ -46,9 +47,8 @@ from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import hyper
 from fp4kit.ops import moe as moe_ops
+from fp4kit.ops import qat
 from fp4kit.ops import sampling as sampling_ops
-from fp4kit.reference import qat
-from fp4kit.reference.elementwise import rope as rope_ref
 from fp4kit.runtime import arrays, workspace
 from fp4kit.runtime.arrays import BF16
 
@@ -193,38 +193,43 @@ class OutputProjection:
 
 
 class QatSimulation:
-    """The official inference's in-place activation rounding (`fp4kit.reference.qat`) and the
-    attention output's de-rotation, on numpy arrays: the latent's channels outside RoPE through
-    E4M3 (a power-of-two scale per 64), the indexer's queries and compressed keys through E2M1 (per
-    32) after a Hadamard rotation, and the output's RoPE channels rotated back by the query's
-    position. Numpy model only (`ModelConfig.qat_sim`)."""
+    """The official inference's in-place activation rounding (`fp4kit.ops.qat`: the reference on
+    numpy, raw_kernels/qat.cu on the device, bit for bit the same) and the attention output's
+    de-rotation: the latent's channels outside RoPE through E4M3 (a power-of-two scale per 64),
+    the indexer's queries and compressed keys through E2M1 (per 32) after a Hadamard rotation, and
+    the output's RoPE channels rotated back by the query's position (`ModelConfig.qat_sim`)."""
 
     def __init__(self, cfg: ModelConfig, theta):  # the layer's RoPE base or inverse frequencies
         self.rope_dim, self.theta = cfg.rope_dim, theta
 
     def latent(self, kv):
-        out = np.array(kv, copy=True)
-        out[..., : kv.shape[-1] - self.rope_dim] = qat.fp8_simulate(kv[..., : kv.shape[-1] - self.rope_dim], 64)
-        return out
+        """Every row of ``kv [..., D]`` rounded in place."""
+        return qat.latent_rows(kv, self.rope_dim)
+
+    def latent_window(self, cache: KVCache, positions) -> None:
+        """The row each sequence wrote into its window ring at ``positions`` (a decode step)."""
+        qat.latent_window(cache.swa, positions, self.rope_dim)
 
     @staticmethod
     def index(x):
-        return qat.fp4_simulate(qat.hadamard(x), 32)
+        """Every row of ``x [..., d]`` (indexer queries) rotated and rounded in place."""
+        return qat.index_rows(x)
 
-    @staticmethod
-    def new_entries(cache: KVCache, before, fn) -> None:
-        """``fn`` applied to the compressed entries ``cache`` emitted since its lengths were ``before``."""
-        for b, (old, new) in enumerate(zip(before, np.minimum(cache.comp_len, cache.comp.shape[1]))):
-            if new > old:
-                cache.comp[b, old:new] = fn(cache.comp[b, old:new])
+    def new_entries(self, cache: KVCache, before, tokens: int, index: bool = False) -> None:
+        """The compressed entries ``cache`` emitted since its counts were ``before`` (at most one
+        per ``ratio`` of the ``tokens`` appended per sequence), rounded as the official
+        compressors do: latents (or, ``index``, the indexer's keys)."""
+        max_new = tokens // cache.ratio + 1
+        if index:
+            qat.index_entries(cache.comp, before, cache.comp_len, max_new)
+        else:
+            qat.latent_entries(cache.comp, before, cache.comp_len, self.rope_dim, max_new)
 
     def derotate(self, o, positions):
         """``o [rows, heads, D]`` with its last rope_dim channels rotated by ``-positions[row]``."""
-        out = np.array(o, copy=True)
-        rot = rope_ref(o[..., o.shape[-1] - self.rope_dim:].astype(np.float32),
-                       -np.asarray(positions, np.int64)[:, None], self.rope_dim, self.theta)
-        out[..., o.shape[-1] - self.rope_dim:] = rot.astype(o.dtype)
-        return out
+        xp = arrays.array_module(o)
+        return ew.rmsnorm_rope(o, None, xp.negative(positions), normalize=False, rope_dim=self.rope_dim,
+                               theta=self.theta)
 
 
 class Attention:
@@ -290,8 +295,7 @@ class Attention:
                                       eps=cfg.eps, theta=self.theta, window=cache.swa if decode else None)
         if self.qat is not None:  # the latent's channels outside RoPE through E4M3, where it was written
             if decode:
-                slots = (np.arange(b), np.asarray(positions) % cfg.window)
-                cache.swa[slots] = self.qat.latent(cache.swa[slots])
+                self.qat.latent_window(cache, positions)
             else:
                 kv = self.qat.latent(kv)
         kv = None if decode else kv.reshape(b, t, cfg.head_dim)
@@ -310,8 +314,8 @@ class Attention:
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         # the indexer's key cache: its compressor only (its window is never read: no append)
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
-        if self.qat is not None and self.ratio:  # the lengths before the compressors emit
-            before = [np.minimum(c.comp_len, c.comp.shape[1]).copy() for c in (cache, st.get("index")) if c is not None]
+        if self.qat is not None and self.ratio:  # the counts before the compressors emit
+            before = [c.comp_len.copy() for c in (cache, st.get("index")) if c is not None]
         if decode and not self.ratio:
             cache.advance(t)  # the window rows are written
         elif decode and index:  # both caches' compressors in one launch
@@ -321,9 +325,9 @@ class Attention:
             if index:
                 st["index"].append(None, *index)
         if self.qat is not None and self.ratio:  # the entries just emitted, rounded as the official compressors do
-            self.qat.new_entries(cache, before[0], self.qat.latent)
+            self.qat.new_entries(cache, before[0], t)
             if index:
-                self.qat.new_entries(st["index"], before[1], self.qat.index)
+                self.qat.new_entries(st["index"], before[1], t, index=True)
         if self.ratio == 4:
             w = of_h["indexer.weights_proj"]
         return q, kv, iq, w
@@ -331,7 +335,7 @@ class Attention:
     def __call__(self, h, st: dict):
         cfg, cache = self.cfg, st["kv"]
         b = h.shape[0]
-        positions = None if self.qat is None else np.array(cache.pos, copy=True)  # the query's, for the de-rotation
+        positions = None if self.qat is None else cache.pos.copy()  # the query's, for the de-rotation
         q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
         if self.ratio == 4:
             keys = st["index"]
@@ -461,9 +465,6 @@ class Model:
         if device and cfg.hc_mult not in (1, hyper.HC):
             raise ValueError(f"hc_mult {cfg.hc_mult}: the device kernels are built for {hyper.HC} copies (DeepSeek-V4's); "
                              f"this one runs on the numpy model only (device=False)")
-        if device and cfg.qat_sim:
-            raise ValueError("qat_sim: the simulated FP8 / FP4 activations and the output de-rotation run on the numpy "
-                             "model only (device=False); on the GPU build qat_sim=False")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
         self.blocks = [Block(cfg, ckpt, i, xp, expert_comm) for i in range(cfg.layers)]
