@@ -309,6 +309,23 @@ def test_small_pairs_per_block_rule():
     assert moe_ops.small_pairs_per_block(2048, 64 * 7, 132) == 8
 
 
+def test_grouped_pass_rows_rule(monkeypatch):
+    """The sorted path's rows per pass of an expert's weights: the narrowest pass (8, 16, 32 or 64
+    rows) holding a third more than the mean rows per expert, never more than the tokens; the
+    knob overrides."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert moe_ops.grouped_pass_rows(16, 6, 256) == 8  # V4-Flash: 0.4 rows per expert
+    assert moe_ops.grouped_pass_rows(128, 6, 256) == 8  # 3 rows: 4 after the margin
+    assert moe_ops.grouped_pass_rows(512, 6, 256) == 16  # 12 rows
+    assert moe_ops.grouped_pass_rows(512, 8, 256) == 32  # V3: 16 rows, 21.3 with the margin
+    assert moe_ops.grouped_pass_rows(4096, 6, 256) == 64  # the widest pass
+    assert moe_ops.grouped_pass_rows(3, 4, 16) == 3  # an expert gets at most one row per token
+    assert moe_ops.grouped_pass_rows(1, 1, 1) == 1
+    monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", 32)
+    assert moe_ops.grouped_pass_rows(16, 6, 256) == 32
+
+
 def test_small_gate_up_geometry_rule(monkeypatch):
     """Up to SMALL_NARROW_MAX_TOKENS tokens 4-warp blocks: one pair each (SMALL_MANY_BLOCKS) where
     they fill one wave or their last wave at least half, else two groups in flight at the pair rule

@@ -53,7 +53,7 @@ import numpy as np
 from ..formats import Nvfp4Tensor
 from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids, checkpoint_parts
 from ..layers.shared_expert import SharedExpert, interleave_rows
-from ..ops import quant as quant_ops
+from ..ops import moe as moe_ops, quant as quant_ops
 from ..runtime import arrays, workspace
 from ..runtime.workspace import zeros_outside_capture
 from . import kernels
@@ -341,6 +341,8 @@ class ExpertParallelMoE:
         k, slots, w4a4 = self.routing.top_k, world * b.capacity, self.mode == "w4a4"
         replicated = self.tokens == "replicated"
         rows = cap if replicated else slots
+        # every rank's tokens reach the experts (replicated: the same tokens on every rank)
+        pass_rows = moe_ops.grouped_pass_rows(x.shape[0] * (1 if replicated else world), k, self.num_experts)
         kernels.route(x, self, token_ids, b.ids, b.weights, b.counts, b.tickets, b.logits)
 
         # the input, quantized with the group's scale (rows identical to the single-device layer's)
@@ -374,11 +376,12 @@ class ExpertParallelMoE:
         else:
             act = incoming[2].reshape(rows, self.hidden)
         if self.fused:
-            kernels.grouped_gemm(act, self.w13, b.h, plan=b.local, gather=True)
+            kernels.grouped_gemm(act, self.w13, b.h, plan=b.local, gather=True, max_rows=pass_rows)
             layout = "interleaved"
         else:
-            kernels.grouped_gemm(act, self.w1, b.h, plan=b.local, gather=True)
-            kernels.grouped_gemm(act, self.w3, b.h, plan=b.local, gather=True, out_col=self.inner)
+            kernels.grouped_gemm(act, self.w1, b.h, plan=b.local, gather=True, max_rows=pass_rows)
+            kernels.grouped_gemm(act, self.w3, b.h, plan=b.local, gather=True, out_col=self.inner,
+                                 max_rows=pass_rows)
             layout = "concatenated"
         shared_h = self._shared_gate_up(x, b)
         if w4a4:
@@ -393,7 +396,7 @@ class ExpertParallelMoE:
         else:
             quant_ops.swiglu(b.h, layout=layout, limit=self.limit, row_scale=b.local.row_weight, out=b.h_act)
             shared_act = None
-        kernels.grouped_gemm(b.h_act, self.w2, b.y, plan=b.local, gather=False)
+        kernels.grouped_gemm(b.h_act, self.w2, b.y, plan=b.local, gather=False, max_rows=pass_rows)
 
         # results back to their slots (and sources), then the single-device combine
         everything = b.back_recv[:slots].reshape(world, cap, -1)

@@ -127,10 +127,11 @@ def bias_to_bf16(acc, bias, out) -> None:
            (acc, _opt(f32), _opt(bf16), out, _U32(rows), _U32(n)))
 
 
-def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0) -> None:
-    """The MoE grouped expert GEMM (``moe.cu``) over the plan of the received rows."""
+def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None) -> None:
+    """The MoE grouped expert GEMM (``moe.cu``) over the plan of the received rows; ``max_rows``: the
+    rows one pass of an expert's weights serves on the device (`moe_ops.grouped_pass_rows`)."""
     if _device(out):
-        moe_ops.grouped_gemm(act, stack, out, plan=plan, gather=gather, out_col=out_col)
+        moe_ops.grouped_gemm(act, stack, out, plan=plan, gather=gather, out_col=out_col, max_rows=max_rows)
         return
     experts = [stack.expert(e) for e in range(stack.shape[0])]
     ref.grouped_gemm(act, experts, out, offsets=plan.offsets, active=plan.active, num_active=plan.num_active,

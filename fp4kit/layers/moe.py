@@ -479,13 +479,13 @@ class MoE:
             return self._forward_small(x, token_ids, plan)
         self._route_device(x, token_ids, plan)
         act = quant_ops.quantize(x, out=plan.x_act) if self.mode == "w4a4" else x
-        tokens = x.shape[0]  # an expert gets at most one row per token
+        rows = moe_ops.grouped_pass_rows(x.shape[0], self.routing.top_k, self.gate_weight.shape[0])
         if self.fused:
-            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=tokens)
+            moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=rows)
             layout = "interleaved"
         else:
-            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows=tokens)
-            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner, max_rows=tokens)
+            moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows=rows)
+            moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner, max_rows=rows)
             layout = "concatenated"
         row_scale = plan.row_weight if self.weight_before_down else None
         if self.mode == "w4a4":
@@ -493,7 +493,7 @@ class MoE:
                                               out=plan.h_act)
         else:
             h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
-        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=tokens)
+        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows)
         shared = self._shared(x, act)
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
         return plan.out

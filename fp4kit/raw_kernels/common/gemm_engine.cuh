@@ -263,13 +263,13 @@ struct ActNvfp4 {
             }
         }
     }
-    __device__ __forceinline__ void finish(Pending& pd, __nv_bfloat16* act_s, unsigned, unsigned, unsigned) const {
+    __device__ __forceinline__ void finish(Pending& pd, __nv_bfloat16* act_s, unsigned M, unsigned, unsigned) const {
 #pragma unroll
         for (int p = 0; p < kBlocks; ++p) {
             unsigned m, kk;
             Win::block16(p, m, kk);
-            unsigned h[8];
-            decode_block16(pd.codes[p], pd.scale[p], table, h);
+            unsigned h[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+            if (m < M) decode_block16(pd.codes[p], pd.scale[p], table, h);  // rows past M stay zero
             if (Win::kWarpgroup) {
 #pragma unroll
                 for (int q = 0; q < 8; ++q) *reinterpret_cast<unsigned*>(act_s + Win::pair(m, kk + 2 * q)) = h[q];
@@ -604,7 +604,10 @@ __device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilo
 // R warpgroup MMAs per step, one per row tile of each warp; otherwise each warp issues R * T mma.sync.
 // kPdl: the kernel's first global reads are these weights, so it waits for the kernel before it
 // (common/pdl.cuh) only after issuing the first group's loads; without it, the caller waits.
-template <int R, int F, int kCluster = 0, bool kPdl = false, class Act>
+// kSkipEmpty (mma.sync): the token tiles at or past M are not multiplied; for a caller whose M
+// varies per block far below 8T (the grouped expert GEMM: T from the token count, about 2 rows per
+// expert at 64 tokens), where those MMAs would outnumber the weight's bytes.
+template <int R, int F, int kCluster = 0, bool kPdl = false, bool kSkipEmpty = false, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     using Win = typename Act::Win;
@@ -698,7 +701,8 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                     uint4 b[T];
 #pragma unroll
                     for (int i = 0; i < T; ++i)
-                        b[i] = *reinterpret_cast<const uint4*>(act_tile + (8 * i + g) * Win::kStride + 8 * h);
+                        if (!kSkipEmpty || 8u * i < M)  // warp-uniform
+                            b[i] = *reinterpret_cast<const uint4*>(act_tile + (8 * i + g) * Win::kStride + 8 * h);
 #pragma unroll
                     for (int ss = 0; ss < 2; ++ss) {
 #pragma unroll
@@ -709,7 +713,8 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                             unsigned a[4];
                             dequant_step(q, sc_g[r], sc_g8[r], a);
 #pragma unroll
-                            for (int i = 0; i < T; ++i) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
+                            for (int i = 0; i < T; ++i)
+                                if (!kSkipEmpty || 8u * i < M) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
                         }
                     }
                 }
