@@ -311,8 +311,8 @@ def test_small_pairs_per_block_rule():
 
 def test_grouped_pass_rows_rule(monkeypatch):
     """The sorted path's rows per pass of an expert's weights: the narrowest pass (8, 16, 32 or 64
-    rows) holding a third more than the mean rows per expert, never more than the tokens; the
-    knob overrides."""
+    rows) holding a third more than the mean rows per expert, never more than the tokens, at most 32
+    rows for NVFP4 activations; the knob overrides."""
     from fp4kit.ops import moe as moe_ops
 
     assert moe_ops.grouped_pass_rows(16, 6, 256) == 8  # V4-Flash: 0.4 rows per expert
@@ -320,6 +320,8 @@ def test_grouped_pass_rows_rule(monkeypatch):
     assert moe_ops.grouped_pass_rows(512, 6, 256) == 16  # 12 rows
     assert moe_ops.grouped_pass_rows(512, 8, 256) == 32  # V3: 16 rows, 21.3 with the margin
     assert moe_ops.grouped_pass_rows(4096, 6, 256) == 64  # the widest pass
+    assert moe_ops.grouped_pass_rows(4096, 6, 256, nvfp4_act=True) == moe_ops.GROUPED_PASS_ROWS_NVFP4_MAX == 32
+    assert moe_ops.grouped_pass_rows(512, 6, 256, nvfp4_act=True) == 16
     assert moe_ops.grouped_pass_rows(3, 4, 16) == 3  # an expert gets at most one row per token
     assert moe_ops.grouped_pass_rows(1, 1, 1) == 1
     monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", 32)

@@ -342,7 +342,7 @@ class ExpertParallelMoE:
         replicated = self.tokens == "replicated"
         rows = cap if replicated else slots
         # every rank's tokens reach the experts (replicated: the same tokens on every rank)
-        pass_rows = moe_ops.grouped_pass_rows(x.shape[0] * (1 if replicated else world), k, self.num_experts)
+        pass_rows = moe_ops.grouped_pass_rows(x.shape[0] * (1 if replicated else world), k, self.num_experts, w4a4)
         kernels.route(x, self, token_ids, b.ids, b.weights, b.counts, b.tickets, b.logits)
 
         # the input, quantized with the group's scale (rows identical to the single-device layer's)

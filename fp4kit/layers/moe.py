@@ -479,7 +479,7 @@ class MoE:
             return self._forward_small(x, token_ids, plan)
         self._route_device(x, token_ids, plan)
         act = quant_ops.quantize(x, out=plan.x_act) if self.mode == "w4a4" else x
-        rows = moe_ops.grouped_pass_rows(x.shape[0], self.routing.top_k, self.gate_weight.shape[0])
+        rows = moe_ops.grouped_pass_rows(x.shape[0], self.routing.top_k, self.num_experts, self.mode == "w4a4")
         if self.fused:
             moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=rows)
             layout = "interleaved"

@@ -101,9 +101,14 @@ def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
 GROUPED_PASS_ROWS = None
 
 
-def grouped_pass_rows(tokens: int, top_k: int, experts: int) -> int:
+#: the widest pass for NVFP4 activations (W4A4): their 64-row build spills registers (moe.cu
+#: moe_gemm_nvfp4_8, 88 bytes of stack); H200, V4-Flash W4A4 T = 4096: 9856 us at 32 rows, 10815 at 64
+GROUPED_PASS_ROWS_NVFP4_MAX = 32
+
+
+def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = False) -> int:
     """Rows per pass of the grouped GEMM for ``tokens`` tokens routed top-``top_k`` over ``experts``
-    experts. An expert gets at most one row per token, but rows beyond a pass are only served by
+    experts (``nvfp4_act``: W4A4, at most `GROUPED_PASS_ROWS_NVFP4_MAX`). An expert gets at most one row per token, but rows beyond a pass are only served by
     another pass over the same weight tile (from L2), so the pass is sized to the rows an expert is
     expected to get rather than the worst case: wider passes multiply empty token tiles and take
     more registers per thread (fewer resident blocks). The pass is the narrowest that holds a
@@ -117,7 +122,8 @@ def grouped_pass_rows(tokens: int, top_k: int, experts: int) -> int:
     if GROUPED_PASS_ROWS is not None:
         return GROUPED_PASS_ROWS
     mean = tokens * top_k / experts
-    return min(tokens, 8 * gemm_ops.token_tiles(math.ceil(mean * 4 / 3)))
+    rows = min(tokens, 8 * gemm_ops.token_tiles(math.ceil(mean * 4 / 3)))
+    return min(rows, GROUPED_PASS_ROWS_NVFP4_MAX) if nvfp4_act else rows
 
 
 def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
