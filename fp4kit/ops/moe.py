@@ -108,10 +108,11 @@ GROUPED_PASS_ROWS_NVFP4_MAX = 32
 
 def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = False) -> int:
     """Rows per pass of the grouped GEMM for ``tokens`` tokens routed top-``top_k`` over ``experts``
-    experts (``nvfp4_act``: W4A4, at most `GROUPED_PASS_ROWS_NVFP4_MAX`). An expert gets at most one row per token, but rows beyond a pass are only served by
-    another pass over the same weight tile (from L2), so the pass is sized to the rows an expert is
-    expected to get rather than the worst case: wider passes multiply empty token tiles and take
-    more registers per thread (fewer resident blocks). The pass is the narrowest that holds a
+    experts (``nvfp4_act``: W4A4, at most `GROUPED_PASS_ROWS_NVFP4_MAX`). An expert gets at most
+    one row per token, but rows beyond a pass are only served by another pass over the same weight
+    tile (from L2), so the pass is sized to the rows an expert is expected to get rather than the
+    worst case: wider passes stage empty token tiles and take more registers per thread (fewer
+    resident blocks). The pass is the narrowest that holds a
     third more than the mean rows of an expert, ``tokens * top_k / experts``. H200, the MoE layer
     on the sorted path, µs at 8 / 16 / 32 / 64 rows per pass (mean rows): V4-Flash W4A16 T = 16
     (0.4) 377 / 444 / 516 / 822, T = 64 (1.5) 849 / 994 / 1155 / 1871, T = 128 (3) 1100 / 1255 /

@@ -390,7 +390,8 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
         ep.out_row_base = side_by_side ? m0 : row0 + m0;
         ep.out_col = out_col + (side_by_side ? e * N : 0u);
         gemm::gemm_block<1, gemm::kGroupChunks, 0, false, kMoeSkipEmptyTiles>(
-            codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0, gemm::SplitK{nullptr, nullptr, 1, chunks});
+            codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
+            gemm::SplitK{nullptr, nullptr, 1, chunks});
         __syncthreads();  // the next rows reuse the shared activation buffers
     }
 }

@@ -605,8 +605,8 @@ __device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilo
 // kPdl: the kernel's first global reads are these weights, so it waits for the kernel before it
 // (common/pdl.cuh) only after issuing the first group's loads; without it, the caller waits.
 // kSkipEmpty (mma.sync): the token tiles at or past M are not multiplied; for a caller whose M
-// varies per block far below 8T (the grouped expert GEMM: T from the token count, about 2 rows per
-// expert at 64 tokens), where those MMAs would outnumber the weight's bytes.
+// varies per block below 8T (the grouped expert GEMM: T sized to the mean rows per expert, so
+// many experts' passes hold fewer rows).
 template <int R, int F, int kCluster = 0, bool kPdl = false, bool kSkipEmpty = false, class Act>
 __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
@@ -714,7 +714,8 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
                             dequant_step(q, sc_g[r], sc_g8[r], a);
 #pragma unroll
                             for (int i = 0; i < T; ++i)
-                                if (!kSkipEmpty || 8u * i < M) mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
+                                if (!kSkipEmpty || 8u * i < M)
+                                    mma_bf16(acc[r][i], a, ss ? b[i].z : b[i].x, ss ? b[i].w : b[i].y);
                         }
                     }
                 }
