@@ -69,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks for the attention projections and "
                     "the lm_head (one process per GPU: start with python -m fp4kit.distributed.launch --nproc N)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks for the MoE layers (idem)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="build the multi-token-prediction layer (an official config's, or one window-only layer on a "
+                         "preset) and report how often its greedy draft equals the sampled token")
     return ap.parse_args(argv)
 
 
@@ -79,9 +82,14 @@ def make_config(args, official: dict | None = None) -> configs.ModelConfig:
     if args.max_context:
         overrides["max_context"] = args.max_context
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
-        return runner.load_config(args.load, args.layers, **overrides)
+        cfg = runner.load_config(args.load, args.layers, mtp=args.mtp, **overrides)
+        if args.mtp and not cfg.mtp_ratios:
+            raise SystemExit(f"--mtp: the model saved in {args.load} has no multi-token-prediction layer")
+        return cfg
     if official is not None:
-        return configs.from_official(official, args.layers or 4, **overrides)
+        return configs.from_official(official, args.layers or 4, mtp=args.mtp, **overrides)
+    if args.mtp:
+        overrides["mtp_ratios"] = (0,)  # DeepSeek-V4's MTP layer attends over its window only
     return configs.PRESETS[args.preset](args.layers or 4, **overrides)
 
 
@@ -156,15 +164,20 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
     steps = max(args.new_tokens - 1, 1)
     tokens = np.asarray(runner.to_host(state.history))[: args.new_tokens].T.copy()
     batched = args.batched_prefill and fed > 0
-    return {"prefill_s": t_prefill, "prefill_tokens": (fed if batched else max(fed - 1, 0)) * b, "warmup_s": t_warm,
-            "warmup_tokens": (fed if batched else min(fed, 1)) * b, "decode_s": t_decode, "decode_steps": steps,
-            "tokens": tokens, "position": p + args.new_tokens, "decoder": dec, "batched_prefill": batched}
+    # fed eagerly before the capture: the first position, and the second with an MTP layer (it
+    # runs from the second position on)
+    eager = fed if batched else min(fed, 2 if model.mtp else 1)
+    return {"prefill_s": t_prefill, "prefill_tokens": (fed - eager) * b, "warmup_s": t_warm,
+            "warmup_tokens": eager * b, "decode_s": t_decode, "decode_steps": steps,
+            "tokens": tokens, "position": p + args.new_tokens, "decoder": dec, "batched_prefill": batched,
+            "draft_acceptance": runner.draft_acceptance(state, args.new_tokens)}
 
 
 def report(model, cfg, res: dict, batch: int, device: bool) -> None:
     if res["warmup_tokens"]:
         what = "kernel compilation or cache load, buffers, graph capture" if device else "buffers"
-        first = "a first batched prefill on a scratch state" if res.get("batched_prefill") else "the first prompt position"
+        first = ("a first batched prefill on a scratch state" if res.get("batched_prefill") else
+                 "the first prompt position" + ("s" if res["warmup_tokens"] > batch else ""))
         print(f"warm-up: {first} ({res['warmup_tokens']} tokens) in {res['warmup_s'] * 1e3:.1f} ms "
               f"({what}; not in the rates)")
     if res["prefill_tokens"]:
@@ -179,9 +192,10 @@ def report(model, cfg, res: dict, batch: int, device: bool) -> None:
     kv = runner.kv_bytes(cfg, batch, res["position"])
     total = sum(weights.values()) + kv
     line = (f"bytes per step: {total / 1e6:.1f} MB (attention {weights['attention'] / 1e6:.1f}, routed experts "
-            f"{weights['routed'] / 1e6:.1f} for {touched} experts touched, shared {weights['shared'] / 1e6:.1f}, "
+            f"{weights['routed'] / 1e6:.1f} for {touched[:cfg.layers]} experts touched, shared {weights['shared'] / 1e6:.1f}, "
             f"router {weights['router'] / 1e6:.1f}, lm_head {weights['lm_head'] / 1e6:.1f}, "
-            + (f"hyper-connections {weights['hyper'] / 1e6:.1f}, " if "hyper" in weights else "") + f"KV {kv / 1e6:.2f})")
+            + (f"hyper-connections {weights['hyper'] / 1e6:.1f}, " if "hyper" in weights else "")
+            + (f"MTP layer {weights['mtp'] / 1e6:.1f}, " if "mtp" in weights else "") + f"KV {kv / 1e6:.2f})")
     print(line)
     if device:  # a bandwidth of the numpy reference says nothing about the kernels: left out
         achieved = total / step_s
@@ -264,6 +278,7 @@ def main(argv=None) -> int:
           f"{cfg.experts} experts top-{cfg.top_k}, vocab {cfg.vocab}, compress ratios {list(cfg.compress_ratios)}, "
           + (f"hyper-connections x{cfg.hc_mult}, " if cfg.hc_mult > 1 else "")
           + ("simulated FP8/FP4 activations, " if cfg.qat_sim else "")
+          + (f"MTP layer (ratio {cfg.mtp_ratios[0]}), " if cfg.mtp_ratios else "")
           + f"{cfg.mode}, on {'the GPU' if device else 'numpy'}")
     t0 = time.perf_counter()
     # with --ep every rank builds (and reads) its own routed experts only
@@ -296,6 +311,11 @@ def main(argv=None) -> int:
     else:
         res = decode(model, cfg, prompt, args, device)
         report(model, cfg, res, args.batch, device)
+        if model.mtp:
+            accepted = res["draft_acceptance"]
+            print("MTP: " + ("no draft to compare" if accepted is None else
+                             f"the greedy draft equals the sampled token in {100 * accepted:.1f}% of the steps "
+                             f"(what a one-token speculative step would accept; with random weights ~ 1 / vocab)"))
         for b in range(min(args.batch, 4)):
             print(f"seq {b} generated token ids: {res['tokens'][b][:24].tolist()}{' ...' if args.new_tokens > 24 else ''}")
         ok = True

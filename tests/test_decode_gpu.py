@@ -255,3 +255,43 @@ def test_decode_graph_kernels_fused_combine_no_index_lists_no_unread_window():
     assert not [name for name in fused if name.startswith("cupy_copy")]  # the sampler writes st.tokens
     assert sum(apart.values()) - sum(fused.values()) == layers
     assert sum(fused.values()) <= 81 - 18
+
+
+@pytest.mark.parametrize("mode,hc", [("w4a16", 1), ("w4a4", 1), ("w4a16", 4)])
+def test_sublayer_check_with_the_mtp_layer_on_the_gpu(mode, hc):
+    """The multi-token-prediction layer's kernels (its input projections, block, head; the copies
+    with ``hc``) against the numpy model sublayer by sublayer over 40 positions."""
+    cfg = configs.tiny(layers=2, mode=mode, hc_mult=hc, mtp_ratios=(0,))
+    check_sublayers(cfg, runner.random_prompt(2, 40, cfg.vocab, seed=9))
+
+
+@pytest.mark.parametrize("hc", [1, 4])
+def test_mtp_layer_graph_equals_eager_and_tracks_numpy(hc):
+    """With the MTP layer in the captured step: graph = eager bit for bit (tokens, logits and the
+    draft log), the drafts are the greedy tokens of the MTP logits, the logits track numpy."""
+    cfg = configs.tiny(max_context=2048, hc_mult=hc, mtp_ratios=(0,))
+    runs = check_graph_and_numpy(cfg, runner.random_prompt(2, 10, cfg.vocab, seed=8), 16)
+    drafts = {name: cp.asnumpy(dec.state.draft_history) for name, (_, _, dec) in runs.items()}
+    np.testing.assert_array_equal(drafts["graph"], drafts["eager"])
+    state = runs["graph"][2].state
+    assert int(state.draft_step[0]) == 16 and state.mtp_runs >= 2
+    last = cp.asnumpy(state.mtp_logits[0]).astype(np.float32).argmax(-1)
+    np.testing.assert_array_equal(drafts["graph"][15], last)
+
+
+def test_batched_prefill_on_the_gpu_fills_the_mtp_cache_as_feeding():
+    cfg = configs.tiny(layers=3, mtp_ratios=(0,))
+    prompt = runner.random_prompt(2, 60, cfg.vocab, seed=5)
+    logits = {}
+    for batched in (False, True):
+        model, _ = runner.build(cfg, device=True, seed=3)
+        state = model.new_state(2, history_rows=3)
+        dec = runner.Decoder(model, state, cp.asarray(prompt), use_graph=False, batched_prefill=batched)
+        dec.prefill()
+        dec.decode_step()
+        dec.synchronize()
+        assert cp.asnumpy(state.mtp_layers[0]["kv"].pos).tolist() == [59, 59]
+        logits[batched] = cp.asnumpy(state.mtp_logits[0]).astype(np.float32)
+    a, b = logits[True], logits[False]
+    rel = np.sqrt(((a - b) ** 2).mean(axis=1) / (b**2).mean(axis=1))
+    assert (rel <= runner.NUMPY_TOLERANCE["w4a16"]["max"]).all(), rel

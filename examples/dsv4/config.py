@@ -56,6 +56,11 @@ class ModelConfig:
     # fp4kit.reference.qat) and the de-rotation of the attention output's RoPE channels. Numpy
     # model only so far
     qat_sim: bool = False
+    # the multi-token-prediction layers (the official `num_nextn_predict_layers`, checkpoint prefix
+    # ``mtp.{j}``), by their compression ratio (the official `compress_ratios` entries after the
+    # layers'): each is a whole block on the hidden state the layers leave and the next token's
+    # embedding, drafting the token after it (`dsv4.model.MtpLayer`). Empty: none built
+    mtp_ratios: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -63,6 +68,11 @@ class ModelConfig:
             raise ValueError(f"compress_ratios: expected {self.layers} entries, got {len(self.compress_ratios)}")
         if any(r not in (0, 4, 128) for r in self.compress_ratios):
             raise ValueError(f"compress_ratios: expected entries in (0, 4, 128), got {self.compress_ratios}")
+        if not isinstance(self.mtp_ratios, tuple) or any(r not in (0, 4, 128) for r in self.mtp_ratios):
+            raise ValueError(f"mtp_ratios: expected a tuple of entries in (0, 4, 128), got {self.mtp_ratios!r}")
+        if len(self.mtp_ratios) > 1:
+            raise ValueError(f"mtp_ratios: this model drafts with one multi-token-prediction layer (DeepSeek-V4 has "
+                             f"one), got {len(self.mtp_ratios)}")
         if (self.heads * self.head_dim) % self.o_groups:
             raise ValueError("o_groups: must divide heads * head_dim")
         if not 0 <= self.hash_layers <= self.layers:
@@ -93,6 +103,18 @@ class ModelConfig:
         return hyper_connections.yarn_inv_freq(self.rope_dim, self.compress_rope_theta, self.rope_factor,
                                                 self.rope_original, self.beta_fast, self.beta_slow)
 
+    def blocks(self) -> list[tuple[str, int]]:
+        """``(checkpoint prefix, compression ratio)`` of every block: the layers' (``layers.{i}``),
+        then the multi-token-prediction layers' (``mtp.{j}``)."""
+        return ([(f"layers.{i}", r) for i, r in enumerate(self.compress_ratios)]
+                + [(f"mtp.{j}", r) for j, r in enumerate(self.mtp_ratios)])
+
+    def hashed(self, prefix: str) -> bool:
+        """Whether the block at ``prefix`` routes by token id: the first ``hash_layers`` layers (an
+        MTP layer comes after every layer of the official model, so never)."""
+        head, _, index = prefix.partition(".")
+        return head == "layers" and int(index) < self.hash_layers
+
     def max_comp(self, ratio: int) -> int:
         """Compressed entries per sequence a layer of this ratio can hold (a whole context)."""
         return max(1, self.max_context // ratio) if ratio else 0
@@ -100,11 +122,12 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["compress_ratios"] = list(self.compress_ratios)
+        d["mtp_ratios"] = list(self.mtp_ratios)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        return cls(**{**d, "compress_ratios": tuple(d["compress_ratios"])})
+        return cls(**{**d, "compress_ratios": tuple(d["compress_ratios"]), "mtp_ratios": tuple(d.get("mtp_ratios", ()))})
 
 
 def _ratios(layers: int) -> tuple[int, ...]:
@@ -171,10 +194,11 @@ def _yarn(d: dict) -> dict:
             "beta_fast": float(src["beta_fast"]), "beta_slow": float(src["beta_slow"])}
 
 
-def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfig:
+def from_official(d: dict, layers: int | None = None, mtp: bool = False, **overrides) -> ModelConfig:
     """This model's configuration from an official DeepSeek-V4 ``config.json`` (V4-Flash, V4-Pro),
-    its first ``layers`` layers (all by default; the MTP layer's entry of ``compress_ratios`` is
-    dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
+    its first ``layers`` layers (all by default) and, with ``mtp``, its multi-token-prediction layers
+    (``num_nextn_predict_layers``, their ratios the entries of ``compress_ratios`` after the layers';
+    without, those entries are dropped). Refuses, naming them, what this model cannot express: missing keys, a key value other
     than the one the model builds (one key-value head, one shared expert, ``sqrtsoftplus`` routing,
     no expert groups, YaRN if any RoPE scaling). The GPU model refuses copies of the residual stream
     other than DeepSeek-V4's 4."""
@@ -201,6 +225,15 @@ def from_official(d: dict, layers: int | None = None, **overrides) -> ModelConfi
     n = total if layers is None else layers
     if not 1 <= n <= total:
         raise ValueError(f"layers: expected 1..{total}, got {n}")
+    mtp_ratios = ()
+    if mtp:
+        count = d.get("num_nextn_predict_layers", d.get("n_mtp_layers", 0))
+        if not count:
+            raise ValueError("config: no multi-token-prediction layer (num_nextn_predict_layers is 0 or missing)")
+        if len(ratios) < total + count:
+            raise ValueError(f"config: compress_ratios has {len(ratios)} entries for {total} layers and {count} "
+                             f"multi-token-prediction layer(s)")
+        mtp_ratios = ratios[total:total + count]
     fields.update(layers=n, compress_ratios=ratios[:n], hash_layers=min(fields["hash_layers"], n),
-                  eps=d.get("rms_norm_eps", 1e-6), qat_sim=True, **_yarn(d))
+                  eps=d.get("rms_norm_eps", 1e-6), qat_sim=True, mtp_ratios=mtp_ratios, **_yarn(d))
     return replace(ModelConfig(**fields), **overrides)

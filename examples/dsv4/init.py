@@ -49,9 +49,10 @@ def uniform(xp, seed: int, name: str, shape: tuple[int, ...], std: float, dtype=
     return ((u * np.float32(2.0) - np.float32(1.0)) * a).astype(dtype).reshape(shape)
 
 
-def linear_shapes(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, int]]:
-    """Quantized linear weights ``{prefix: (out, in)}`` of layer i (the routed experts too)."""
-    p = f"layers.{i}.attn"
+def linear_shapes(cfg: ModelConfig, block: str, ratio: int) -> dict[str, tuple[int, int]]:
+    """Quantized linear weights ``{prefix: (out, in)}`` of the block at checkpoint prefix ``block``
+    (``layers.{i}``, or ``mtp.{j}`` with its two input projections; the routed experts too)."""
+    p = f"{block}.attn"
     d, hd = cfg.hidden, cfg.heads * cfg.head_dim
     shapes = {f"{p}.wq_a": (cfg.q_lora, d), f"{p}.wq_b": (hd, cfg.q_lora), f"{p}.wkv": (cfg.head_dim, d),
               f"{p}.wo_b": (d, cfg.o_groups * cfg.o_lora)}
@@ -68,7 +69,9 @@ def linear_shapes(cfg: ModelConfig, i: int, ratio: int) -> dict[str, tuple[int, 
         shapes[f"{p}.indexer.compressor.wgate"] = (coff * cfg.index_head_dim, d)
     expert = {"gate_proj": (cfg.inner, d), "up_proj": (cfg.inner, d), "down_proj": (d, cfg.inner)}
     for owner in ["shared"] + [f"experts.{e}" for e in range(cfg.experts)]:
-        shapes.update({f"layers.{i}.ffn.{owner}.{proj}": shape for proj, shape in expert.items()})
+        shapes.update({f"{block}.ffn.{owner}.{proj}": shape for proj, shape in expert.items()})
+    if block.startswith("mtp."):  # the next token's embedding and the hidden state, each to the block's input
+        shapes[f"{block}.e_proj"] = shapes[f"{block}.h_proj"] = (d, d)
     return shapes
 
 
@@ -104,10 +107,9 @@ def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoin
         ckpt.extra[name] = (v + np.float32(mean)).astype(dtype) if mean else v.astype(dtype)
 
     extra("embed", (cfg.vocab, cfg.hidden), 1.0, dtype=BF16)
-    for i, ratio in enumerate(cfg.compress_ratios):
-        for name, shape in linear_shapes(cfg, i, ratio).items():
+    for p, ratio in cfg.blocks():
+        for name, shape in linear_shapes(cfg, p, ratio).items():
             quantized(name, shape)
-        p = f"layers.{i}"
         extra(f"{p}.attn_norm", (cfg.hidden,), 0.1, 1.0)
         extra(f"{p}.ffn_norm", (cfg.hidden,), 0.1, 1.0)
         extra(f"{p}.attn.q_norm", (cfg.q_lora,), 0.1, 1.0)
@@ -123,9 +125,13 @@ def random_checkpoint(cfg: ModelConfig, seed: int, *, device: bool) -> Checkpoin
         f = f"{p}.ffn"
         extra(f"{f}.gate.weight", (cfg.experts, cfg.hidden), cfg.hidden**-0.5, dtype=BF16)
         extra(f"{f}.gate.bias", (cfg.experts,), 0.01)
-        if i < cfg.hash_layers:
+        if cfg.hashed(p):
             ckpt.extra[f"{f}.tid2eid"] = _hash_table(xp, seed, f"{f}.tid2eid", cfg)
-    sites = [(f"layers.{i}.hc_{part}", False) for i in range(cfg.layers) for part in ("attn", "ffn")]
+        if p.startswith("mtp."):
+            for norm in ("enorm", "hnorm", "norm"):
+                extra(f"{p}.{norm}", (cfg.hidden,), 0.1, 1.0)
+    sites = [(f"{p}.hc_{part}", False) for p, _ in cfg.blocks() for part in ("attn", "ffn")]
+    sites += [(f"{p}.hc_head", True) for p, _ in cfg.blocks() if p.startswith("mtp.")]
     for site, head in sites + [("hc_head", True)]:
         for name, shape in hc_shapes(cfg, site, head).items():
             extra(name, shape, *_HC_INIT[name.rpartition("_")[2]](cfg))

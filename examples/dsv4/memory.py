@@ -34,8 +34,8 @@ def weight_bytes(cfg: ModelConfig, ep: int = 1) -> dict[str, int]:
         raise ValueError(f"ep: expected 1 to {cfg.experts} expert-parallel ranks, got {ep}")
     per_rank = -(-cfg.experts // ep)
     routed = dense = 0
-    for i, ratio in enumerate(cfg.compress_ratios):
-        for name, (n, k) in linear_shapes(cfg, i, ratio).items():
+    for block, ratio in cfg.blocks():
+        for name, (n, k) in linear_shapes(cfg, block, ratio).items():
             if ".experts." in name:
                 if int(name.split(".experts.")[1].split(".")[0]) < per_rank:
                     routed += nvfp4_bytes(n, k)
@@ -62,7 +62,7 @@ def _cache_bytes(batch: int, window: int, head_dim: int, ratio: int, max_comp: i
 def kv_cache_bytes(cfg: ModelConfig, batch: int) -> int:
     """Bytes of the caches of ``batch`` sequences (`dsv4.model.Attention.caches`)."""
     total = 0
-    for ratio in cfg.compress_ratios:
+    for _, ratio in cfg.blocks():
         total += _cache_bytes(batch, cfg.window, cfg.head_dim, ratio, max(1, cfg.max_comp(ratio)))
         if ratio == 4:  # the indexer's key cache
             total += _cache_bytes(batch, 1, cfg.index_head_dim, 4, cfg.max_comp(4))

@@ -18,8 +18,9 @@ expert, the V4 SwiGLU clamp.
 
 The official inference's simulated activation quantization (the Hadamard rotation and FP4
 simulation of the indexer's queries and keys, FP8 of the KV latents) and the output de-rotation
-are built on both (`ModelConfig.qat_sim`, `QatSimulation` over `fp4kit.ops.qat`). Left out
-(documented in the README): multi-token prediction. YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
+are built on both (`ModelConfig.qat_sim`, `QatSimulation` over `fp4kit.ops.qat`), and so is the
+multi-token-prediction layer (`ModelConfig.mtp_ratios`, `MtpLayer`: a greedy draft of the next
+token each step; the speculative step that would use it is not built). YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
 is built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the
 numpy ops take in place of a base and the kernels read from a table. `Model.prefill` runs a
 prompt through each layer once as T tokens (the runner's ``batched_prefill``); by default the
@@ -233,9 +234,9 @@ class QatSimulation:
 
 
 class Attention:
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp):
-        p = f"layers.{i}.attn"
-        self.cfg, self.ratio, self.xp = cfg, cfg.compress_ratios[i], xp
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, block: str, ratio: int, xp):
+        p = f"{block}.attn"
+        self.cfg, self.ratio, self.xp = cfg, ratio, xp
         self.theta = cfg.rope_theta_of(self.ratio)  # a base, or YaRN's inverse frequencies
         self.qat = QatSimulation(cfg, self.theta) if cfg.qat_sim else None
 
@@ -406,13 +407,14 @@ class HyperConnection:
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, i: int, xp, expert_comm=None):
-        p = f"layers.{i}"
+    """One decoder layer (``p`` its checkpoint prefix: ``layers.{i}``, or ``mtp.{j}``)."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, p: str, ratio: int, xp, expert_comm=None):
         self.attn_norm, self.ffn_norm = ckpt.extra[f"{p}.attn_norm"], ckpt.extra[f"{p}.ffn_norm"]
         if cfg.hc_mult > 1:
             self.hc_attn = HyperConnection(cfg, ckpt, f"{p}.hc_attn")
             self.hc_ffn = HyperConnection(cfg, ckpt, f"{p}.hc_ffn")
-        self.attn = Attention(cfg, ckpt, i, xp)
+        self.attn = Attention(cfg, ckpt, p, ratio, xp)
         routing = RoutingConfig(top_k=cfg.top_k, score_func="sqrtsoftplus", routed_scale=cfg.routed_scale)
         shared = SharedExpert.from_checkpoint(ckpt, f"{p}.ffn.shared", limit=cfg.swiglu_limit, mode=cfg.mode)
         common = dict(num_experts=cfg.experts, bias="gate.bias", tid2eid=ckpt.extra.get(f"{p}.ffn.tid2eid"),
@@ -426,6 +428,47 @@ class Block:
                                                               tokens="replicated", **common)
 
 
+class MtpLayer:
+    """A multi-token-prediction layer (checkpoint prefix ``mtp.{j}``; DeepSeek-V4 has one): from the
+    hidden state ``h`` the layers leave at position p (the residual stream before the final norm, or
+    its copies) and the token at p + 1, the logits of the token at p + 2::
+
+        x = e_proj(enorm(embed(token))) + h_proj(hnorm(h))   # e_proj's output added to every copy of h
+        x = block(x)                                          # a whole layer, its own KV cache, at position p
+        logits = lm_head(norm(x))                             # through its own head site with copies
+
+    with the model's embedding and ``lm_head``. `Model.forward` runs it at the start of each step on
+    the hidden state of the step before and the step's input token, so its draft is for the token
+    the step itself samples (`Model.step` logs both: `runner.draft_acceptance`)."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, j: int, ratio: int, xp, expert_comm=None):
+        p = f"mtp.{j}"
+        self.block = Block(cfg, ckpt, p, ratio, xp, expert_comm)
+        self.e_proj, self.h_proj = (Linear.from_checkpoint(ckpt, f"{p}.{n}", mode=cfg.mode, static_input_scale=False)
+                                    for n in ("e_proj", "h_proj"))
+        self.enorm, self.hnorm, self.norm = (ckpt.extra[f"{p}.{n}"] for n in ("enorm", "hnorm", "norm"))
+        self.hc_head = HyperConnection(cfg, ckpt, f"{p}.hc_head", head=True) if cfg.hc_mult > 1 else None
+
+    def buffers(self, xp, cfg: ModelConfig, rows: int) -> dict:
+        """What a call on ``rows`` tokens writes besides the block's own buffers: the block's input
+        ``x`` (fp32, shaped as the residual stream), the embedding, the two projections (fp32)."""
+        hc = cfg.hc_mult
+        shape = (rows, hc, cfg.hidden) if hc > 1 else (rows, cfg.hidden)
+        return {"x": xp.zeros(shape, np.float32), "emb": xp.zeros((rows, cfg.hidden), np.float32),
+                "e": xp.zeros((rows, cfg.hidden), np.float32), "h": xp.zeros((rows * hc, cfg.hidden), np.float32)}
+
+    def input(self, model: "Model", h, tokens, buf: dict):
+        """The block's input ``buf["x"]`` for hidden states ``h`` (shaped as the residual stream,
+        fp32) and tokens int32 ``[rows]``."""
+        cfg, x = model.cfg, buf["x"]
+        e = ew.embed_rmsnorm(model.embed, tokens, self.enorm, eps=cfg.eps, resid=buf["emb"])
+        hn = ew.add_rmsnorm(h.reshape(-1, cfg.hidden), None, self.hnorm, eps=cfg.eps)  # each copy on its own
+        e = self.e_proj(e, out=buf["e"])
+        hn = self.h_proj(hn, out=buf["h"])
+        model.xp.add(hn.reshape(x.shape), e.reshape(x.shape[:1] + (1,) * (x.ndim - 2) + x.shape[-1:]), out=x)
+        return x
+
+
 class DecodeState:
     """Everything one decode step of ``batch`` sequences reads and writes: the caches, the
     residual stream, the current tokens (input of the step, overwritten by its samples), the
@@ -435,6 +478,16 @@ class DecodeState:
         xp = model.xp
         self.batch = batch
         self.layers = [blk.attn.caches(batch, model.device) for blk in model.blocks]
+        # the multi-token-prediction layers' caches and buffers, their logits and greedy drafts (a
+        # log beside the token log: row r the draft for the token logged in row r)
+        self.mtp_layers = [m.block.attn.caches(batch, model.device) for m in model.mtp]
+        self.mtp_buffers = [m.buffers(xp, model.cfg, batch) for m in model.mtp]
+        self.mtp_logits = [xp.zeros((batch, model.cfg.vocab), BF16) for _ in model.mtp]
+        self.drafts = xp.full(batch, -1, np.int32)  # -1: no draft (the first position has no hidden state before it)
+        self.draft_history = xp.zeros((history_rows, batch), np.int32)
+        self.draft_step = xp.zeros(1, np.int32)
+        self.mtp_primed = False  # whether resid holds a position's hidden state (the MTP's input)
+        self.mtp_runs = 0  # MTP calls made (host count: a graph is captured only after an eager one)
         # the residual stream: [batch, hidden], or its hc_mult copies [batch, hc_mult, hidden]
         hc = model.cfg.hc_mult
         self.resid = xp.zeros((batch, hc, model.cfg.hidden) if hc > 1 else (batch, model.cfg.hidden), np.float32)
@@ -467,12 +520,15 @@ class Model:
                              f"this one runs on the numpy model only (device=False)")
         self.cfg, self.device, self.xp = cfg, device, xp
         self.embed = ckpt.extra["embed"]
-        self.blocks = [Block(cfg, ckpt, i, xp, expert_comm) for i in range(cfg.layers)]
+        self.blocks = [Block(cfg, ckpt, f"layers.{i}", r, xp, expert_comm) for i, r in enumerate(cfg.compress_ratios)]
+        self.mtp = [MtpLayer(cfg, ckpt, j, r, xp, expert_comm) for j, r in enumerate(cfg.mtp_ratios)]
         self.norm = ckpt.extra["norm"]
         self.hc_head = HyperConnection(cfg, ckpt, "hc_head", head=True) if cfg.hc_mult > 1 else None
         self.lm_head = Linear.from_checkpoint(ckpt, "lm_head", mode=cfg.mode, static_input_scale=False)
         self.generator = Generator(seed, device=device)
         self.sampler = Sampler(self.generator, temperature=temperature, top_k=top_k, top_p=top_p)
+        # the MTP's drafts are greedy, from a generator of their own (the step's draws unchanged)
+        self.draft_sampler = Sampler(Generator(seed + 1, device=device), temperature=0.0) if self.mtp else None
 
     def new_state(self, batch: int, history_rows: int = 1024) -> DecodeState:
         return DecodeState(self, batch, history_rows)
@@ -492,6 +548,9 @@ class Model:
                 value[...] = new
             return value
 
+        if self.mtp and st.mtp_primed:
+            self._draft(st, sync)
+        st.mtp_primed = bool(self.mtp)
         if self.hc_head is not None:
             return self._forward_hc(st, sync)
         # the embedding and the first layer's norm in one launch
@@ -514,25 +573,49 @@ class Model:
         runs between two sites (the second bringing the copies up to date with its output), the
         head's site mixes them once more."""
         emb = ew.embed(self.embed, st.tokens)
-        y, post, comb = self._blocks_hc(st.resid, emb, st.layers, lambda blk, h, caches: blk.attn(h, caches),
-                                        st.tokens, sync)
+        y, post, comb = self._blocks_hc(st.resid, emb, self.blocks, st.layers,
+                                        lambda blk, h, caches: blk.attn(h, caches), st.tokens, sync)
         h, _, _ = self.hc_head.site(st.resid, self.norm, y, post, comb)
         st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
         return st.logits
 
-    def _blocks_hc(self, x, emb, layers, attend, token_ids, sync) -> tuple:
-        """Every block on the copies ``x [rows, hc, D]`` (in place, started from ``emb``);
-        ``attend(blk, h, caches)`` runs a block's attention on its normed input. Returns the last
-        sublayer's output and its site's ``post`` / ``comb``, for the head's site."""
+    def _blocks_hc(self, x, emb, blocks, layers, attend, token_ids, sync, tag: str = "") -> tuple:
+        """``blocks`` on the copies ``x [rows, hc, D]`` (in place, started from ``emb``, or with
+        ``emb`` None taken as they are); ``attend(blk, h, caches)`` runs a block's attention on its
+        normed input. Returns the last sublayer's output and its site's ``post`` / ``comb``, for the
+        head's site. ``tag`` prefixes the names ``sync`` sees."""
         y, post, comb = emb, None, None
-        for i, (blk, caches) in enumerate(zip(self.blocks, layers)):
-            h, post, comb = blk.hc_attn.site(x, blk.attn_norm, y, post, comb, start=i == 0)
-            sync("resid", 2 * i, x)
-            y = sync("attn.out", i, attend(blk, sync("attn.in", i, h), caches))
+        for i, (blk, caches) in enumerate(zip(blocks, layers)):
+            h, post, comb = blk.hc_attn.site(x, blk.attn_norm, y, post, comb, start=i == 0 and emb is not None)
+            sync(tag + "resid", 2 * i, x)
+            y = sync(tag + "attn.out", i, attend(blk, sync(tag + "attn.in", i, h), caches))
             h, post, comb = blk.hc_ffn.site(x, blk.ffn_norm, y, post, comb)
-            sync("resid", 2 * i + 1, x)
-            y = sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=token_ids))
+            sync(tag + "resid", 2 * i + 1, x)
+            y = sync(tag + "moe.out", i, blk.moe(sync(tag + "moe.in", i, h), token_ids=token_ids))
         return y, post, comb
+
+    def _draft(self, st: DecodeState, sync) -> None:
+        """The MTP layer on the hidden state of the step before (``st.resid``) and the step's input
+        token: its logits into ``st.mtp_logits[0]``, their greedy token into ``st.drafts``; its cache
+        advances one position (the previous step's)."""
+        mtp, caches, buf = self.mtp[0], st.mtp_layers[0], st.mtp_buffers[0]
+        st.mtp_runs += 1
+        x = sync("mtp.in", 0, mtp.input(self, st.resid, st.tokens, buf))
+        blk, eps = mtp.block, self.cfg.eps
+        if mtp.hc_head is not None:
+            y, post, comb = self._blocks_hc(x, None, [blk], [caches], lambda b, h, c: b.attn(h, c), st.tokens, sync,
+                                            tag="mtp.")
+            h, _, _ = mtp.hc_head.site(x, mtp.norm, y, post, comb)
+        else:
+            h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=eps)
+            sync("mtp.resid", 0, x)
+            y = sync("mtp.attn.out", 0, blk.attn(sync("mtp.attn.in", 0, h), caches))
+            h = ew.add_rmsnorm(x, y, blk.ffn_norm, eps=eps)
+            sync("mtp.resid", 1, x)
+            delta = sync("mtp.moe.out", 0, blk.moe(sync("mtp.moe.in", 0, h), token_ids=st.tokens))
+            h = ew.add_rmsnorm(x, delta, mtp.norm, eps=eps)
+        logits = sync("mtp.logits", 0, self.lm_head(sync("mtp.head.in", 0, h), out=st.mtp_logits[0]))
+        self.draft_sampler(logits, out=st.drafts)
 
     def prefill(self, st: DecodeState, tokens):
         """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched
@@ -545,15 +628,19 @@ class Model:
         b, t = tokens.shape
         flat = tokens.reshape(-1)
         positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
+        def last(a):  # each sequence's last position: the only rows the head reads
+            return xp.ascontiguousarray(a.reshape(b, t, *a.shape[1:])[:, -1])
+
         if self.hc_head is not None:
             x = xp.empty((flat.shape[0], cfg.hc_mult, cfg.hidden), np.float32)
-            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, flat), st.layers,
+            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, flat), self.blocks, st.layers,
                                             lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
                                             lambda name, i, value: value)
-            def last(a):  # each sequence's last position: the only rows the head reads
-                return xp.ascontiguousarray(a.reshape(b, t, *a.shape[1:])[:, -1])
-
-            h, _, _ = self.hc_head.site(last(x), self.norm, last(y), last(post), last(comb))
+            if self.mtp:  # every position's copies brought up to date: the MTP reads them all
+                h = last(self.hc_head.site(x, self.norm, y, post, comb)[0])
+                self._prefill_mtp(st, x, tokens)
+            else:
+                h, _, _ = self.hc_head.site(last(x), self.norm, last(y), last(post), last(comb))
             st.logits = self.lm_head(h)
             return st.logits
         resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
@@ -565,8 +652,40 @@ class Model:
             h = ew.add_rmsnorm(resid, blk.attn.prefill(h, caches, positions, b, t), blk.ffn_norm, eps=cfg.eps)
             delta = blk.moe(h, token_ids=flat)
         h = ew.add_rmsnorm(resid, delta, self.norm, eps=cfg.eps)
-        st.logits = self.lm_head(xp.ascontiguousarray(h.reshape(b, t, -1)[:, -1]))
+        if self.mtp:
+            self._prefill_mtp(st, resid, tokens)
+        st.logits = self.lm_head(last(h))
         return st.logits
+
+    def _prefill_mtp(self, st: DecodeState, hidden, tokens) -> None:
+        """The MTP layer over a prompt ``tokens [B, T]`` whose hidden states (every position's,
+        shaped as the residual stream) the layers left in ``hidden``: position p with token p + 1 for
+        p < T - 1, filling its cache as T - 1 decode steps would; the last position's hidden state
+        goes to ``st.resid`` for the first step's draft. Its logits are not needed (no draft is
+        compared in a prompt), so the head does not run."""
+        xp, cfg = self.xp, self.cfg
+        b, t = tokens.shape
+        per_seq = hidden.reshape(b, t, *hidden.shape[1:])
+        st.resid[...] = per_seq[:, -1]
+        st.mtp_primed = True
+        if t < 2:
+            return
+        mtp, caches = self.mtp[0], st.mtp_layers[0]
+        rows = b * (t - 1)
+        positions = xp.asarray(np.tile(np.arange(t - 1, dtype=np.int32), b))
+        following = xp.ascontiguousarray(tokens[:, 1:]).reshape(-1)
+        x = mtp.input(self, xp.ascontiguousarray(per_seq[:, :-1]), following, mtp.buffers(xp, cfg, rows))
+        blk = mtp.block
+
+        def attend(blk, h, caches):
+            return blk.attn.prefill(h, caches, positions, b, t - 1)
+
+        if mtp.hc_head is not None:
+            self._blocks_hc(x, None, [blk], [caches], attend, following, lambda name, i, value: value)
+            return
+        h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=cfg.eps)
+        h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
+        blk.moe(h, token_ids=following)
 
     def step(self, st: DecodeState):
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.
@@ -574,6 +693,8 @@ class Model:
         logits = self.forward(st)
         self.sampler(logits, out=st.tokens)  # the samples land in the state's tokens: no copy
         ew.log_tokens(st.tokens, st.history, st.step)
+        if self.mtp:  # the MTP's draft for the token just sampled, in the same row of its own log
+            ew.log_tokens(st.drafts, st.draft_history, st.draft_step)
         return st.tokens
 
     def feed(self, st: DecodeState, tokens):
@@ -600,7 +721,7 @@ class Model:
                 whole += 1
                 return lin
 
-        for blk in self.blocks:
+        for blk in self.blocks + [m.block for m in self.mtp]:
             if ep and not isinstance(blk.moe, dist.ExpertParallelMoE):  # not built expert-parallel already
                 blk.moe = dist.ExpertParallelMoE.shard(blk.moe, comm, tokens="replicated")
             if tp:
@@ -621,16 +742,23 @@ class Model:
         ``experts_touched[i]`` distinct experts, the lm_head, and the hyper-connections' mixing
         weights where the model has copies."""
         total = {"attention": 0, "shared": 0, "routed": 0, "router": 0}
-        for i, touched in enumerate(experts_touched):
+        for i, touched in enumerate(experts_touched[: len(self.blocks)]):
             for part, n in self.layer_weight_bytes(i, touched).items():
                 total[part] += n
         sites = [] if self.hc_head is None else [self.hc_head] + [s for b in self.blocks for s in (b.hc_attn, b.hc_ffn)]
         mixing = sum(int(s.fn.nbytes + s.scale.nbytes + s.base.nbytes) for s in sites)
-        return {**total, "lm_head": _weight_bytes(self.lm_head), **({"hyper": mixing} if sites else {})}
+        mtp = {}
+        for m, touched in zip(self.mtp, experts_touched[len(self.blocks):]):  # the draft's layer, all of it
+            head = [] if m.hc_head is None else [m.hc_head, m.block.hc_attn, m.block.hc_ffn]
+            mtp["mtp"] = (sum(self._block_weight_bytes(m.block, touched).values()) + _weight_bytes(m.e_proj)
+                          + _weight_bytes(m.h_proj) + sum(int(s.fn.nbytes + s.scale.nbytes + s.base.nbytes) for s in head))
+        return {**total, "lm_head": _weight_bytes(self.lm_head), **({"hyper": mixing} if sites else {}), **mtp}
 
     def layer_weight_bytes(self, i: int, experts_touched: int) -> dict:
         """`weight_bytes` of layer ``i`` alone, with ``experts_touched`` distinct routed experts."""
-        blk = self.blocks[i]
+        return self._block_weight_bytes(self.blocks[i], experts_touched)
+
+    def _block_weight_bytes(self, blk: Block, experts_touched: int) -> dict:
         a = blk.attn
         attn = sum(_weight_bytes(lin) for lin in [*a.of_h.linears(), *a.of_qr.linears(), a.wo_b])
         stack_bytes = sum(int(s.packed.nbytes + s.block_scales.nbytes) for s in (blk.moe.w13, blk.moe.w2))

@@ -16,8 +16,11 @@ names `Model` reads (`init.random_checkpoint`'s), for the architecture of ``cfg`
   ``attn.sink``, ``ffn.gate.tid2eid`` ``ffn.tid2eid``; the router's weight and bias keep theirs;
 * the hyper-connections' parameters (``layers.{i}.hc_attn_fn`` ... ``hc_head_base``, fp32) keep
   their names when ``cfg.hc_mult > 1``; with ``hc_mult = 1`` they are left out;
-* tensors of parts this model does not build (the MTP layers; the hyper-connections of a
-  one-stream model) are left out and listed.
+* the multi-token-prediction layers (``mtp.{j}.*``: a block under the layers' names, its
+  ``e_proj`` / ``h_proj``, ``enorm`` / ``hnorm`` / ``norm`` and its head site ``hc_head_*``) are
+  mapped like the layers when ``cfg.mtp_ratios`` builds them;
+* tensors of parts this model does not build (MTP layers without ``cfg.mtp_ratios``; the
+  hyper-connections of a one-stream model) are left out and listed.
 
 Every tensor ``cfg`` needs is checked for presence and shape before anything is converted; a
 missing or misshapen one is refused naming it and what was expected. `needed` selects what to read
@@ -69,15 +72,17 @@ def is_official(ckpt: Checkpoint) -> bool:
 
 def needed(cfg: ModelConfig, experts: range | None = None):
     """``keep(name)`` for `fp4kit.checkpoint.load_nvfp4`: the tensors of ``cfg``'s layers and the
-    model-wide ones (embedding, final norm, head, ...); not those of later layers or of the MTP
-    layers, so a slice of a large checkpoint reads only what it runs; with ``experts`` (an
-    expert-parallel rank's) no other routed expert either."""
+    model-wide ones (embedding, final norm, head, ...) and of the multi-token-prediction layers
+    ``cfg`` builds; not those of later layers or of MTP layers it does not build, so a slice of a
+    large checkpoint reads only what it runs; with ``experts`` (an expert-parallel rank's) no other
+    routed expert either."""
+    counts = {"layers": cfg.layers, "mtp": len(cfg.mtp_ratios)}
+
     def keep(name: str) -> bool:
-        if name.startswith("mtp."):
-            return False
-        if name.startswith("layers."):
-            index = name.split(".", 2)[1]
-            return index.isdigit() and int(index) < cfg.layers and routed_expert_kept(name, experts)
+        head, _, rest = name.partition(".")
+        if head in counts:
+            index = rest.split(".", 1)[0]
+            return index.isdigit() and int(index) < counts[head] and routed_expert_kept(name, experts)
         return True
 
     return keep
@@ -103,8 +108,8 @@ def _linears(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
     """``{official prefix: (this model's prefix, (out, in))}`` of every linear ``cfg`` needs (from
     `init.linear_shapes`; the G groups of ``wo_a`` as one official weight)."""
     out = {"head": ("lm_head", (cfg.vocab, cfg.hidden))}
-    for i, ratio in enumerate(cfg.compress_ratios):
-        for ours, (n, k) in linear_shapes(cfg, i, ratio).items():
+    for block, ratio in cfg.blocks():
+        for ours, (n, k) in linear_shapes(cfg, block, ratio).items():
             base, _, group = ours.rpartition(".")
             if base.endswith(".wo_a"):  # wo_a.{g}: one [G * o_lora, K] weight, split by rows at load
                 if group == "0":
@@ -118,8 +123,7 @@ def _others(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], object]]:
     """``{official name: (this model's name, shape, dtype)}`` of every other tensor ``cfg`` needs."""
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     out = {"embed.weight": ("embed", (cfg.vocab, cfg.hidden), bf16), "norm.weight": ("norm", (cfg.hidden,), f32)}
-    for i, ratio in enumerate(cfg.compress_ratios):
-        p = f"layers.{i}"
+    for p, ratio in cfg.blocks():
         out[f"{p}.attn_norm.weight"] = (f"{p}.attn_norm", (cfg.hidden,), f32)
         out[f"{p}.ffn_norm.weight"] = (f"{p}.ffn_norm", (cfg.hidden,), f32)
         out[f"{p}.attn.q_norm.weight"] = (f"{p}.attn.q_norm", (cfg.q_lora,), f32)
@@ -136,10 +140,14 @@ def _others(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], object]]:
         f = f"{p}.ffn"
         out[f"{f}.gate.weight"] = (f"{f}.gate.weight", (cfg.experts, cfg.hidden), None)  # bf16 or fp32, as stored
         out[f"{f}.gate.bias"] = (f"{f}.gate.bias", (cfg.experts,), f32)
-        if i < cfg.hash_layers:
+        if cfg.hashed(p):
             out[f"{f}.gate.tid2eid"] = (f"{f}.tid2eid", (cfg.vocab, cfg.top_k), np.dtype(np.int32))
         for part in ("attn", "ffn"):
             out.update({n: (n, shape, f32) for n, shape in hc_shapes(cfg, f"{p}.hc_{part}").items()})
+        if p.startswith("mtp."):  # its input norms, its final norm and its own head site
+            for norm in ("enorm", "hnorm", "norm"):
+                out[f"{p}.{norm}.weight"] = (f"{p}.{norm}", (cfg.hidden,), f32)
+            out.update({n: (n, shape, f32) for n, shape in hc_shapes(cfg, f"{p}.hc_head", head=True).items()})
     out.update({n: (n, shape, f32) for n, shape in hc_shapes(cfg, "hc_head", head=True).items()})
     return out
 

@@ -70,15 +70,16 @@ def official_config(path) -> dict | None:
     return json.loads((folder / OFFICIAL_CONFIG_FILE).read_text())
 
 
-def load_config(path, layers: int | None = None, **overrides) -> configs.ModelConfig:
+def load_config(path, layers: int | None = None, mtp: bool = False, **overrides) -> configs.ModelConfig:
     """The configuration beside a checkpoint: the one `save` wrote (``fp4kit_model.json``), else an
-    official ``config.json`` (`config.from_official`: its first ``layers`` layers, all by default)."""
+    official ``config.json`` (`config.from_official`: its first ``layers`` layers, all by default,
+    and with ``mtp`` its multi-token-prediction layer)."""
     folder = _folder(path)
     if (folder / CONFIG_FILE).is_file():
         return configs.ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
     d = official_config(folder)
     if d is not None:
-        return configs.from_official(d, layers, **overrides)
+        return configs.from_official(d, layers, mtp=mtp, **overrides)
     raise FileNotFoundError(f"{folder}: no {CONFIG_FILE} (a checkpoint saved by this example) and no "
                             f"{OFFICIAL_CONFIG_FILE} (an official one) beside the weights")
 
@@ -139,24 +140,34 @@ class Decoder:
             return n
         graphed = self.use_graph and self.model.device
         for i in range(n):
-            if graphed and i > 0:
+            if graphed and self.prefill_graph is not None:
                 self.prefill_graph.replay()
                 continue
-            self._feed()  # eager (the first call also creates every buffer the graph uses)
-            if graphed and n > 1 and self.prefill_graph is None:
+            # eager until every part has run once (which creates every buffer the graph uses): the
+            # first token, and the second where an MTP layer runs (from the second position on)
+            self._feed()
+            warm = self._warm()
+            if graphed and warm and i < n - 1:
                 self.prefill_graph = CapturedStep(self._feed)
-            if warmed_up is not None:
+            if warmed_up is not None and (warm or i == n - 1):
                 self.synchronize()
                 warmed_up()
+                warmed_up = None
         ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
         return n
+
+    def _warm(self) -> bool:
+        """Whether every part of a step has run eagerly once (the MTP layer's first call comes a
+        position after the layers')."""
+        return not self.model.mtp or self.state.mtp_runs > 0
 
     def decode_step(self) -> None:
         if not (self.use_graph and self.model.device):
             self.model.step(self.state)
         elif self.decode_graph is None:
-            self.model.step(self.state)  # eager warm-up step, then capture for the next ones
-            self.decode_graph = CapturedStep(lambda: self.model.step(self.state))
+            self.model.step(self.state)  # eager warm-up step(s), then capture for the next ones
+            if self._warm():
+                self.decode_graph = CapturedStep(lambda: self.model.step(self.state))
         else:
             self.decode_graph.replay()
 
@@ -190,15 +201,32 @@ def run(model: Model, prompt: np.ndarray, new_tokens: int, *, use_graph: bool = 
     return history, logits, dec
 
 
+def draft_acceptance(state: DecodeState, steps: int) -> float | None:
+    """The share of the last ``steps`` decode steps (at most the logs' rows) whose sampled token
+    equals the MTP layer's greedy draft for it: what a one-token speculative step would accept
+    (with greedy sampling exactly). None without an MTP layer or a step to compare."""
+    steps = min(steps, state.history.shape[0])
+    if not steps or state.draft_history.shape[0] != state.history.shape[0]:
+        return None
+    n = int(to_host(state.step)[0])
+    if n < steps or int(to_host(state.draft_step)[0]) != n:
+        return None
+    rows = [r % state.history.shape[0] for r in range(n - steps, n)]
+    sampled, drafted = to_host(state.history)[rows], to_host(state.draft_history)[rows]
+    drafted_rows = drafted >= 0  # a step with no hidden state before it has no draft
+    return float((sampled == drafted)[drafted_rows].mean()) if drafted_rows.any() else None
+
+
 def to_host(a):
     """A device array's copy on the host (a sync), or the numpy array itself."""
     return a.get() if hasattr(a, "get") else a
 
 
 def experts_touched(model: Model, batch: int) -> list[int]:
-    """Distinct experts each layer's last forward pass used (reads the routing on the host)."""
+    """Distinct experts each layer's last forward pass used (reads the routing on the host), then
+    the MTP layer's."""
     out = []
-    for blk in model.blocks:
+    for blk in model.blocks + [m.block for m in model.mtp]:
         routed_ids = getattr(blk.moe, "routed_ids", None)  # an expert-parallel layer has none: the bound
         ids = routed_ids(batch) if model.device and routed_ids else None
         if ids is None:
@@ -210,8 +238,9 @@ def experts_touched(model: Model, batch: int) -> list[int]:
 
 def kv_bytes(cfg: configs.ModelConfig, batch: int, position: int) -> int:
     """KV-cache bytes one decode step reads at ``position`` tokens per sequence: the window, the
-    selected compressed entries, and on ratio-4 layers the indexer's whole key cache."""
-    return sum(layer_kv_bytes(cfg, ratio, batch, position) for ratio in cfg.compress_ratios)
+    selected compressed entries, and on ratio-4 layers the indexer's whole key cache (the MTP
+    layer's too)."""
+    return sum(layer_kv_bytes(cfg, ratio, batch, position) for _, ratio in cfg.blocks())
 
 
 def layer_kv_bytes(cfg: configs.ModelConfig, ratio: int, batch: int, position: int) -> int:
