@@ -72,6 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--mtp", action="store_true",
                     help="build the multi-token-prediction layer (an official config's, or one window-only layer on a "
                          "preset) and report how often its greedy draft equals the sampled token")
+    ap.add_argument("--speculative", action="store_true",
+                    help="decode speculatively with the MTP layer's drafts (implies --mtp): each step verifies the "
+                         "draft in one two-token pass and keeps one or two tokens per sequence")
     return ap.parse_args(argv)
 
 
@@ -81,6 +84,7 @@ def make_config(args, official: dict | None = None) -> configs.ModelConfig:
     overrides = {"mode": args.mode}
     if args.max_context:
         overrides["max_context"] = args.max_context
+    args.mtp = args.mtp or args.speculative
     if args.load:  # a saved folder's own config, or an official config.json beside converted weights
         cfg = runner.load_config(args.load, args.layers, mtp=args.mtp, **overrides)
         if args.mtp and not cfg.mtp_ratios:
@@ -120,10 +124,11 @@ def copy_bandwidth() -> float:
 def decode(model, cfg, prompt, args, device: bool) -> dict:
     """Prefill, then decode with a progress line; returns the timings and the tokens."""
     b, p = prompt.shape
-    state = model.new_state(b, history_rows=max(1, args.new_tokens))
+    spec = args.speculative
+    state = model.new_state(b, history_rows=max(1, args.new_tokens) * (2 if spec else 1))
     xp = model.xp
     dec = runner.Decoder(model, state, xp.asarray(prompt, dtype=np.int32), use_graph=not args.no_graph,
-                         batched_prefill=args.batched_prefill)
+                         batched_prefill=args.batched_prefill, speculative=spec)
     t0 = time.perf_counter()
     marks = []
     if args.batched_prefill and p > 1:
@@ -140,19 +145,23 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
     # the graph is captured): reported apart from the prefill rate
     t_warm = (marks[0] if marks else t_end) - t0
     t_prefill = t_end - t0 - t_warm
-    dec.decode_step()  # the first step also captures the decode graph: not timed
+    untimed = 2 if spec else 1  # the first step captures the decode graph (speculative: the second)
+    for _ in range(min(untimed, args.new_tokens)):
+        dec.decode_step()
     dec.synchronize()
+    before = logged(state, spec)
     t0 = time.perf_counter()
     shown = 1
     live = sys.stdout.isatty()
-    for i in range(1, args.new_tokens):
+    for i in range(untimed, args.new_tokens):
         dec.decode_step()
         if (i + 1) % args.print_every == 0 or i + 1 == args.new_tokens:
             history = runner.to_host(state.history)  # one read-back per chunk
             shown = i + 1
-            rate = (i) / max(time.perf_counter() - t0, 1e-9)
-            line = (f"  decoded {shown}/{args.new_tokens} tokens per sequence, {rate:.1f} steps/s; "
-                    f"seq 0 last token ids: {history[max(0, shown - 8):shown, 0].tolist()}")
+            n = int(logged(state, spec)[0])
+            rate = (i + 1 - untimed) / max(time.perf_counter() - t0, 1e-9)
+            line = (f"  decoded {shown}/{args.new_tokens} steps ({n} tokens of sequence 0), {rate:.1f} steps/s; "
+                    f"seq 0 last token ids: {history[max(0, n - 8):n, 0].tolist()}")
             if live:  # one line updated in place on a terminal; whole lines into a file or pipe
                 print(f"\r{line}", end="", flush=True)
             else:
@@ -161,16 +170,28 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
     t_decode = time.perf_counter() - t0
     if live and shown > 1:
         print()
-    steps = max(args.new_tokens - 1, 1)
-    tokens = np.asarray(runner.to_host(state.history))[: args.new_tokens].T.copy()
+    steps = max(args.new_tokens - untimed, 1)
+    counts = logged(state, spec)
+    history = np.asarray(runner.to_host(state.history))
+    tokens = [history[: counts[s], s].copy() for s in range(b)]
     batched = args.batched_prefill and fed > 0
     # fed eagerly before the capture: the first position, and the second with an MTP layer (it
     # runs from the second position on)
     eager = fed if batched else min(fed, 2 if model.mtp else 1)
     return {"prefill_s": t_prefill, "prefill_tokens": (fed - eager) * b, "warmup_s": t_warm,
             "warmup_tokens": eager * b, "decode_s": t_decode, "decode_steps": steps,
-            "tokens": tokens, "position": p + args.new_tokens, "decoder": dec, "batched_prefill": batched,
-            "draft_acceptance": runner.draft_acceptance(state, args.new_tokens)}
+            "tokens": tokens, "position": p + int(counts.max()), "decoder": dec, "batched_prefill": batched,
+            "draft_acceptance": None if spec else runner.draft_acceptance(state, args.new_tokens),
+            "tokens_per_step": float((counts - before).mean()) / steps if args.new_tokens > untimed else 1.0,
+            "accepted": np.asarray(runner.to_host(state.accepted)) if spec else None}
+
+
+def logged(state, speculative: bool) -> np.ndarray:
+    """Tokens logged per sequence so far (a host read): the step count, or speculative decoding's
+    per-sequence counts."""
+    if speculative:
+        return np.asarray(runner.to_host(state.emitted)).astype(np.int64)
+    return np.full(state.batch, int(runner.to_host(state.step)[0]), np.int64)
 
 
 def report(model, cfg, res: dict, batch: int, device: bool) -> None:
@@ -185,8 +206,10 @@ def report(model, cfg, res: dict, batch: int, device: bool) -> None:
         print(f"prefill: {res['prefill_tokens']} tokens in {res['prefill_s'] * 1e3:.1f} ms "
               f"({res['prefill_tokens'] / res['prefill_s']:.0f} tokens/s, {how})")
     step_s = res["decode_s"] / res["decode_steps"]
-    print(f"decode:  {step_s * 1e3:.3f} ms/step = {step_s * 1e3 / batch:.3f} ms/token over {batch} sequence(s), "
-          f"{batch / step_s:.0f} tokens/s")
+    per_step = res.get("tokens_per_step", 1.0)
+    print(f"decode:  {step_s * 1e3:.3f} ms/step = {step_s * 1e3 / (batch * per_step):.3f} ms/token over {batch} "
+          f"sequence(s), {batch * per_step / step_s:.0f} tokens/s"
+          + (f" ({per_step:.2f} tokens per step and sequence, speculative)" if res.get("accepted") is not None else ""))
     touched = runner.experts_touched(model, batch)
     weights = model.weight_bytes(touched)
     kv = runner.kv_bytes(cfg, batch, res["position"])
@@ -311,13 +334,18 @@ def main(argv=None) -> int:
     else:
         res = decode(model, cfg, prompt, args, device)
         report(model, cfg, res, args.batch, device)
-        if model.mtp:
+        if res["accepted"] is not None:
+            verified = max(args.new_tokens - 1, 1)
+            print(f"speculative: drafts accepted {res['accepted'].tolist()} of {verified} verified per sequence "
+                  f"({100 * res['accepted'].mean() / verified:.1f}%; with random weights ~ 1 / vocab)")
+        elif model.mtp:
             accepted = res["draft_acceptance"]
             print("MTP: " + ("no draft to compare" if accepted is None else
                              f"the greedy draft equals the sampled token in {100 * accepted:.1f}% of the steps "
                              f"(what a one-token speculative step would accept; with random weights ~ 1 / vocab)"))
         for b in range(min(args.batch, 4)):
-            print(f"seq {b} generated token ids: {res['tokens'][b][:24].tolist()}{' ...' if args.new_tokens > 24 else ''}")
+            ids = res["tokens"][b]
+            print(f"seq {b} generated token ids: {ids[:24].tolist()}{' ...' if len(ids) > 24 else ''}")
         ok = True
     if comm is not None:  # every rank: a barrier, then the communicator released, before exiting
         from fp4kit import distributed as dist

@@ -233,6 +233,34 @@ class QatSimulation:
                                theta=self.theta)
 
 
+class Rollback:
+    """The positions (and compressed lengths) of some caches after each token a step appended, so
+    that each sequence can be taken back to the state after the tokens it keeps: the window rows,
+    the compressors' running state and the entries past that point are overwritten by the next
+    appends (all are indexed by position), so resetting the counters undoes the rest."""
+
+    def __init__(self, caches: list):
+        self.caches, self.after = caches, []
+
+    def mark(self) -> None:
+        """Record the counters as they are now (after one more token)."""
+        self.after.append([(c.pos.copy(), None if c.comp_len is None else c.comp_len.copy()) for c in self.caches])
+
+    def keep(self, kept) -> None:
+        """Each sequence back to the state after its first ``kept[s]`` tokens (int32 ``[B]``, 1..t)."""
+        xp = self.caches[0].xp
+        for i, cache in enumerate(self.caches):
+            pos, comp_len = self.after[0][i]
+            for j in range(1, len(self.after)):
+                later = kept > j
+                pos = xp.where(later, self.after[j][i][0], pos)
+                if comp_len is not None:
+                    comp_len = xp.where(later, self.after[j][i][1], comp_len)
+            cache.pos[...] = pos
+            if comp_len is not None:
+                cache.comp_len[...] = comp_len
+
+
 class Attention:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, block: str, ratio: int, xp):
         p = f"{block}.attn"
@@ -287,6 +315,13 @@ class Attention:
         the appends, which move the positions on. ``decode`` (one token per sequence at the
         cache's positions): the latents' norm writes them straight into the window ring (no
         window-append launch) and ``kv`` is None."""
+        q, kv, iq, w, compressor, index = self._project(h, st, positions, b, t, decode)
+        self._append(st, kv, compressor, index, t, decode)
+        return q, kv, iq, w
+
+    def _project(self, h, st: dict, positions, b: int, t: int, decode: bool = False):
+        """`_project_in` up to the appends: also returns the compressors' inputs (``[b, t, -1]``
+        each: this layer's, then the indexer's) for `_append`."""
         cfg, cache = self.cfg, st["kv"]
         rope = dict(eps=cfg.eps, rope_dim=cfg.rope_dim, theta=self.theta)
         of_h = dict(zip(self.of_h.names, self.of_h(h)))
@@ -315,6 +350,13 @@ class Attention:
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         # the indexer's key cache: its compressor only (its window is never read: no append)
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
+        w = of_h["indexer.weights_proj"] if self.ratio == 4 else None
+        return q, kv, iq, w, compressor, index
+
+    def _append(self, st: dict, kv, compressor: list, index: list, t: int, decode: bool) -> None:
+        """Appends ``t`` tokens per sequence: the latents ``kv [b, t, D]`` (None where ``decode``
+        wrote them into the window already) and the compressors' inputs."""
+        cache = st["kv"]
         if self.qat is not None and self.ratio:  # the counts before the compressors emit
             before = [c.comp_len.copy() for c in (cache, st.get("index")) if c is not None]
         if decode and not self.ratio:
@@ -329,15 +371,42 @@ class Attention:
             self.qat.new_entries(cache, before[0], t)
             if index:
                 self.qat.new_entries(st["index"], before[1], t, index=True)
-        if self.ratio == 4:
-            w = of_h["indexer.weights_proj"]
-        return q, kv, iq, w
 
     def __call__(self, h, st: dict):
-        cfg, cache = self.cfg, st["kv"]
+        cache = st["kv"]
         b = h.shape[0]
         positions = None if self.qat is None else cache.pos.copy()  # the query's, for the de-rotation
         q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
+        o = self._attend(q, iq, w, st)
+        if self.qat is not None:
+            o = self.qat.derotate(o, positions)
+        return self._project_out(o)
+
+    def extend(self, h, st: dict, positions, b: int, t: int):
+        """``t`` more tokens of each of ``b`` sequences at their caches' positions (a speculative
+        step's): ``h [t * b, hidden]`` token-major (row ``j * b + s`` is sequence s's token j),
+        ``positions`` int32 ``[t * b]`` (each sequence's position + j, on the device). The
+        projections run once over all rows; then token j is appended and its queries attend (over
+        their window and the entries complete at them) before token j + 1 is appended, so no query
+        sees a later token. Returns the attention output ``[t * b, hidden]`` and `Rollback` of the
+        caches' positions after each token."""
+        cfg, xp = self.cfg, self.xp
+        q, kv, iq, w, compressor, index = self._project(h, st, positions, t * b, 1)
+        o = xp.empty((t * b, cfg.heads, cfg.head_dim), BF16)
+        rollback = Rollback([c for c in (st["kv"], st.get("index")) if c is not None])
+        for j in range(t):
+            rows = slice(j * b, (j + 1) * b)
+            self._append(st, kv[rows], [c[rows] for c in compressor], [c[rows] for c in index], 1, False)
+            rollback.mark()
+            o[rows] = self._attend(q[rows], None if iq is None else iq[rows], None if w is None else w[rows], st)
+        if self.qat is not None:
+            o = self.qat.derotate(o, positions)
+        return self._project_out(o), rollback
+
+    def _attend(self, q, iq, w, st: dict):
+        """The attention of one token per sequence (queries ``q [B, heads, D]``; on ratio-4 layers the
+        indexer's query and head weights) over the caches as they are (its token appended last)."""
+        cache = st["kv"]
         if self.ratio == 4:
             keys = st["index"]
             indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)
@@ -346,10 +415,7 @@ class Attention:
             indices, comp, comp_len = None, cache.comp, cache.comp_len
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
-        o = self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
-        if self.qat is not None:
-            o = self.qat.derotate(o, positions)
-        return self._project_out(o)
+        return self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
 
     def _project_out(self, o):
         """The grouped low-rank output projection of the attention output ``o [rows, heads, D]``."""
@@ -488,6 +554,14 @@ class DecodeState:
         self.draft_step = xp.zeros(1, np.int32)
         self.mtp_primed = False  # whether resid holds a position's hidden state (the MTP's input)
         self.mtp_runs = 0  # MTP calls made (host count: a graph is captured only after an eager one)
+        # speculative steps (`Model.speculative_step`): their samples and drafts over two positions,
+        # the MTP logits, each sequence's logged tokens and accepted drafts
+        if model.mtp:
+            self.spec_samples = xp.zeros(2 * batch, np.int32)
+            self.spec_drafts = xp.zeros(2 * batch, np.int32)
+            self.spec_mtp_logits = xp.zeros((2 * batch, model.cfg.vocab), BF16)
+        self.emitted = xp.zeros(batch, np.int32)
+        self.accepted = xp.zeros(batch, np.int32)
         # the residual stream: [batch, hidden], or its hc_mult copies [batch, hc_mult, hidden]
         hc = model.cfg.hc_mult
         self.resid = xp.zeros((batch, hc, model.cfg.hidden) if hc > 1 else (batch, model.cfg.hidden), np.float32)
@@ -686,6 +760,103 @@ class Model:
         h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=cfg.eps)
         h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
         blk.moe(h, token_ids=following)
+
+    # -- speculative decoding with the MTP layer's drafts --------------------------------------
+    def start_speculation(self, st: DecodeState) -> None:
+        """After a decode step: the MTP layer's draft for the token after the one just sampled (on
+        the step's hidden state), so `speculative_step` can verify it; the token log's per-sequence
+        counts start from the steps logged so far."""
+        if not self.mtp:
+            raise ValueError("speculative decoding needs the MTP layer (ModelConfig.mtp_ratios)")
+        self._draft(st, lambda name, i, value: value)
+        st.emitted[...] = st.step
+        st.accepted[...] = 0
+
+    def speculative_step(self, st: DecodeState):
+        """One speculative step: every sequence's input token (``st.tokens``, position p) and the
+        MTP layer's draft of the next one (``st.drafts``, p + 1) go through the model as two tokens,
+        in one pass over the weights. The token sampled after the input is kept always; the draft
+        is accepted where it equals that sample, and then the token sampled after the draft is kept
+        too (with a draft that is a single token, drawing the first sample from the model and
+        accepting where it equals the draft is exact speculative sampling). A rejected draft's
+        cache rows are taken back (`Rollback`). The MTP layer runs on both positions' hidden
+        states and kept tokens and drafts again from the last kept one. The kept tokens go to the
+        token log at each sequence's own count (``st.emitted``; ``st.accepted`` counts the accepted
+        drafts). Launches only, no host sync: capturable once `start_speculation` has run."""
+        xp, b = self.xp, st.batch
+        tokens = xp.concatenate([st.tokens, st.drafts])  # token-major: the inputs, then the drafts
+        positions = (st.positions[None, :] + xp.arange(2, dtype=np.int32)[:, None]).reshape(-1)
+        logits, hidden, rollbacks = self._forward_rows(st, tokens, positions, 2)
+        samples = self.sampler(logits, out=st.spec_samples)
+        accept = samples[:b] == st.drafts
+        kept = accept.astype(np.int32) + np.int32(1)
+        mtp_logits, mtp_rollback = self._mtp_rows(st, hidden, samples, positions, 2)
+        drafts = self.draft_sampler(mtp_logits, out=st.spec_drafts)
+        for r in rollbacks + [mtp_rollback]:
+            r.keep(kept)
+        rows, seq = st.history.shape[0], xp.arange(b)
+        st.history[st.emitted % rows, seq] = samples[:b]
+        second = (st.emitted + 1) % rows
+        st.history[second, seq] = xp.where(accept, samples[b:], st.history[second, seq])
+        st.emitted += kept
+        st.accepted += accept
+        st.tokens[...] = xp.where(accept, samples[b:], samples[:b])
+        st.drafts[...] = xp.where(accept, drafts[b:], drafts[:b])
+        last = hidden.reshape(2, b, *hidden.shape[1:])
+        st.resid[...] = xp.where(accept.reshape(b, *([1] * (hidden.ndim - 1))), last[1], last[0])
+        return st.tokens
+
+    def _forward_rows(self, st: DecodeState, tokens, positions, t: int):
+        """``t`` tokens of every sequence (``tokens [t * B]`` token-major, at ``positions``) through
+        the layers at once (`Attention.extend`): their logits ``[t * B, vocab]``, their final hidden
+        states (shaped as the residual stream) and each layer's `Rollback`."""
+        xp, cfg, b = self.xp, self.cfg, st.batch
+        rollbacks = []
+
+        def attend(blk, h, caches):
+            o, rollback = blk.attn.extend(h, caches, positions, b, t)
+            rollbacks.append(rollback)
+            return o
+
+        if self.hc_head is not None:
+            x = xp.empty((t * b, cfg.hc_mult, cfg.hidden), np.float32)
+            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, tokens), self.blocks, st.layers, attend, tokens,
+                                            lambda name, i, value: value)
+            h, _, _ = self.hc_head.site(x, self.norm, y, post, comb)
+            return self.lm_head(h), x, rollbacks
+        x = xp.empty((t * b, cfg.hidden), np.float32)
+        h = ew.embed_rmsnorm(self.embed, tokens, self.blocks[0].attn_norm, eps=cfg.eps, resid=x)
+        delta = None
+        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
+            if i:
+                h = ew.add_rmsnorm(x, delta, blk.attn_norm, eps=cfg.eps)
+            h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
+            delta = blk.moe(h, token_ids=tokens)
+        h = ew.add_rmsnorm(x, delta, self.norm, eps=cfg.eps)
+        return self.lm_head(h), x, rollbacks
+
+    def _mtp_rows(self, st: DecodeState, hidden, tokens, positions, t: int):
+        """The MTP layer on ``t`` positions of every sequence at once (token-major rows: the hidden
+        states ``hidden`` and the tokens after them): its logits ``[t * B, vocab]`` (into the
+        state's buffer) and its cache's `Rollback`."""
+        mtp, cfg, b = self.mtp[0], self.cfg, st.batch
+        x = mtp.input(self, hidden, tokens, mtp.buffers(self.xp, cfg, t * b))
+        blk, found = mtp.block, []
+
+        def attend(blk, h, caches):
+            o, rollback = blk.attn.extend(h, caches, positions, b, t)
+            found.append(rollback)
+            return o
+
+        if mtp.hc_head is not None:
+            y, post, comb = self._blocks_hc(x, None, [blk], [st.mtp_layers[0]], attend, tokens,
+                                            lambda name, i, value: value)
+            h, _, _ = mtp.hc_head.site(x, mtp.norm, y, post, comb)
+        else:
+            h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=cfg.eps)
+            h = ew.add_rmsnorm(x, attend(blk, h, st.mtp_layers[0]), blk.ffn_norm, eps=cfg.eps)
+            h = ew.add_rmsnorm(x, blk.moe(h, token_ids=tokens), mtp.norm, eps=cfg.eps)
+        return self.lm_head(h, out=st.spec_mtp_logits), found[0]
 
     def step(self, st: DecodeState):
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.

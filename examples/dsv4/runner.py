@@ -118,8 +118,12 @@ class Decoder:
     prompt: object  # int32 [B, P] in the model's memory
     use_graph: bool = True
     batched_prefill: bool = False  # the prompt through each layer once (`Model.prefill`), not token by token
+    # decode by `Model.speculative_step` (the MTP layer's draft verified in a two-token step) after
+    # a first plain step; the tokens land in the log at each sequence's own count (`state.emitted`)
+    speculative: bool = False
     prefill_graph: CapturedStep | None = None
     decode_graph: CapturedStep | None = None
+    _speculating: bool = False
 
     def _feed(self) -> None:
         ew.prompt_tokens(self.prompt, self.state.positions, self.state.tokens)
@@ -162,12 +166,19 @@ class Decoder:
         return not self.model.mtp or self.state.mtp_runs > 0
 
     def decode_step(self) -> None:
-        if not (self.use_graph and self.model.device):
+        if self.speculative and not self._speculating:
+            # a plain step samples the token the first draft follows; then the first draft (eager)
             self.model.step(self.state)
+            self.model.start_speculation(self.state)
+            self._speculating = True
+            return
+        step = self.model.speculative_step if self.speculative else self.model.step
+        if not (self.use_graph and self.model.device):
+            step(self.state)
         elif self.decode_graph is None:
-            self.model.step(self.state)  # eager warm-up step(s), then capture for the next ones
+            step(self.state)  # eager warm-up step(s), then capture for the next ones
             if self._warm():
-                self.decode_graph = CapturedStep(lambda: self.model.step(self.state))
+                self.decode_graph = CapturedStep(lambda: step(self.state))
         else:
             self.decode_graph.replay()
 
