@@ -6,6 +6,7 @@
     .venv/bin/python examples/decode.py --save /tmp/m && .venv/bin/python examples/decode.py --load /tmp/m
     .venv/bin/python -m fp4kit.distributed.launch --nproc 2 examples/decode.py --preset v4-flash-slice --ep 2 --tp 2
     .venv/bin/python examples/decode.py --config DeepSeek-V4-Flash/config.json --layers 4   # its widths and layer kinds
+    .venv/bin/python examples/decode.py --speculative --temperature 0   # MTP drafts verified two tokens a step
 
 The weights are random (an integer hash of the seed, each tensor's name and index), so the token
 ids it prints are not text and mean nothing: the example measures and checks the machinery.

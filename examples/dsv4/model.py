@@ -20,7 +20,7 @@ The official inference's simulated activation quantization (the Hadamard rotatio
 simulation of the indexer's queries and keys, FP8 of the KV latents) and the output de-rotation
 are built on both (`ModelConfig.qat_sim`, `QatSimulation` over `fp4kit.ops.qat`), and so is the
 multi-token-prediction layer (`ModelConfig.mtp_ratios`, `MtpLayer`: a greedy draft of the next
-token each step; the speculative step that would use it is not built). YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
+token each step, verified by `Model.speculative_step`). YaRN RoPE scaling of the compressing layers (`ModelConfig.rope_factor`)
 is built on both: they rotate by YaRN's frequencies (`ModelConfig.rope_theta_of`), which the
 numpy ops take in place of a base and the kernels read from a table. `Model.prefill` runs a
 prompt through each layer once as T tokens (the runner's ``batched_prefill``); by default the
