@@ -161,7 +161,9 @@ def decode(model, cfg, prompt, args, device: bool) -> dict:
             shown = i + 1
             n = int(logged(state, spec)[0])
             rate = (i + 1 - untimed) / max(time.perf_counter() - t0, 1e-9)
-            line = (f"  decoded {shown}/{args.new_tokens} steps ({n} tokens of sequence 0), {rate:.1f} steps/s; "
+            done = (f"{shown}/{args.new_tokens} steps ({n} tokens of sequence 0)" if spec else
+                    f"{shown}/{args.new_tokens} tokens per sequence")
+            line = (f"  decoded {done}, {rate:.1f} steps/s; "
                     f"seq 0 last token ids: {history[max(0, n - 8):n, 0].tolist()}")
             if live:  # one line updated in place on a terminal; whole lines into a file or pipe
                 print(f"\r{line}", end="", flush=True)
