@@ -26,6 +26,13 @@ times the same model's step in PyTorch with bf16 weights and cuBLAS GEMMs, graph
 (hyper-connections) instead of the preset's one (with ``--step-only``; the peer has one stream).
 ``--qat-sim`` adds the official inference's activation simulation and output de-rotation
 (`ModelConfig.qat_sim`, as an official config builds it; with ``--step-only``).
+``--speculative`` (with ``--step-only``) builds the MTP layer and times, per batch, the plain step
+without it, the plain step with its draft, and the speculative step (`Model.speculative_step`:
+two tokens per sequence in one pass over the weights, the MTP layer on both): the cost of a
+two-token step against a one-token one, the draft acceptance rate at which speculation breaks
+even, and the tokens/s it would give at a given acceptance rate (random weights draft almost
+nothing right, so the measured rate is not the point; trained MTP weights are reported to draft
+80-90 % right).
 """
 
 from __future__ import annotations
@@ -75,6 +82,26 @@ def replay_ms(fn) -> float:
     """``fn`` captured alone into a graph (after one eager call), replayed."""
     fn()
     return median_ms(runner.CapturedStep(fn).replay)
+
+
+def speculative_row(model, batch: int, acceptance: float = 0.85) -> dict:
+    """The plain step without and with the MTP layer's draft and the speculative step, each
+    captured and replayed from a state at ``CONTEXT`` tokens: a speculative step makes 1 + a tokens
+    per sequence at acceptance rate a, so it pays where (1 + a) / its cost over the plain step's > 1."""
+    state = model.new_state(batch, history_rows=256)
+    runner.fill_context(model, state, CONTEXT, seed=batch)
+    with_draft = step_ms(runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32)))
+    saved, model.mtp = model.mtp, []  # the same step without the MTP layer
+    try:
+        plain = step_ms(runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32)))
+    finally:
+        model.mtp = saved
+    spec = replay_ms(lambda: model.speculative_step(state))
+    ratio = spec / plain
+    return {"batch": batch, "plain ms": plain, "plain + MTP draft ms": with_draft, "speculative ms": spec,
+            "x plain": ratio, "break-even acceptance": ratio - 1,
+            "tokens/s at 85 % acceptance": batch * (1 + acceptance) / (spec * 1e-3),
+            "x plain tokens/s": (1 + acceptance) / ratio}
 
 
 def prefill_rate(model, tokens: int) -> dict:
@@ -183,7 +210,11 @@ def main() -> None:
     qat_sim = "--qat-sim" in sys.argv
     if qat_sim and (torch is not None or not step_only):
         raise SystemExit("--qat-sim: with --step-only and without --peer")
-    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim)
+    speculative = "--speculative" in sys.argv
+    if speculative and (torch is not None or not step_only):
+        raise SystemExit("--speculative: with --step-only and without --peer")
+    cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim,
+                                 mtp_ratios=(0,) if speculative else ())
     model, ckpt = runner.build(cfg, device=True, seed=0)
     peer_w = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
     del ckpt
@@ -194,8 +225,15 @@ def main() -> None:
                   f"context {CONTEXT}, graph-replayed ({device_name()}; copy bandwidth {copy / 1e12:.2f} TB/s)",
                   ["batch", "ms/step", "tokens/s", "MB read", "experts touched", "GB/s", "% of copy BW",
                    "kernels in graph", "kernels per layer", "target", "PyTorch bf16 ms", "x PyTorch"])
+    spec_table = Table(f"Speculative decoding with the MTP layer, v4-flash-slice {LAYERS} layers, {mode.upper()}, "
+                       f"context {CONTEXT}, graph-replayed ({device_name()})",
+                       ["batch", "plain ms", "plain + MTP draft ms", "speculative ms", "x plain",
+                        "break-even acceptance", "tokens/s at 85 % acceptance", "x plain tokens/s"])
     launches = {}  # kernel name -> launches in one step, by batch
     for batch in batches:
+        if speculative:
+            spec_table.add(**speculative_row(model, batch))
+            continue
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
         dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
@@ -224,7 +262,7 @@ def main() -> None:
         del dec, state
     if step_only:
         print()
-        print(table.markdown())
+        print(spec_table.markdown() if speculative else table.markdown())
         return
     prefill = prefill_rate(model, PREFILL_TOKENS)
     print()

@@ -267,8 +267,8 @@ def layer_kv_bytes(cfg: configs.ModelConfig, ratio: int, batch: int, position: i
 
 def fill_context(model: Model, state: DecodeState, length: int, seed: int = 0) -> None:
     """Put every sequence at position ``length`` with random cache contents (window rows,
-    compressed entries, indexer keys), as if ``length`` tokens had been decoded: a benchmark of a
-    step at a long context without running the prompt through it."""
+    compressed entries, indexer keys; the MTP layer's cache too), as if ``length`` tokens had been
+    decoded: a benchmark of a step at a long context without running the prompt through it."""
     xp, cfg = model.xp, model.cfg
     rng = np.random.default_rng(seed)
     from fp4kit.runtime.arrays import BF16
@@ -276,7 +276,7 @@ def fill_context(model: Model, state: DecodeState, length: int, seed: int = 0) -
     def noise(shape):
         return xp.asarray((rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(BF16))
 
-    for ratio, st in zip(cfg.compress_ratios, state.layers):
+    for ratio, st in zip(cfg.compress_ratios + cfg.mtp_ratios, state.layers + state.mtp_layers):
         caches = [st["kv"]] + ([st["index"]] if "index" in st else [])
         for c in caches:
             c.pos[...] = length
