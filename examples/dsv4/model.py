@@ -64,6 +64,11 @@ FUSE_PROJECTIONS = True
 SPLIT_IN_GEMM = True
 
 
+def _untapped(name, i, value):
+    """`Model.forward`'s ``sync`` where nothing is tapped."""
+    return value
+
+
 class Projections:
     """Several projections of one input, called together: one `Linear.concatenate` of them (with
     ``fuse``; the parts are then dropped, so the weights are held once) or one Linear each. Returns
@@ -675,21 +680,51 @@ class Model:
         mtp, caches, buf = self.mtp[0], st.mtp_layers[0], st.mtp_buffers[0]
         st.mtp_runs += 1
         x = sync("mtp.in", 0, mtp.input(self, st.resid, st.tokens, buf))
-        blk, eps = mtp.block, self.cfg.eps
-        if mtp.hc_head is not None:
-            y, post, comb = self._blocks_hc(x, None, [blk], [caches], lambda b, h, c: b.attn(h, c), st.tokens, sync,
-                                            tag="mtp.")
-            h, _, _ = mtp.hc_head.site(x, mtp.norm, y, post, comb)
-        else:
-            h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=eps)
-            sync("mtp.resid", 0, x)
-            y = sync("mtp.attn.out", 0, blk.attn(sync("mtp.attn.in", 0, h), caches))
-            h = ew.add_rmsnorm(x, y, blk.ffn_norm, eps=eps)
-            sync("mtp.resid", 1, x)
-            delta = sync("mtp.moe.out", 0, blk.moe(sync("mtp.moe.in", 0, h), token_ids=st.tokens))
-            h = ew.add_rmsnorm(x, delta, mtp.norm, eps=eps)
+        h = self._mtp_block(x, st.tokens, caches, lambda blk, h, c: blk.attn(h, c), sync)
         logits = sync("mtp.logits", 0, self.lm_head(sync("mtp.head.in", 0, h), out=st.mtp_logits[0]))
         self.draft_sampler(logits, out=st.drafts)
+
+    def _mtp_block(self, x, tokens, caches, attend, sync=None, head: bool = True):
+        """The MTP layer's block on its input ``x`` (in place; ``tokens`` for its router), its
+        attention run by ``attend(blk, h, caches)``; returns the head's input (its norm, through its
+        own head site with copies), or None with ``head`` False."""
+        sync = sync or _untapped
+        mtp, eps = self.mtp[0], self.cfg.eps
+        blk = mtp.block
+        if mtp.hc_head is not None:
+            y, post, comb = self._blocks_hc(x, None, [blk], [caches], attend, tokens, sync, tag="mtp.")
+            return mtp.hc_head.site(x, mtp.norm, y, post, comb)[0] if head else None
+        h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=eps)
+        sync("mtp.resid", 0, x)
+        y = sync("mtp.attn.out", 0, attend(blk, sync("mtp.attn.in", 0, h), caches))
+        h = ew.add_rmsnorm(x, y, blk.ffn_norm, eps=eps)
+        sync("mtp.resid", 1, x)
+        delta = sync("mtp.moe.out", 0, blk.moe(sync("mtp.moe.in", 0, h), token_ids=tokens))
+        return ew.add_rmsnorm(x, delta, mtp.norm, eps=eps) if head else None
+
+    def _through_layers(self, st: DecodeState, tokens, attend, select=None) -> tuple:
+        """Tokens ``[rows]`` through every layer at once, ``attend(blk, h, caches)`` running each
+        attention (over all rows: batched prefill, a speculative step): returns the head's input
+        (bf16, for the rows ``select(a)`` picks, all by default) and the final hidden states,
+        shaped as the residual stream (with copies, up to date in every row only without
+        ``select``)."""
+        xp, cfg, rows = self.xp, self.cfg, tokens.shape[0]
+        select = select or (lambda a: a)
+        if self.hc_head is not None:
+            x = xp.empty((rows, cfg.hc_mult, cfg.hidden), np.float32)
+            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, tokens), self.blocks, st.layers, attend, tokens,
+                                            _untapped)
+            h, _, _ = self.hc_head.site(select(x), self.norm, select(y), select(post), select(comb))
+            return h, x
+        x = xp.empty((rows, cfg.hidden), np.float32)
+        h = ew.embed_rmsnorm(self.embed, tokens, self.blocks[0].attn_norm, eps=cfg.eps, resid=x)
+        delta = None
+        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
+            if i:
+                h = ew.add_rmsnorm(x, delta, blk.attn_norm, eps=cfg.eps)
+            h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
+            delta = blk.moe(h, token_ids=tokens)
+        return select(ew.add_rmsnorm(x, delta, self.norm, eps=cfg.eps)), x
 
     def prefill(self, st: DecodeState, tokens):
         """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched
@@ -705,30 +740,15 @@ class Model:
         def last(a):  # each sequence's last position: the only rows the head reads
             return xp.ascontiguousarray(a.reshape(b, t, *a.shape[1:])[:, -1])
 
-        if self.hc_head is not None:
-            x = xp.empty((flat.shape[0], cfg.hc_mult, cfg.hidden), np.float32)
-            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, flat), self.blocks, st.layers,
-                                            lambda blk, h, caches: blk.attn.prefill(h, caches, positions, b, t), flat,
-                                            lambda name, i, value: value)
-            if self.mtp:  # every position's copies brought up to date: the MTP reads them all
-                h = last(self.hc_head.site(x, self.norm, y, post, comb)[0])
-                self._prefill_mtp(st, x, tokens)
-            else:
-                h, _, _ = self.hc_head.site(last(x), self.norm, last(y), last(post), last(comb))
-            st.logits = self.lm_head(h)
-            return st.logits
-        resid = xp.empty((flat.shape[0], cfg.hidden), np.float32)
-        h = ew.embed_rmsnorm(self.embed, flat, self.blocks[0].attn_norm, eps=cfg.eps, resid=resid)
-        delta = None
-        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
-            if i:
-                h = ew.add_rmsnorm(resid, delta, blk.attn_norm, eps=cfg.eps)
-            h = ew.add_rmsnorm(resid, blk.attn.prefill(h, caches, positions, b, t), blk.ffn_norm, eps=cfg.eps)
-            delta = blk.moe(h, token_ids=flat)
-        h = ew.add_rmsnorm(resid, delta, self.norm, eps=cfg.eps)
+        def attend(blk, h, caches):
+            return blk.attn.prefill(h, caches, positions, b, t)
+
+        # the head reads each sequence's last position, the MTP layer every position's hidden state
+        h, hidden = self._through_layers(st, flat, attend, None if self.mtp else last)
         if self.mtp:
-            self._prefill_mtp(st, resid, tokens)
-        st.logits = self.lm_head(last(h))
+            h = last(h)
+            self._prefill_mtp(st, hidden, tokens)
+        st.logits = self.lm_head(h)
         return st.logits
 
     def _prefill_mtp(self, st: DecodeState, hidden, tokens) -> None:
@@ -749,17 +769,8 @@ class Model:
         positions = xp.asarray(np.tile(np.arange(t - 1, dtype=np.int32), b))
         following = xp.ascontiguousarray(tokens[:, 1:]).reshape(-1)
         x = mtp.input(self, xp.ascontiguousarray(per_seq[:, :-1]), following, mtp.buffers(xp, cfg, rows))
-        blk = mtp.block
-
-        def attend(blk, h, caches):
-            return blk.attn.prefill(h, caches, positions, b, t - 1)
-
-        if mtp.hc_head is not None:
-            self._blocks_hc(x, None, [blk], [caches], attend, following, lambda name, i, value: value)
-            return
-        h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=cfg.eps)
-        h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
-        blk.moe(h, token_ids=following)
+        self._mtp_block(x, following, caches, lambda blk, h, c: blk.attn.prefill(h, c, positions, b, t - 1),
+                        head=False)
 
     # -- speculative decoding with the MTP layer's drafts --------------------------------------
     def start_speculation(self, st: DecodeState) -> None:
@@ -768,7 +779,7 @@ class Model:
         counts start from the steps logged so far."""
         if not self.mtp:
             raise ValueError("speculative decoding needs the MTP layer (ModelConfig.mtp_ratios)")
-        self._draft(st, lambda name, i, value: value)
+        self._draft(st, _untapped)
         st.emitted[...] = st.step
         st.accepted[...] = 0
 
@@ -810,52 +821,30 @@ class Model:
         """``t`` tokens of every sequence (``tokens [t * B]`` token-major, at ``positions``) through
         the layers at once (`Attention.extend`): their logits ``[t * B, vocab]``, their final hidden
         states (shaped as the residual stream) and each layer's `Rollback`."""
-        xp, cfg, b = self.xp, self.cfg, st.batch
         rollbacks = []
 
         def attend(blk, h, caches):
-            o, rollback = blk.attn.extend(h, caches, positions, b, t)
+            o, rollback = blk.attn.extend(h, caches, positions, st.batch, t)
             rollbacks.append(rollback)
             return o
 
-        if self.hc_head is not None:
-            x = xp.empty((t * b, cfg.hc_mult, cfg.hidden), np.float32)
-            y, post, comb = self._blocks_hc(x, ew.embed(self.embed, tokens), self.blocks, st.layers, attend, tokens,
-                                            lambda name, i, value: value)
-            h, _, _ = self.hc_head.site(x, self.norm, y, post, comb)
-            return self.lm_head(h), x, rollbacks
-        x = xp.empty((t * b, cfg.hidden), np.float32)
-        h = ew.embed_rmsnorm(self.embed, tokens, self.blocks[0].attn_norm, eps=cfg.eps, resid=x)
-        delta = None
-        for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
-            if i:
-                h = ew.add_rmsnorm(x, delta, blk.attn_norm, eps=cfg.eps)
-            h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
-            delta = blk.moe(h, token_ids=tokens)
-        h = ew.add_rmsnorm(x, delta, self.norm, eps=cfg.eps)
-        return self.lm_head(h), x, rollbacks
+        h, hidden = self._through_layers(st, tokens, attend)
+        return self.lm_head(h), hidden, rollbacks
 
     def _mtp_rows(self, st: DecodeState, hidden, tokens, positions, t: int):
         """The MTP layer on ``t`` positions of every sequence at once (token-major rows: the hidden
         states ``hidden`` and the tokens after them): its logits ``[t * B, vocab]`` (into the
         state's buffer) and its cache's `Rollback`."""
-        mtp, cfg, b = self.mtp[0], self.cfg, st.batch
-        x = mtp.input(self, hidden, tokens, mtp.buffers(self.xp, cfg, t * b))
-        blk, found = mtp.block, []
+        mtp, b = self.mtp[0], st.batch
+        x = mtp.input(self, hidden, tokens, mtp.buffers(self.xp, self.cfg, t * b))
+        found = []
 
         def attend(blk, h, caches):
             o, rollback = blk.attn.extend(h, caches, positions, b, t)
             found.append(rollback)
             return o
 
-        if mtp.hc_head is not None:
-            y, post, comb = self._blocks_hc(x, None, [blk], [st.mtp_layers[0]], attend, tokens,
-                                            lambda name, i, value: value)
-            h, _, _ = mtp.hc_head.site(x, mtp.norm, y, post, comb)
-        else:
-            h = ew.add_rmsnorm(x, None, blk.attn_norm, eps=cfg.eps)
-            h = ew.add_rmsnorm(x, attend(blk, h, st.mtp_layers[0]), blk.ffn_norm, eps=cfg.eps)
-            h = ew.add_rmsnorm(x, blk.moe(h, token_ids=tokens), mtp.norm, eps=cfg.eps)
+        h = self._mtp_block(x, tokens, st.mtp_layers[0], attend)
         return self.lm_head(h, out=st.spec_mtp_logits), found[0]
 
     def step(self, st: DecodeState):
