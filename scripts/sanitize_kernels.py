@@ -185,6 +185,9 @@ def run_kv_cache(be: Backend, rng) -> None:
             host.append(kv, counts=counts, **extra)
             dev.append(be.to(kv), counts=None if counts is None else be.to(counts),
                        **{k: be.to(v) for k, v in extra.items()})
+        back = np.array([1, 0], np.int32)  # one token taken back in the first sequence (kv_rewind)
+        host.rewind(back)
+        dev.rewind(be.to(back))
         same_bits(be.host(dev.pos), host.pos, f"KVCache ratio {ratio} pos")
         same_bits(be.host(dev.swa).view(np.uint16), host.swa.view(np.uint16), f"KVCache ratio {ratio} window")
         if ratio:  # max_comp 4 overflows: entries dropped on both, none overwritten

@@ -144,6 +144,8 @@ def test_window_slots():
         (dict(ratio=4), lambda c: c.append(np.zeros((1, 2, 32), BF16), comp_kv=np.zeros((1, 1, 64), np.float32), comp_score=np.zeros((1, 1, 64), np.float32)), ValueError, r"comp_kv: expected shape \(1, 2, 64\)"),
         (dict(), lambda c: c.append(np.zeros((1, 1, 32), BF16), counts=np.zeros(1, np.int64)), TypeError, "counts: expected dtype int32"),
         (dict(), lambda c: c.reset(3), IndexError, "seq: expected 0..0"),
+        (dict(), lambda c: c.rewind(np.zeros(2, np.int32)), ValueError, r"tokens: expected shape \(1\)"),
+        (dict(), lambda c: c.rewind(np.zeros(1, np.int64)), TypeError, "tokens: expected dtype int32"),
         (dict(), lambda c: c.append(None), ValueError, "kv: None .no window rows. is for a compressing cache"),
         (dict(ratio=4), lambda c: c.append(None), ValueError, "comp_kv, comp_score: a compressing cache"),
         (dict(ratio=4), lambda c: c.append(None, comp_kv=np.zeros((1, 1, 64), np.float32)), ValueError, "comp_kv, comp_score: a compressing cache"),
@@ -201,3 +203,63 @@ def test_two_compressors_together_on_numpy_are_two_appends():
     with pytest.raises(ValueError, match="comp_kv"):
         append_compressed((caches[0][0], *data[0]), (caches[0][1], data[0][0], data[0][1]))
     np.testing.assert_array_equal(caches[0][0].pos, pos)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_rewind_takes_back_one_token_as_if_it_was_never_appended(rng, ratio):
+    """A token appended and taken back (`KVCache.rewind`, a speculative step's rejected draft)
+    leaves a cache that, after the next appends, holds what appending those alone would have left:
+    positions, compressed lengths and entries, every window row a query can read, the compressor's
+    running state of the groups a later entry reads. Crossing group boundaries (ratio 4: each of
+    the four offsets), the window wrapping (W = 8)."""
+    d = 32
+    kw = dict(window=8, head_dim=d, ratio=ratio, max_comp=64, rope_dim=8, device=False)
+    if ratio:
+        cf = 2 if ratio == 4 else 1
+        kw.update(ape=rng.standard_normal((ratio, cf * d)).astype(np.float32),
+                  norm_weight=rng.uniform(0.5, 1.5, d).astype(np.float32))
+    plain, spec = KVCache(2, **kw), KVCache(2, **kw)
+
+    def token():
+        kv = rng.standard_normal((2, 1, d)).astype(BF16)
+        if not ratio:
+            return kv, {}
+        c = rng.standard_normal((2, 1, spec.compress_width)).astype(np.float32)
+        return kv, dict(comp_kv=c, comp_score=c * 0.5)
+
+    steps = 140 if ratio == 128 else 24
+    for step in range(steps):
+        kv, comp = token()
+        plain.append(kv, **comp)
+        spec.append(kv, **comp)
+        wrong, wrong_comp = token()  # a draft appended, then taken back in one of the two sequences
+        spec.append(wrong, **wrong_comp)
+        spec.rewind(np.array([1, step % 2], np.int32))
+        if step % 2 == 0:  # sequence 1 kept it: the plain cache appends it too (sequence 0 did not)
+            plain.append(wrong, counts=np.array([0, 1], np.int32), **wrong_comp)
+    assert spec.pos.tolist() == plain.pos.tolist()
+    for s in range(2):
+        p = int(spec.pos[s])
+        live = [q % 8 for q in range(max(0, p - 7), p)]
+        assert np.array_equal(spec.swa[s, live], plain.swa[s, live])
+        if ratio:
+            n = int(plain.comp_len[s])
+            assert int(spec.comp_len[s]) == n and n == min(p // ratio, 64)
+            assert np.array_equal(spec.comp[s, :n], plain.comp[s, :n])
+            slots = spec.kv_state.shape[1]
+            rows = [q % slots for q in range(max(0, (p // ratio) * ratio - slots + ratio), p)]
+            assert np.array_equal(spec.kv_state[s, rows], plain.kv_state[s, rows])
+
+
+def test_rewind_clamps_and_reports_counts_outside_0_1():
+    fp4kit.clear_status()
+    cache = KVCache(3, window=4, head_dim=16, ratio=4, max_comp=8, rope_dim=0, device=False)
+    cache.pos[...] = [5, 0, 9]
+    cache.comp_len[...] = [1, 0, 2]
+    cache.rewind(np.array([1, 1, 0], np.int32))  # at position 0 nothing to take back
+    assert cache.pos.tolist() == [4, 0, 9] and cache.comp_len.tolist() == [1, 0, 2]
+    assert not fp4kit.read_status()
+    cache.rewind(np.array([3, -1, 1], np.int32))
+    assert cache.pos.tolist() == [3, 0, 8] and cache.comp_len.tolist() == [0, 0, 2]
+    assert fp4kit.read_status()
+    fp4kit.clear_status()

@@ -179,3 +179,27 @@ def test_two_compressors_in_one_launch_equal_two_appends(rng, counts):
                 np.testing.assert_array_equal(cp.asnumpy(getattr(f, name)), cp.asnumpy(getattr(a, name)), err_msg=name)
             np.testing.assert_array_equal(cp.asnumpy(f.comp).view(np.uint16), cp.asnumpy(a.comp).view(np.uint16))
     assert int(sets[0][0].comp_len.get().max()) > 0  # entries were emitted
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_rewind_on_device_equals_reference(rng, ratio):
+    """`KVCache.rewind` (raw_kernels/kv_cache.cu kv_rewind) after appends of two tokens, taking back
+    the second in some sequences, against the numpy cache: positions, lengths, rows, entries; a
+    count outside [0, 1] clamped and reported."""
+    from fp4kit.runtime import status
+
+    host, dev = pair(3, ratio, rng, window=8, head_dim=64, max_comp=64, rope_dim=16)
+    for step in range(150 if ratio == 128 else 30):
+        kv, comp = inputs(rng, 3, 2, host)
+        host.append(kv, **comp)
+        dev.append(cp.asarray(kv), **{k: cp.asarray(v) for k, v in comp.items()})
+        back = np.array([step % 2, 1, (step // 3) % 2], np.int32)
+        host.rewind(back)
+        dev.rewind(cp.asarray(back))
+        assert_same(host, dev)
+    status.clear()
+    dev.rewind(cp.asarray(np.array([2, -1, 0], np.int32)))
+    host.rewind(np.array([2, -1, 0], np.int32))
+    assert_same(host, dev)
+    assert status.read() & status.KV_INPUT
+    status.clear()

@@ -238,34 +238,6 @@ class QatSimulation:
                                theta=self.theta)
 
 
-class Rollback:
-    """The positions (and compressed lengths) of some caches after each token a step appended, so
-    that each sequence can be taken back to the state after the tokens it keeps: the window rows,
-    the compressors' running state and the entries past that point are overwritten by the next
-    appends (all are indexed by position), so resetting the counters undoes the rest."""
-
-    def __init__(self, caches: list):
-        self.caches, self.after = caches, []
-
-    def mark(self) -> None:
-        """Record the counters as they are now (after one more token)."""
-        self.after.append([(c.pos.copy(), None if c.comp_len is None else c.comp_len.copy()) for c in self.caches])
-
-    def keep(self, kept) -> None:
-        """Each sequence back to the state after its first ``kept[s]`` tokens (int32 ``[B]``, 1..t)."""
-        xp = self.caches[0].xp
-        for i, cache in enumerate(self.caches):
-            pos, comp_len = self.after[0][i]
-            for j in range(1, len(self.after)):
-                later = kept > j
-                pos = xp.where(later, self.after[j][i][0], pos)
-                if comp_len is not None:
-                    comp_len = xp.where(later, self.after[j][i][1], comp_len)
-            cache.pos[...] = pos
-            if comp_len is not None:
-                cache.comp_len[...] = comp_len
-
-
 class Attention:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, block: str, ratio: int, xp):
         p = f"{block}.attn"
@@ -393,24 +365,23 @@ class Attention:
         ``positions`` int32 ``[t * b]`` (each sequence's position + j, on the device). The
         projections run once over all rows; then token j is appended and its queries attend (over
         their window and the entries complete at them) before token j + 1 is appended, so no query
-        sees a later token. Returns the attention output ``[t * b, hidden]`` and `Rollback` of the
-        caches' positions after each token."""
+        sees a later token. Returns the attention output ``[t * b, hidden]`` (a rejected token is
+        taken back with `fp4kit.KVCache.rewind`)."""
         cfg, xp = self.cfg, self.xp
         q, kv, iq, w, compressor, index = self._project(h, st, positions, t * b, 1)
         o = xp.empty((t * b, cfg.heads, cfg.head_dim), BF16)
-        rollback = Rollback([c for c in (st["kv"], st.get("index")) if c is not None])
         for j in range(t):
             rows = slice(j * b, (j + 1) * b)
             self._append(st, kv[rows], [c[rows] for c in compressor], [c[rows] for c in index], 1, False)
-            rollback.mark()
-            o[rows] = self._attend(q[rows], None if iq is None else iq[rows], None if w is None else w[rows], st)
+            self._attend(q[rows], None if iq is None else iq[rows], None if w is None else w[rows], st, out=o[rows])
         if self.qat is not None:
             o = self.qat.derotate(o, positions)
-        return self._project_out(o), rollback
+        return self._project_out(o)
 
-    def _attend(self, q, iq, w, st: dict):
+    def _attend(self, q, iq, w, st: dict, out=None):
         """The attention of one token per sequence (queries ``q [B, heads, D]``; on ratio-4 layers the
-        indexer's query and head weights) over the caches as they are (its token appended last)."""
+        indexer's query and head weights) over the caches as they are (its token appended last),
+        into ``out`` when given."""
         cache = st["kv"]
         if self.ratio == 4:
             keys = st["index"]
@@ -420,7 +391,7 @@ class Attention:
             indices, comp, comp_len = None, cache.comp, cache.comp_len
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
-        return self.attn(q, cache.swa, cache.pos, comp, comp_len, indices)  # [B, heads, D]
+        return self.attn(q, cache.swa, cache.pos, comp, comp_len, indices, out=out)  # [B, heads, D]
 
     def _project_out(self, o):
         """The grouped low-rank output projection of the attention output ``o [rows, heads, D]``."""
@@ -790,21 +761,24 @@ class Model:
         is accepted where it equals that sample, and then the token sampled after the draft is kept
         too (with a draft that is a single token, drawing the first sample from the model and
         accepting where it equals the draft is exact speculative sampling). A rejected draft's
-        cache rows are taken back (`Rollback`). The MTP layer runs on both positions' hidden
+        cache rows are taken back (`fp4kit.KVCache.rewind`). The MTP layer runs on both positions' hidden
         states and kept tokens and drafts again from the last kept one. The kept tokens go to the
         token log at each sequence's own count (``st.emitted``; ``st.accepted`` counts the accepted
         drafts). Launches only, no host sync: capturable once `start_speculation` has run."""
         xp, b = self.xp, st.batch
         tokens = xp.concatenate([st.tokens, st.drafts])  # token-major: the inputs, then the drafts
         positions = (st.positions[None, :] + xp.arange(2, dtype=np.int32)[:, None]).reshape(-1)
-        logits, hidden, rollbacks = self._forward_rows(st, tokens, positions, 2)
+        logits, hidden = self._forward_rows(st, tokens, positions, 2)
         samples = self.sampler(logits, out=st.spec_samples)
         accept = samples[:b] == st.drafts
         kept = accept.astype(np.int32) + np.int32(1)
-        mtp_logits, mtp_rollback = self._mtp_rows(st, hidden, samples, positions, 2)
+        mtp_logits = self._mtp_rows(st, hidden, samples, positions, 2)
         drafts = self.draft_sampler(mtp_logits, out=st.spec_drafts)
-        for r in rollbacks + [mtp_rollback]:
-            r.keep(kept)
+        rejected = np.int32(2) - kept  # a rejected draft's rows taken back in every cache
+        for caches in st.layers + st.mtp_layers:
+            for name in ("kv", "index"):
+                if name in caches:
+                    caches[name].rewind(rejected)
         rows, seq = st.history.shape[0], xp.arange(b)
         st.history[st.emitted % rows, seq] = samples[:b]
         second = (st.emitted + 1) % rows
@@ -819,33 +793,20 @@ class Model:
 
     def _forward_rows(self, st: DecodeState, tokens, positions, t: int):
         """``t`` tokens of every sequence (``tokens [t * B]`` token-major, at ``positions``) through
-        the layers at once (`Attention.extend`): their logits ``[t * B, vocab]``, their final hidden
-        states (shaped as the residual stream) and each layer's `Rollback`."""
-        rollbacks = []
-
-        def attend(blk, h, caches):
-            o, rollback = blk.attn.extend(h, caches, positions, st.batch, t)
-            rollbacks.append(rollback)
-            return o
-
-        h, hidden = self._through_layers(st, tokens, attend)
-        return self.lm_head(h), hidden, rollbacks
+        the layers at once (`Attention.extend`): their logits ``[t * B, vocab]`` and their final
+        hidden states (shaped as the residual stream)."""
+        h, hidden = self._through_layers(st, tokens,
+                                         lambda blk, h, caches: blk.attn.extend(h, caches, positions, st.batch, t))
+        return self.lm_head(h), hidden
 
     def _mtp_rows(self, st: DecodeState, hidden, tokens, positions, t: int):
         """The MTP layer on ``t`` positions of every sequence at once (token-major rows: the hidden
         states ``hidden`` and the tokens after them): its logits ``[t * B, vocab]`` (into the
-        state's buffer) and its cache's `Rollback`."""
+        state's buffer)."""
         mtp, b = self.mtp[0], st.batch
         x = mtp.input(self, hidden, tokens, mtp.buffers(self.xp, self.cfg, t * b))
-        found = []
-
-        def attend(blk, h, caches):
-            o, rollback = blk.attn.extend(h, caches, positions, b, t)
-            found.append(rollback)
-            return o
-
-        h = self._mtp_block(x, tokens, st.mtp_layers[0], attend)
-        return self.lm_head(h, out=st.spec_mtp_logits), found[0]
+        h = self._mtp_block(x, tokens, st.mtp_layers[0], lambda blk, h, c: blk.attn.extend(h, c, positions, b, t))
+        return self.lm_head(h, out=st.spec_mtp_logits)
 
     def step(self, st: DecodeState):
         """One decode step: the next token of every sequence replaces ``st.tokens`` and is logged.

@@ -197,6 +197,23 @@ class KVCache:
             raise ValueError(f"{name}: expected an array in the cache's memory, got one {arrays.describe(a)}")
         return a
 
+    def rewind(self, tokens) -> None:
+        """Take back the last token of the sequences where ``tokens[b]`` is 1 (int32 ``[B]`` of 0 / 1
+        in the cache's memory, read on the device: e.g. a speculative step's rejected draft): their
+        position moves back by one and their compressed length to the entries complete there.
+        Nothing else needs undoing: the window ring, the compressor's running state and the entries
+        are indexed by position, and the next append overwrites what that token left before any
+        query can read it (its window slot held a position one window back, its compressor slot a
+        group no later entry reads). Exact for one token; a count outside ``[0, 1]`` is clamped and
+        recorded in the status word (`fp4kit.runtime.status.KV_INPUT`), as `append`'s counts are."""
+        tokens = self._check("tokens", tokens, (self.batch,), (np.dtype(np.int32),))
+        capacity = self.comp.shape[1] if self.ratio else 0
+        if self.xp is np:
+            if ref.rewind(self.pos, self.comp_len, tokens, self.ratio, capacity):
+                status.record_host(status.KV_INPUT)
+            return
+        kv_ops.rewind(self.pos, self.comp_len, tokens, self.ratio, capacity)
+
     def reset(self, seq: int) -> None:
         """Forget sequence ``seq`` (its position and compressed length go to 0; no host sync)."""
         if not 0 <= seq < self.batch:

@@ -52,3 +52,11 @@ def compress_pair(first, second, counts) -> None:
 def advance(pos, counts, t: int) -> None:
     loader.get_kernel(_MODULE, "kv_advance", block=256)(1, 256, (pos, 0 if counts is None else counts,
                                                                    _U32(pos.shape[0]), _U32(t), status.device_word()))
+
+
+def rewind(pos, comp_len, tokens, ratio: int, capacity: int) -> None:
+    """``kv_rewind``: each sequence's position back by ``tokens[b]`` (0 or 1), its compressed
+    length (``comp_len``, or None without a compressor) to the entries complete there."""
+    loader.get_kernel(_MODULE, "kv_rewind", block=256)(1, 256, (pos, 0 if comp_len is None else comp_len, tokens,
+                                                                  _U32(pos.shape[0]), _U32(max(ratio, 1)),
+                                                                  _U32(capacity), status.device_word()))

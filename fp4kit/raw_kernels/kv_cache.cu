@@ -17,6 +17,9 @@
 //                   of a window nobody reads appends without kv_append_swa, which reports it otherwise).
 //   kv_compress2    two caches' kv_compress (bf16 inputs) in one launch, grid 2B (see below).
 //   kv_advance      grid 1: pos[b] += counts[b] (or T). Launched after the others.
+//   kv_rewind       grid 1: pos[b] -= n[b], n[b] clamped to [0, min(1, pos[b])] (one outside
+//                   [0, 1] recorded as FP4_STATUS_KV_INPUT); comp_len[b] (when given) becomes
+//                   min(pos[b] / R, capacity), the entries complete at the new position.
 // Every kernel clamps counts[b] to [0, T]; kv_append_swa (or kv_compress with kReportCounts) records
 // one outside it (FP4_STATUS_KV_INPUT).
 #include "common/fp32.cuh"
@@ -53,6 +56,21 @@ extern "C" __global__ void __launch_bounds__(64) kv_append_swa(const __nv_bfloat
 extern "C" __global__ void kv_advance(int* pos, const int* counts, unsigned B, unsigned T, unsigned* status) {
     pdl::wait_prior();
     for (unsigned b = threadIdx.x; b < B; b += blockDim.x) pos[b] += (int)token_count(counts, b, T, false, status);
+}
+
+extern "C" __global__ void kv_rewind(int* pos, int* comp_len, const int* tokens, unsigned B, unsigned R,
+                                     unsigned capacity, unsigned* status) {
+    pdl::wait_prior();
+    for (unsigned b = threadIdx.x; b < B; b += blockDim.x) {
+        int n = tokens[b];
+        if (n < 0 || n > 1) {
+            atomicOr(status, FP4_STATUS_KV_INPUT);
+            n = n < 0 ? 0 : 1;
+        }
+        const int p = max(pos[b] - n, 0);
+        pos[b] = p;
+        if (comp_len) comp_len[b] = (int)min((unsigned)p / R, capacity);
+    }
 }
 
 __device__ float block_sum(float v, float* scratch) {

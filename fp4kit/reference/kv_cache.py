@@ -108,5 +108,17 @@ def append_compressed(comp, comp_len, kv_state, score_state, pos, c, z, ape, rat
     return overflowed
 
 
+def rewind(pos, comp_len, tokens, ratio: int, capacity: int) -> bool:
+    """`fp4kit.layers.KVCache.rewind` in place: ``pos -= n`` with ``n = tokens`` clamped to
+    ``[0, min(1, pos)]``, then ``comp_len = min(pos // ratio, capacity)`` (when not None). Returns
+    whether a token count lay outside ``[0, 1]`` (the kernel records it in the status word)."""
+    tokens = np.asarray(tokens)
+    n = np.clip(tokens, 0, 1).astype(pos.dtype)
+    pos[...] = np.maximum(pos - n, 0)
+    if comp_len is not None:
+        comp_len[...] = np.minimum(pos // ratio, capacity)
+    return bool(((tokens < 0) | (tokens > 1)).any())
+
+
 def advance(pos, t: int, counts=None) -> None:
     pos += t if counts is None else np.asarray(counts, pos.dtype)
