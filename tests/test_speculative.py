@@ -120,6 +120,21 @@ def test_greedy_speculative_decoding_emits_the_plain_tokens(hc, drafts):
         assert_same_caches(st, plain_run(cfg, int(emitted[0]))[1])
 
 
+def test_speculative_decoding_with_the_official_activation_simulation():
+    """The official configuration's parts together: four residual copies, the simulated FP8 / FP4
+    activations (their entry rounding at each token's append), YaRN."""
+    cfg = configs.tiny(3, mtp_ratios=(0,), hc_mult=4, window=8, head_dim=128, rope_dim=64, index_head_dim=64,
+                       qat_sim=True, rope_factor=4.0, rope_original=64)
+    reference, _ = plain_run(cfg, 1 + 2 * STEPS + 2)
+    st = speculative_run(cfg, reference, lambda s, i: (i + s) % 3 != 1)
+    assert 0 < int(st.accepted.sum()) < 2 * STEPS
+    for s in range(PROMPT.shape[0]):
+        n = int(st.emitted[s])
+        assert np.array_equal(st.history[:n, s], reference[s, :n])
+    if (st.emitted == st.emitted[0]).all():
+        assert_same_caches(st, plain_run(cfg, int(st.emitted[0]))[1])
+
+
 def test_a_rejected_draft_leaves_the_caches_of_plain_decoding():
     """Every draft wrong: each step keeps one token and takes the draft's rows back, including a
     compressed entry the draft completed (ratio 4: one in four steps)."""
