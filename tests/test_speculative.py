@@ -160,3 +160,14 @@ def test_speculation_needs_the_mtp_layer():
     model, _ = runner.build(configs.tiny(2), device=False, seed=SEED)
     with pytest.raises(ValueError, match="speculative decoding needs the MTP layer"):
         model.start_speculation(model.new_state(1))
+
+
+def test_the_decode_scripts_check_covers_speculative_decoding(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import decode
+
+    args = ["--numpy", "--batch", "2", "--prompt-len", "4", "--new-tokens", "5", "--layers", "2", "--temperature", "0"]
+    assert decode.main(args + ["--check", "--speculative"]) == 0
+    out = capsys.readouterr().out
+    assert "check speculative numpy vs numpy again: identical tokens over 5 steps, greedy = the plain decoder's " \
+           "tokens: True -> OK" in out
