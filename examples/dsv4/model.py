@@ -703,11 +703,12 @@ class Model:
         activations of a W4A4 GEMM are quantized with one global scale over all T tokens, not per
         token, so logits agree with token-by-token feeding within the quantization's error).
         Returns the logits of each sequence's last token, bf16 ``[B, vocab]``. No host sync."""
-        xp, cfg = self.xp, self.cfg
+        xp = self.xp
         tokens = xp.ascontiguousarray(xp.asarray(tokens, dtype=np.int32))
         b, t = tokens.shape
         flat = tokens.reshape(-1)
         positions = xp.asarray(np.tile(np.arange(t, dtype=np.int32), b))
+
         def last(a):  # each sequence's last position: the only rows the head reads
             return xp.ascontiguousarray(a.reshape(b, t, *a.shape[1:])[:, -1])
 
