@@ -68,3 +68,49 @@ def test_saving_a_ranks_share_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(SystemExit, match="--save: with --ep each rank reads and holds only its own experts"):
         decode.main(["--save", str(tmp_path / "out"), "--ep", "2"])
     assert not (tmp_path / "out").exists()
+
+
+def test_the_mtp_layer_is_expert_parallel_too(tmp_path):
+    """With the MTP layer: built expert-parallel from the start, each rank holds its share of the MTP
+    layer's experts as well, and its drafts' logits equal the sharded model's; speculative greedy
+    decoding over the ranks emits the same tokens as one model whole."""
+    cfg = configs.tiny(2, mtp_ratios=(0,))
+    _, ckpt = runner.build(cfg, device=False, seed=1)
+    path = runner.save(tmp_path / "model", cfg, ckpt)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (4, 2)).astype(np.int32)
+
+    def mtp_logits(model):
+        st = model.new_state(tokens.shape[1], history_rows=8)
+        for t in tokens:
+            model.feed(st, t)
+        return np.asarray(st.mtp_logits[0]).astype(np.float32)
+
+    def sharded(comm):
+        model, _ = runner.build(cfg, device=False, load=str(path))
+        model.parallelize(comm, ep=True)
+        return mtp_logits(model)
+
+    def from_start(comm):
+        model, held = runner.build(cfg, device=False, load=str(path), expert_comm=comm)
+        mine = {int(n.split(".experts.")[1].split(".")[0]) for n in held.weights if n.startswith("mtp.0.ffn.experts.")}
+        assert mine == set(dist.expert_range(cfg.experts, comm))
+        assert isinstance(model.mtp[0].block.moe, dist.ExpertParallelMoE)
+        return mtp_logits(model)
+
+    def speculative(comm):
+        model, _ = runner.build(cfg, device=False, load=str(path), expert_comm=comm, temperature=0.0)
+        st = model.new_state(2, history_rows=16)
+        dec = runner.Decoder(model, st, tokens.T.copy(), speculative=True)
+        dec.prefill()
+        for _ in range(4):
+            dec.decode_step()
+        return [st.history[: st.emitted[s], s].copy() for s in range(2)]
+
+    want, got = dist.SimulatedGroup(2).run(sharded), dist.SimulatedGroup(2).run(from_start)
+    for rank in range(2):
+        np.testing.assert_array_equal(got[rank], want[rank], err_msg=f"rank {rank}")
+    whole, _ = runner.build(cfg, device=False, load=str(path), temperature=0.0)
+    plain, _, _ = runner.run(whole, tokens.T.copy(), 9)
+    for rank_tokens in dist.SimulatedGroup(2).run(speculative):
+        for s, emitted in enumerate(rank_tokens):
+            np.testing.assert_array_equal(emitted, plain[s, : len(emitted)])
