@@ -328,6 +328,17 @@ def test_grouped_pass_rows_rule(monkeypatch):
     assert moe_ops.grouped_pass_rows(16, 6, 256) == 32
 
 
+def test_grouped_gemm_build_by_occupancy(monkeypatch):
+    """GROUPED_BLOCKS_PER_SM 3 picks the three-blocks-per-SM builds of the 8- and 16-row passes
+    (moe.cu ``moe_gemm_*_occ3``; the wider passes spill at that bound and keep theirs)."""
+    from fp4kit.ops import moe as moe_ops
+
+    assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [f"moe_gemm_{{}}_{t}" for t in (1, 2, 4, 8)]
+    monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", 3)
+    assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [
+        "moe_gemm_{}_1_occ3", "moe_gemm_{}_2_occ3", "moe_gemm_{}_4", "moe_gemm_{}_8"]
+
+
 def test_small_gate_up_geometry_rule(monkeypatch):
     """Up to SMALL_NARROW_MAX_TOKENS tokens 4-warp blocks: one pair each (SMALL_MANY_BLOCKS) where
     they fill one wave or their last wave at least half, else two groups in flight at the pair rule

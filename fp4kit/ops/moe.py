@@ -127,6 +127,21 @@ def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = F
     return min(rows, GROUPED_PASS_ROWS_NVFP4_MAX) if nvfp4_act else rows
 
 
+#: resident blocks per SM the grouped GEMM's 8- and 16-row passes are built for: 2 (the GEMM
+#: engine's bound of 128 registers, where they take 78-124), or 3 (moe.cu ``moe_gemm_*_occ3``: 77-80
+#: registers, no spill in the mainloop, the mainloop up to 10.5 % longer). Half again the warps per
+#: scheduler for a loop that is issue- and latency-bound (docs/gemm-engine.md): predicted faster
+#: where the W4A4 8-row pass (121 registers) and the 16-row passes run (V4-Flash W4A4 T = 64,
+#: T = 512), not yet measured, so 2 stays the default
+GROUPED_BLOCKS_PER_SM = 2
+
+
+def grouped_kernel_name(tiles: int) -> str:
+    """The grouped GEMM build (``{}``: the activation kind) for ``tiles`` token tiles of 8 rows."""
+    occ3 = GROUPED_BLOCKS_PER_SM == 3 and tiles <= 2
+    return f"moe_gemm_{{}}_{tiles}" + ("_occ3" if occ3 else "")
+
+
 def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
                  side_by_side: bool = False) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
@@ -144,7 +159,7 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
               _I32(side_by_side), plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
-    kernel, args = _kernel_and_args(act, f"moe_gemm_{{}}_{tiles}", common)
+    kernel, args = _kernel_and_args(act, grouped_kernel_name(tiles), common)
     kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 
 
