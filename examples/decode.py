@@ -253,28 +253,15 @@ def check(cfg, args, prompt, device: bool, model) -> bool:
     return ok
 
 
-def speculative_tokens(model, prompt, steps: int, graph: bool, seed: int) -> list:
-    """Each sequence's tokens from ``steps`` speculative decode steps (`runner.Decoder` with
-    ``speculative``), the samplers' generators reset first."""
-    b = prompt.shape[0]
-    model.generator.set_state(seed, 0)
-    model.draft_sampler.generator.set_state(seed + 1, 0)
-    state = model.new_state(b, history_rows=2 * steps + 2)
-    dec = runner.Decoder(model, state, model.xp.asarray(prompt, dtype=np.int32), use_graph=graph, speculative=True)
-    dec.prefill()
-    for _ in range(steps):
-        dec.decode_step()
-    dec.synchronize()
-    emitted, history = runner.to_host(state.emitted), runner.to_host(state.history)
-    return [np.asarray(history[: int(emitted[s]), s]) for s in range(b)]
-
-
 def check_speculative(model, prompt, args, device: bool, plain_tokens) -> bool:
     """Speculative decoding captured vs eager (two runs on numpy): the same tokens; with greedy
     sampling also the plain decoder's tokens (``plain_tokens``), which it must reproduce."""
     names = ("graph", "eager") if device else ("numpy", "numpy again")
-    runs = [speculative_tokens(model, prompt, args.new_tokens, graph, args.seed)
-            for graph in ((True, False) if device else (False, False))]
+    runs = []
+    for graph in (True, False) if device else (False, False):
+        model.generator.set_state(args.seed, 0)
+        model.draft_sampler.generator.set_state(args.seed + 1, 0)
+        runs.append(runner.run_speculative(model, prompt, args.new_tokens, use_graph=graph)[0])
     ok = all(np.array_equal(a, b) for a, b in zip(*runs))
     line = f"check speculative {names[0]} vs {names[1]}: identical tokens over {args.new_tokens} steps"
     if args.temperature == 0:

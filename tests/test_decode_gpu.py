@@ -297,18 +297,6 @@ def test_batched_prefill_on_the_gpu_fills_the_mtp_cache_as_feeding():
     assert (rel <= runner.NUMPY_TOLERANCE["w4a16"]["max"]).all(), rel
 
 
-def speculative_tokens(model, prompt, steps: int, graph: bool):
-    """Greedy speculative decoding on the device: (per-sequence logged tokens, state)."""
-    state = model.new_state(prompt.shape[0], history_rows=2 * steps + 4)
-    dec = runner.Decoder(model, state, cp.asarray(prompt), use_graph=graph, speculative=True)
-    dec.prefill()
-    for _ in range(steps):
-        dec.decode_step()
-    dec.synchronize()
-    emitted, history = cp.asnumpy(state.emitted), cp.asnumpy(state.history)
-    return [history[: emitted[s], s] for s in range(prompt.shape[0])], state
-
-
 @pytest.mark.parametrize("hc", [1, 4])
 def test_speculative_decoding_on_the_gpu(hc):
     """The speculative step captured = eager (tokens, counts), every cache's position at the prompt
@@ -316,8 +304,9 @@ def test_speculative_decoding_on_the_gpu(hc):
     cfg = configs.tiny(layers=3, hc_mult=hc, mtp_ratios=(0,), max_context=2048)
     prompt = runner.random_prompt(2, 10, cfg.vocab, seed=8)
     model, _ = runner.build(cfg, device=True, seed=3, temperature=0.0)
-    graph_tokens, state = speculative_tokens(model, prompt, 12, graph=True)
-    eager_tokens, _ = speculative_tokens(model, prompt, 12, graph=False)
+    graph_tokens, dec = runner.run_speculative(model, prompt, 12, use_graph=True)
+    eager_tokens, _ = runner.run_speculative(model, prompt, 12, use_graph=False)
+    state = dec.state
     for a, b in zip(graph_tokens, eager_tokens):
         np.testing.assert_array_equal(a, b)
     emitted = cp.asnumpy(state.emitted)

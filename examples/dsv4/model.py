@@ -520,24 +520,26 @@ class DecodeState:
         xp = model.xp
         self.batch = batch
         self.layers = [blk.attn.caches(batch, model.device) for blk in model.blocks]
-        # the multi-token-prediction layers' caches and buffers, their logits and greedy drafts (a
-        # log beside the token log: row r the draft for the token logged in row r)
+        # the multi-token-prediction layer's cache and buffers (empty, None without one): its logits
+        # and greedy drafts, a draft log beside the token log (row r the draft for the token logged
+        # in row r); for speculative steps (`Model.speculative_step`) their samples and drafts over
+        # two positions, the MTP logits, each sequence's logged tokens and accepted drafts
         self.mtp_layers = [m.block.attn.caches(batch, model.device) for m in model.mtp]
         self.mtp_buffers = [m.buffers(xp, model.cfg, batch) for m in model.mtp]
         self.mtp_logits = [xp.zeros((batch, model.cfg.vocab), BF16) for _ in model.mtp]
-        self.drafts = xp.full(batch, -1, np.int32)  # -1: no draft (the first position has no hidden state before it)
-        self.draft_history = xp.zeros((history_rows, batch), np.int32)
-        self.draft_step = xp.zeros(1, np.int32)
         self.mtp_primed = False  # whether resid holds a position's hidden state (the MTP's input)
         self.mtp_runs = 0  # MTP calls made (host count: a graph is captured only after an eager one)
-        # speculative steps (`Model.speculative_step`): their samples and drafts over two positions,
-        # the MTP logits, each sequence's logged tokens and accepted drafts
+        self.drafts = self.draft_history = self.draft_step = self.emitted = self.accepted = None
         if model.mtp:
+            self.drafts = xp.full(batch, -1, np.int32)  # -1: no draft (the first position has no hidden state before it)
+            self.draft_history = xp.zeros((history_rows, batch), np.int32)
+            self.draft_step = xp.zeros(1, np.int32)
             self.spec_samples = xp.zeros(2 * batch, np.int32)
             self.spec_drafts = xp.zeros(2 * batch, np.int32)
             self.spec_mtp_logits = xp.zeros((2 * batch, model.cfg.vocab), BF16)
-        self.emitted = xp.zeros(batch, np.int32)
-        self.accepted = xp.zeros(batch, np.int32)
+            self.spec_mtp_buffers = model.mtp[0].buffers(xp, model.cfg, 2 * batch)
+            self.emitted = xp.zeros(batch, np.int32)
+            self.accepted = xp.zeros(batch, np.int32)
         # the residual stream: [batch, hidden], or its hc_mult copies [batch, hc_mult, hidden]
         hc = model.cfg.hc_mult
         self.resid = xp.zeros((batch, hc, model.cfg.hidden) if hc > 1 else (batch, model.cfg.hidden), np.float32)
@@ -801,11 +803,11 @@ class Model:
         return self.lm_head(h), hidden
 
     def _mtp_rows(self, st: DecodeState, hidden, tokens, positions, t: int):
-        """The MTP layer on ``t`` positions of every sequence at once (token-major rows: the hidden
-        states ``hidden`` and the tokens after them): its logits ``[t * B, vocab]`` (into the
-        state's buffer)."""
+        """The MTP layer on ``t`` (2) positions of every sequence at once (token-major rows: the
+        hidden states ``hidden`` and the tokens after them): its logits ``[t * B, vocab]`` (into
+        the state's buffers)."""
         mtp, b = self.mtp[0], st.batch
-        x = mtp.input(self, hidden, tokens, mtp.buffers(self.xp, self.cfg, t * b))
+        x = mtp.input(self, hidden, tokens, st.spec_mtp_buffers)
         h = self._mtp_block(x, tokens, st.mtp_layers[0], lambda blk, h, c: blk.attn.extend(h, c, positions, b, t))
         return self.lm_head(h, out=st.spec_mtp_logits)
 

@@ -212,12 +212,25 @@ def run(model: Model, prompt: np.ndarray, new_tokens: int, *, use_graph: bool = 
     return history, logits, dec
 
 
+def run_speculative(model: Model, prompt, steps: int, *, use_graph: bool = True) -> tuple[list, Decoder]:
+    """Prefill ``prompt [B, P]`` and make ``steps`` speculative decode steps (the first a plain
+    one); returns each sequence's logged tokens (numpy, their counts differ) and the Decoder."""
+    state = model.new_state(prompt.shape[0], history_rows=2 * steps + 2)
+    dec = Decoder(model, state, model.xp.asarray(prompt, dtype=np.int32), use_graph=use_graph, speculative=True)
+    dec.prefill()
+    for _ in range(steps):
+        dec.decode_step()
+    dec.synchronize()
+    emitted, history = to_host(state.emitted), to_host(state.history)
+    return [np.asarray(history[: int(emitted[s]), s]) for s in range(prompt.shape[0])], dec
+
+
 def draft_acceptance(state: DecodeState, steps: int) -> float | None:
     """The share of the last ``steps`` decode steps (at most the logs' rows) whose sampled token
     equals the MTP layer's greedy draft for it: what a one-token speculative step would accept
     (with greedy sampling exactly). None without an MTP layer or a step to compare."""
     steps = min(steps, state.history.shape[0])
-    if not steps or state.draft_history.shape[0] != state.history.shape[0]:
+    if not steps or state.draft_history is None:
         return None
     n = int(to_host(state.step)[0])
     if n < steps or int(to_host(state.draft_step)[0]) != n:

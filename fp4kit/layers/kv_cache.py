@@ -207,12 +207,11 @@ class KVCache:
         group no later entry reads). Exact for one token; a count outside ``[0, 1]`` is clamped and
         recorded in the status word (`fp4kit.runtime.status.KV_INPUT`), as `append`'s counts are."""
         tokens = self._check("tokens", tokens, (self.batch,), (np.dtype(np.int32),))
-        capacity = self.comp.shape[1] if self.ratio else 0
         if self.xp is np:
-            if ref.rewind(self.pos, self.comp_len, tokens, self.ratio, capacity):
+            if ref.rewind(self.pos, self.comp_len, tokens, self.ratio, self.max_comp):
                 status.record_host(status.KV_INPUT)
             return
-        kv_ops.rewind(self.pos, self.comp_len, tokens, self.ratio, capacity)
+        kv_ops.rewind(self.pos, self.comp_len, tokens, self.ratio, self.max_comp)
 
     def reset(self, seq: int) -> None:
         """Forget sequence ``seq`` (its position and compressed length go to 0; no host sync)."""
