@@ -13,7 +13,8 @@ weights and the KV caches that the decode steps of each batch and the prefill ad
 process, through cudaMemGetInfo).
 
     .venv/bin/python benchmarks/bench_decode.py [--mode=w4a4] [--projections-apart] [--batches=1,8] [--step-only]
-        [--peer] [--hc-mult=4] [--qat-sim]
+        [--peer] [--hc-mult=4] [--qat-sim] [--speculative] [--grouped-swiglu-epilogue] [--grouped-fold-shared]
+        [--ab-moe-sorted]
 
 ``--mode`` picks the activation format of every GEMM (default W4A16); ``--projections-apart`` runs
 each attention projection as its own Linear instead of one concatenated Linear per input
@@ -33,6 +34,11 @@ two-token step against a one-token one, the draft acceptance rate at which specu
 even, and the tokens/s it would give at a given acceptance rate (random weights draft almost
 nothing right, so the measured rate is not the point; trained MTP weights are reported to draft
 80-90 % right).
+``--grouped-swiglu-epilogue`` turns on `fp4kit.layers.moe.GROUPED_SWIGLU_EPILOGUE` (the sorted MoE
+path, batch 32 here, computes SwiGLU in its gate|up grouped GEMM), ``--grouped-fold-shared`` that
+and `GROUPED_FOLD_SHARED` (the shared expert rides in the sorted path's grouped GEMMs), to compare
+within one session; ``--ab-moe-sorted`` (with ``--step-only``, W4A16) times the step under the
+three settings in one process, from one state per batch, in two rounds of opposite order.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from dsv4 import config as configs  # noqa: E402
 from dsv4 import model as model_module  # noqa: E402
 from dsv4 import runner  # noqa: E402
 
+from fp4kit.layers import moe as moe_layer  # noqa: E402
 from fp4kit.ops import elementwise as ew  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -82,6 +89,33 @@ def replay_ms(fn) -> float:
     """``fn`` captured alone into a graph (after one eager call), replayed."""
     fn()
     return median_ms(runner.CapturedStep(fn).replay)
+
+
+# the expert-sorted MoE path's W4A16 variants (`fp4kit.layers.moe`), for --ab-moe-sorted
+SORTED_MOE_SETTINGS = (("SwiGLU and shared expert apart", False, False), ("SwiGLU in the gate|up GEMM", True, False),
+                       ("and the shared expert folded in", True, True))
+
+
+def sorted_moe_ab(model, batch: int) -> list[dict]:
+    """The step at ``batch`` (from one state at ``CONTEXT`` tokens) under each of
+    `SORTED_MOE_SETTINGS`, in two rounds of opposite order (each step moves the positions on, so
+    the order is balanced): ms per step and kernels per layer."""
+    state = model.new_state(batch, history_rows=64)
+    runner.fill_context(model, state, CONTEXT, seed=batch)
+    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED
+    rows = []
+    try:
+        for rnd, order in enumerate((SORTED_MOE_SETTINGS, SORTED_MOE_SETTINGS[::-1])):
+            for label, epilogue, fold in order:
+                moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
+                dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
+                ms = step_ms(dec)
+                rows.append({"batch": batch, "setting": label, "round": rnd + 1, "ms/step": ms,
+                             "kernels per layer": len(graph_kernels(dec.decode_graph.graph)) / LAYERS})
+                del dec
+    finally:
+        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = saved
+    return rows
 
 
 def speculative_row(model, batch: int, acceptance: float = 0.85) -> dict:
@@ -193,6 +227,11 @@ def main() -> None:
     if mode not in ("w4a4", "w4a16"):
         raise SystemExit(f"--mode: expected w4a4 or w4a16, got {mode!r}")
     model_module.FUSE_PROJECTIONS = "--projections-apart" not in sys.argv
+    # the sorted MoE path (batch 32) with SwiGLU in the gate|up grouped GEMM: one launch per layer fewer
+    if "--grouped-swiglu-epilogue" in sys.argv:
+        moe_layer.GROUPED_SWIGLU_EPILOGUE = True
+    if "--grouped-fold-shared" in sys.argv:  # and the shared expert in its grouped GEMMs: three fewer
+        moe_layer.GROUPED_SWIGLU_EPILOGUE = moe_layer.GROUPED_FOLD_SHARED = True
     probe = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--memory-probe=")), None)
     if probe is not None:
         batch, tokens = (int(v) for v in probe.split(","))
@@ -213,6 +252,9 @@ def main() -> None:
     speculative = "--speculative" in sys.argv
     if speculative and (torch is not None or not step_only):
         raise SystemExit("--speculative: with --step-only and without --peer")
+    ab_sorted = "--ab-moe-sorted" in sys.argv
+    if ab_sorted and (torch is not None or not step_only or speculative or mode != "w4a16"):
+        raise SystemExit("--ab-moe-sorted: W4A16, with --step-only, without --peer or --speculative")
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim,
                                  mtp_ratios=(0,) if speculative else ())
     model, ckpt = runner.build(cfg, device=True, seed=0)
@@ -229,10 +271,17 @@ def main() -> None:
                        f"context {CONTEXT}, graph-replayed ({device_name()})",
                        ["batch", "plain ms", "plain + MTP draft ms", "speculative ms", "x plain",
                         "break-even acceptance", "tokens/s at 85 % acceptance", "x plain tokens/s"])
+    ab_table = Table(f"Decode step with the expert-sorted MoE's W4A16 variants, v4-flash-slice {LAYERS} layers, "
+                     f"context {CONTEXT}, graph-replayed ({device_name()})",
+                     ["batch", "setting", "round", "ms/step", "kernels per layer"])
     launches = {}  # kernel name -> launches in one step, by batch
     for batch in batches:
         if speculative:
             spec_table.add(**speculative_row(model, batch))
+            continue
+        if ab_sorted:
+            for row in sorted_moe_ab(model, batch):
+                ab_table.add(**row)
             continue
         state = model.new_state(batch, history_rows=64)
         runner.fill_context(model, state, CONTEXT, seed=batch)
@@ -262,7 +311,7 @@ def main() -> None:
         del dec, state
     if step_only:
         print()
-        print(spec_table.markdown() if speculative else table.markdown())
+        print(spec_table.markdown() if speculative else ab_table.markdown() if ab_sorted else table.markdown())
         return
     prefill = prefill_rate(model, PREFILL_TOKENS)
     print()

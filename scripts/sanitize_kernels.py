@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4kit  # noqa: E402
 from fp4kit.layers import (  # noqa: E402
     Generator, Indexer, KVCache, Linear, MoE, RoutingConfig, Sampler, SharedExpert, SparseAttention)
+from fp4kit.layers import moe as moe_layer  # noqa: E402
 from fp4kit.layers.kv_cache import append_compressed  # noqa: E402
 from fp4kit.ops import elementwise, gemm as gemm_ops, quant  # noqa: E402
 from fp4kit.reference.gemm import calc_diff  # noqa: E402
@@ -169,6 +170,22 @@ def run_moe(be: Backend, rng) -> None:
                              shared=SharedExpert.from_float(be.to(g), be.to(u), be.to(dn), limit=4.0, mode=mode))
         x = rng.standard_normal((3, 64)).astype(BF16)
         close(be.host(dev(be.to(x))).astype(np.float32), host(x).astype(np.float32), f"MoE + shared expert {mode}", 1e-4)
+    # the expert-sorted path in W4A16: SwiGLU in a launch of its own or in the gate|up grouped GEMM's
+    # epilogue, the shared expert apart or folded into the grouped GEMMs
+    host = MoE.from_float(*weights, RoutingConfig(top_k=2), mode="w4a16", limit=4.0,
+                          shared=SharedExpert.from_float(g, u, dn, limit=3.0, mode="w4a16"))
+    dev = MoE.from_float(*(be.to(w) for w in weights), RoutingConfig(top_k=2), mode="w4a16", limit=4.0,
+                         shared=SharedExpert.from_float(be.to(g), be.to(u), be.to(dn), limit=3.0, mode="w4a16"))
+    dev.small_max_assignments = 0
+    x = rng.standard_normal((5, 64)).astype(BF16)
+    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED
+    try:
+        for epilogue, fold in ((False, False), (True, False), (True, True)):
+            moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
+            close(be.host(dev(be.to(x))).astype(np.float32), host(x).astype(np.float32),
+                  f"MoE sorted path, SwiGLU in the GEMM {epilogue}, shared folded {fold}", 1e-4)
+    finally:
+        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = saved
 
 
 def run_kv_cache(be: Backend, rng) -> None:

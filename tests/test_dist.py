@@ -21,9 +21,11 @@ import pytest
 
 from fp4kit import distributed as dist
 from fp4kit.distributed import env as dist_env
+from fp4kit.distributed import kernels as dist_kernels
 from fp4kit.distributed import launch
 from fp4kit.formats import Nvfp4Tensor
 from fp4kit.layers import ExpertStack, Linear, MoE, RoutingConfig, SharedExpert
+from fp4kit.layers import moe as moe_layer
 from fp4kit.reference import dist as ref
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import quant as qref
@@ -537,6 +539,28 @@ def test_expert_parallel_w4a16_hash_routing_and_no_shared(rng, world):
     _check_ep_equals_single(rng, hashed, world, 4, token_ids=tokens)
     plain = MoE.from_float(gate, w1, w3, w2, V4, limit=10.0)
     _check_ep_equals_single(rng, plain, world, 3)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("routing, before", [(V4, True), (V3, False)])
+def test_expert_parallel_swiglu_in_the_gemm_epilogue(rng, monkeypatch, world, routing, before):
+    """With GROUPED_SWIGLU_EPILOGUE a W4A16 rank's gate|up grouped GEMM writes the SwiGLU output
+    itself (no h, no SwiGLU launch): the same bits as the single layer."""
+    gate, w1, w3, w2 = _moe_weights(rng)
+    moe = MoE.from_float(gate, w1, w3, w2, routing, limit=10.0, weight_before_down=before, mode="w4a16",
+                         shared=_shared(rng, mode="w4a16"))
+    epilogues = []
+    launch = dist_kernels.grouped_gemm
+
+    def spy(*args, **kwargs):
+        epilogues.append(kwargs.get("swiglu") is not None)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(dist_kernels, "grouped_gemm", spy)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
+    _check_ep_equals_single(rng, moe, world, 5)
+    # per rank (the simulated ranks run side by side): gate|up with the SwiGLU, then down
+    assert epilogues.count(True) == epilogues.count(False) == world
 
 
 def test_expert_parallel_with_static_shared_scales(rng):

@@ -40,12 +40,18 @@ def build(rng, e, h, i, routing, host_shared=None, **kwargs):
     return dev, host
 
 
-@pytest.fixture(params=["small", "small-quantize-launches", "small-shared-apart", "sorted"])
+@pytest.fixture(params=["small", "small-quantize-launches", "small-shared-apart", "sorted", "sorted-swiglu-epilogue",
+                        "sorted-shared-folded"])
 def path(request, monkeypatch):
     """Both device paths of the layer at every T: the small-T GEMVs over the (token, slot)
     assignments (a shared expert folded in as one more expert, or run apart; W4A4 quantized in
-    the GEMV blocks or by launches of their own), and the expert-sorted grouped GEMMs."""
+    the GEMV blocks or by launches of their own), and the expert-sorted grouped GEMMs (W4A16 with
+    the SwiGLU in the gate|up GEMM's epilogue or in a launch of its own, a shared expert folded
+    into the grouped GEMMs or run apart)."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30 if request.param.startswith("small") else 0)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", request.param in ("sorted-swiglu-epilogue",
+                                                                              "sorted-shared-folded"))
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", request.param == "sorted-shared-folded")
     monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param != "small-shared-apart")
     monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 0 if request.param == "small-quantize-launches" else 1 << 30)
     return request.param
@@ -133,7 +139,8 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
     dev_shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
     host_shared = SharedExpert.from_float(*ws, limit=7.0, mode=mode)
     dev, host = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=dev_shared, host_shared=host_shared)
-    folds = path in ("small", "small-quantize-launches") and shared_inner == i and t <= moe_layer.FOLD_SHARED_MAX_TOKENS
+    folds = shared_inner == i and (path in ("small", "small-quantize-launches") and t <= moe_layer.FOLD_SHARED_MAX_TOKENS
+                                   or path == "sorted-shared-folded" and mode == "w4a16")
     assert dev._folds_shared(t) == folds
     assert dev._quantizes_in_blocks(t) == (mode == "w4a4" and folds and path != "small-quantize-launches")
     x = (rng.standard_normal((t, h)) * 2).astype(BF16)
@@ -373,18 +380,21 @@ def test_dispatch_after_the_device_router_is_a_consistent_plan(rng):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("with_shared", [None, "bf16", "fp32 rows"])
 @pytest.mark.parametrize("t, k, h", [(1, 6, 4096), (33, 8, 7168), (64, 2, 16)])
 def test_combine_kernel_matches_reference(rng, weighted, with_shared, t, k, h):
+    """The combine in slot order, plus a shared expert's bf16 output, or a folded shared expert's
+    fp32 rows (`shared_rows`), rounded to bf16 as its dense GEMM would round them."""
     pairs = t * k
     y = (rng.standard_normal((pairs, h)) * rng.lognormal(0, 2, (pairs, 1))).astype(np.float32)
     slot_row = rng.permutation(pairs).astype(np.uint32)
     weights = rng.random((t, k)).astype(np.float32)
-    shared = rng.standard_normal((t, h)).astype(BF16) if with_shared else None
-    want = ref.combine(y, slot_row, weights, weighted, shared)
+    rows = rng.standard_normal((t, h)).astype(np.float32) if with_shared else None
+    want = ref.combine(y, slot_row, weights, weighted, None if rows is None else rows.astype(BF16))
     out = cp.full((t, h), 0x4B4B, cp.uint16).view(BF16)  # poison: a finite value
     moe_ops.combine(cp.asarray(y), cp.asarray(slot_row), cp.asarray(weights), weighted,
-                    None if shared is None else cp.asarray(shared), out)
+                    cp.asarray(rows.astype(BF16)) if with_shared == "bf16" else None, out,
+                    shared_rows=cp.asarray(rows) if with_shared == "fp32 rows" else None)
     assert np.array_equal(cp.asnumpy(out).view(np.uint16), want.view(np.uint16))
 
 
@@ -403,3 +413,65 @@ def test_three_blocks_per_sm_builds_give_the_same_bits(rng, monkeypatch, mode, p
     got = dev(x)
     assert float(cp.abs(want.astype(cp.float32)).max()) > 0
     assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
+
+
+@pytest.mark.parametrize("routing, before, limit", [(V4, True, 10.0), (V3, False, None)])
+@pytest.mark.parametrize("pass_rows, inner", [(8, 256), (16, 80), (64, 256)])
+@pytest.mark.parametrize("blocks_per_sm", [2, 3])
+def test_swiglu_in_the_grouped_gemm_epilogue_gives_the_same_bits(rng, monkeypatch, routing, before, limit, pass_rows,
+                                                                 inner, blocks_per_sm):
+    """``moe_gemm_swiglu_bf16_*`` (GROUPED_SWIGLU_EPILOGUE): the sorted path's output bit for bit
+    that of the grouped GEMM into h followed by the SwiGLU launch, with experts over one pass and
+    several, a partial last block of 128 weight rows (inner 80: 160 W13 rows), with and without
+    the clamp and the routing weight before the down projection, at both occupancy builds."""
+    dev, _ = build(rng, 32, 512, inner, routing, limit=limit, weight_before_down=before, mode="w4a16")
+    dev.small_max_assignments = 0  # the sorted path
+    monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
+    monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", blocks_per_sm)
+    x = cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16))  # 18 rows per expert on average
+    want = dev(x).copy()
+    epilogues = []
+    launch = moe_ops.grouped_gemm
+
+    def spy(*args, **kwargs):
+        epilogues.append(kwargs.get("swiglu") is not None)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(moe_ops, "grouped_gemm", spy)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
+    got = dev(x)
+    assert epilogues == [True, False]  # gate|up with the SwiGLU, then down
+    assert float(cp.abs(want.astype(cp.float32)).max()) > 0
+    assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
+
+
+@pytest.mark.parametrize("t, pass_rows", [(5, 8), (32, 8), (96, 16), (300, 64)])
+def test_shared_expert_folded_into_the_grouped_gemms(rng, monkeypatch, t, pass_rows):
+    """GROUPED_FOLD_SHARED: the shared expert rides in the sorted path's two grouped GEMMs as one
+    more expert (its rows after the routed ones, passes of its own, its own clamp) and in the
+    combine, so it makes no launch of its own; the layer's output is the unfolded layer's to the
+    summation order of the shared expert's GEMMs (several passes over its weights at 96 and 300
+    tokens), and within the bound of the numpy layer."""
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
+    dev_shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode="w4a16")
+    host_shared = SharedExpert.from_float(*ws, limit=7.0, mode="w4a16")
+    dev, host = build(rng, 32, 512, 256, V4, limit=10.0, mode="w4a16", shared=dev_shared, host_shared=host_shared)
+    dev.small_max_assignments = 0  # the sorted path
+    monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
+    x_host = (rng.standard_normal((t, 512)) * 2).astype(BF16)
+    x = cp.asarray(x_host)
+    apart = dev(x).copy()
+    calls = []
+    grouped, shared_call = moe_ops.grouped_gemm, SharedExpert.__call__
+    monkeypatch.setattr(moe_ops, "grouped_gemm", lambda *a, **kw: (calls.append(kw.get("dense") is not None),
+                                                                    grouped(*a, **kw))[1])
+    monkeypatch.setattr(SharedExpert, "__call__", lambda *a, **kw: (calls.append("shared apart"), shared_call(*a, **kw))[1])
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", True)
+    assert dev._folds_shared(t)
+    folded = dev(x)
+    assert calls == [True, True]  # gate|up and down, each with the shared expert; no launch of its own
+    assert float(cp.abs(apart.astype(cp.float32)).max()) > 0
+    got = cp.asnumpy(folded).astype(np.float32)
+    assert gref.calc_diff(got, cp.asnumpy(apart).astype(np.float32)) < 1e-5
+    assert gref.calc_diff(got, host(x_host).astype(np.float32)) < BOUND

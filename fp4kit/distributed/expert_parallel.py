@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Nvfp4Tensor
+from ..layers import moe as moe_layer
 from ..layers.moe import ExpertStack, MoE, RoutingConfig, _check_routing, check_token_ids, checkpoint_parts
 from ..layers.shared_expert import SharedExpert, interleave_rows
 from ..ops import moe as moe_ops, quant as quant_ops
@@ -375,7 +376,12 @@ class ExpertParallelMoE:
             act = Nvfp4Tensor(packed, scales, b.scale(0), "linear", (rows, self.hidden))
         else:
             act = incoming[2].reshape(rows, self.hidden)
-        if self.fused:
+        # W4A16 with a fused W13: SwiGLU in the gate|up GEMM's epilogue, as `MoE` (GROUPED_SWIGLU_EPILOGUE)
+        swiglu_in_gemm = moe_layer.GROUPED_SWIGLU_EPILOGUE and self.fused and not w4a4
+        if swiglu_in_gemm:
+            kernels.grouped_gemm(act, self.w13, b.h_act, plan=b.local, gather=True, max_rows=pass_rows,
+                                 swiglu=(b.local.row_weight, self.limit))
+        elif self.fused:
             kernels.grouped_gemm(act, self.w13, b.h, plan=b.local, gather=True, max_rows=pass_rows)
             layout = "interleaved"
         else:
@@ -394,7 +400,8 @@ class ExpertParallelMoE:
                                           global_scale=b.scale(1), out=b.h_act)
                 shared_act = self._shared_swiglu(shared_h, b, b.scale(2))
         else:
-            quant_ops.swiglu(b.h, layout=layout, limit=self.limit, row_scale=b.local.row_weight, out=b.h_act)
+            if not swiglu_in_gemm:
+                quant_ops.swiglu(b.h, layout=layout, limit=self.limit, row_scale=b.local.row_weight, out=b.h_act)
             shared_act = None
         kernels.grouped_gemm(b.h_act, self.w2, b.y, plan=b.local, gather=False, max_rows=pass_rows)
 

@@ -12,6 +12,7 @@ import numpy as np
 from ..ops import moe as moe_ops
 from ..reference import dist as ref
 from ..reference import moe as moe_ref
+from ..reference import quant as quant_ref
 from ..runtime import arrays, loader, status
 
 _MODULE = "dist"
@@ -127,15 +128,21 @@ def bias_to_bf16(acc, bias, out) -> None:
            (acc, _opt(f32), _opt(bf16), out, _U32(rows), _U32(n)))
 
 
-def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None) -> None:
+def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
+                 swiglu: tuple | None = None) -> None:
     """The MoE grouped expert GEMM (``moe.cu``) over the plan of the received rows; ``max_rows``: the
-    rows one pass of an expert's weights serves on the device (`moe_ops.grouped_pass_rows`)."""
+    rows one pass of an expert's weights serves on the device (`moe_ops.grouped_pass_rows`);
+    ``swiglu=(row_scale, limit)``: ``out`` gets the SwiGLU of W13's output (`moe_ops.grouped_gemm`)."""
     if _device(out):
-        moe_ops.grouped_gemm(act, stack, out, plan=plan, gather=gather, out_col=out_col, max_rows=max_rows)
+        moe_ops.grouped_gemm(act, stack, out, plan=plan, gather=gather, out_col=out_col, max_rows=max_rows,
+                             swiglu=swiglu)
         return
     experts = [stack.expert(e) for e in range(stack.shape[0])]
-    ref.grouped_gemm(act, experts, out, offsets=plan.offsets, active=plan.active, num_active=plan.num_active,
+    h = out if swiglu is None else np.zeros((out.shape[0], 2 * out.shape[1]), arrays.BF16)
+    ref.grouped_gemm(act, experts, h, offsets=plan.offsets, active=plan.active, num_active=plan.num_active,
                      row_token=plan.row_token, gather=gather, row_decode=stack.row_decode, out_col=out_col)
+    if swiglu is not None:
+        out[...] = quant_ref.swiglu(h, "interleaved", swiglu[1], swiglu[0]).astype(arrays.BF16)
 
 
 def combine(y, pair_slot, weights, weighted: bool, shared, out) -> None:

@@ -21,10 +21,11 @@ rides along as one more expert (`FOLD_SHARED`) or runs apart. The expert-sorted 
    reads its output directly) — or, unfused, two grouped GEMMs over W1 and W3 writing the two
    halves of a ``[gate | up]`` buffer;
 5. the fused SwiGLU (+ V4 clamp, + routing weight as row factor when it is applied before the down
-   projection) + amax + quantize (W4A4), or SwiGLU to bf16 (W4A16);
+   projection) + amax + quantize (W4A4), or SwiGLU to bf16 (W4A16; with `GROUPED_SWIGLU_EPILOGUE`
+   in L1's epilogue instead of a launch of its own);
 6. L2: one grouped GEMM over W2;
 7. combine back to token order in slot order (times the routing weight for V3), plus the shared
-   expert.
+   expert (with `GROUPED_FOLD_SHARED` one more expert of L1 and L2 instead of its own launches).
 
 Expert weights are stacked: `ExpertStack` holds ``[E, N, K/2]`` codes, ``[E, N, K/16]`` scales, the
 per-expert encode scales ``[E]`` and their decode factors on the device (and optional per-row
@@ -77,6 +78,19 @@ FOLD_SHARED_MAX_TOKENS = 8
 #: T = 4 166 -> 175 (the blocks repeat the quantization of the input rows they read). Not with a
 #: shared expert run apart (V3, top-8: 147 us in-block, 131-138 with the launches in the run before)
 QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
+#: W4A16 on the expert-sorted path with a fused W13: SwiGLU (+ clamp, + routing weight) computed in
+#: the gate|up grouped GEMM's epilogue (moe.cu ``moe_gemm_swiglu_bf16_*``, bit for bit the GEMM's
+#: bf16 output through the SwiGLU kernel) instead of writing ``h [pairs, 2I]`` and a SwiGLU launch:
+#: one launch per layer fewer, and h's write and read gone (V4-Flash at T = 4096: 2 x 200 MB). Off
+#: until timed on a GPU (prediction: a few us per layer at T = 32, more at prefill sizes)
+GROUPED_SWIGLU_EPILOGUE = False
+#: on the expert-sorted path with the SwiGLU epilogue, a `SharedExpert` (W4A16, this layer's widths,
+#: no biases) rides in the two grouped GEMMs as one more expert on sorted rows T * top_k .. + T - 1
+#: (its own weights, clamp and no routing weight; 8T-row passes of its rows on block rows of their
+#: own) and in the combine, instead of its own three launches (gate|up, SwiGLU, down). Changes
+#: nothing but its GEMMs' summation order. Off until timed on a GPU (prediction: three launches per
+#: layer fewer at T = 32; its weights are streamed once per pass, so it may lose at prefill sizes)
+GROUPED_FOLD_SHARED = False
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -225,7 +239,7 @@ class _Plan:
     y: object = None
     h_f32: object = None  # the small-T path's SwiGLU output before the W4A4 quantize
     hs_act: object = None  # the folded shared expert's down-projection input (W4A4)
-    fold: bool = False  # the small-T launches run the shared expert (`MoE._folds_shared`)
+    fold: bool = False  # the shared expert rides in the layer's launches (`MoE._folds_shared`)
     done: object = None  # the small-T router's per-token block counters (zero between calls)
     x_amax: object = None  # W4A4 quantized in the blocks: per-token max |x| (fp32 bits)
     h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
@@ -412,7 +426,7 @@ class MoE:
         return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
 
     def _plan_key(self, t: int) -> tuple:
-        return t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t)
+        return t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t)
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
@@ -423,6 +437,11 @@ class MoE:
 
     def _small(self, t: int) -> bool:
         return t * self.routing.top_k <= self.small_max_assignments
+
+    def _swiglu_in_gemm(self, t: int) -> bool:
+        """Whether the sorted path computes SwiGLU in the gate|up GEMM's epilogue for ``t`` tokens
+        (`GROUPED_SWIGLU_EPILOGUE`: W4A16 with a fused W13)."""
+        return GROUPED_SWIGLU_EPILOGUE and self.mode == "w4a16" and self.fused and not self._small(t)
 
     def _make_plan(self, x) -> _Plan:
         t = x.shape[0]
@@ -454,13 +473,18 @@ class MoE:
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         if not w4a4:  # the bf16 SwiGLU output, written and read within the call: shared too
-            common["h_act"] = _shared_intermediate("h_act", (pairs, i), arrays.BF16)
+            common["h_act"] = _shared_intermediate("h_act", (rows, i), arrays.BF16)
+        # a folded shared expert's sorted rows (after the routed ones) take their tokens in order;
+        # the dispatch writes only the routed rows' tokens
+        row_token = (workspace.made_outside_capture(lambda: cupy.concatenate(
+            [cupy.zeros(pairs, np.uint32), cupy.arange(t, dtype=np.uint32)])) if fold else cupy.empty(pairs, np.uint32))
         return _Plan(
             **common, tickets=cupy.empty((t, k), np.uint32), offsets=cupy.empty(e + 1, np.uint32),
             active=cupy.empty(e, np.uint32), num_active=cupy.empty(1, np.uint32),
-            slot_row=cupy.empty(pairs, np.uint32), row_token=cupy.empty(pairs, np.uint32),
-            row_weight=cupy.empty(pairs, np.float32), h=_shared_intermediate("h", (pairs, 2 * i), arrays.BF16),
-            y=_shared_intermediate("y", (pairs, h), np.float32))
+            slot_row=cupy.empty(pairs, np.uint32), row_token=row_token,
+            row_weight=cupy.empty(pairs, np.float32), fold=fold,
+            h=None if self._swiglu_in_gemm(t) else _shared_intermediate("h", (pairs, 2 * i), arrays.BF16),
+            y=_shared_intermediate("y", (rows, h), np.float32))
 
     def _route_device(self, x, token_ids, plan: _Plan) -> None:
         if plan.tickets is None:  # the small-T path: ids and weights only, one launch
@@ -480,6 +504,19 @@ class MoE:
         self._route_device(x, token_ids, plan)
         act = quant_ops.quantize(x, out=plan.x_act) if self.mode == "w4a4" else x
         rows = moe_ops.grouped_pass_rows(x.shape[0], self.routing.top_k, self.num_experts, self.mode == "w4a4")
+        row_scale = plan.row_weight if self.weight_before_down else None
+        if plan.h is None:  # SwiGLU in the gate|up GEMM's epilogue (`_swiglu_in_gemm`)
+            sh, pairs, t = self.shared, plan.slot_row.size, x.shape[0]
+            dense = (sh.gate_up.weight, sh.gate_up.row_decode, pairs, t, sh.limit) if plan.fold else None
+            moe_ops.grouped_gemm(act, self.w13, plan.h_act, plan=plan, gather=True, max_rows=rows,
+                                 swiglu=(row_scale, self.limit), dense=dense)
+            if plan.fold:  # the shared expert as one more expert of the down GEMM, its rows added last
+                moe_ops.grouped_gemm(plan.h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows,
+                                     dense=(sh.down.weight, sh.down.row_decode, pairs, t, None))
+                moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, None, plan.out,
+                                shared_rows=plan.y[pairs:])
+                return plan.out
+            return self._down_and_combine(x, act, plan, plan.h_act, rows)
         if self.fused:
             moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=rows)
             layout = "interleaved"
@@ -487,12 +524,16 @@ class MoE:
             moe_ops.grouped_gemm(act, self.w1, plan.h, plan=plan, gather=True, max_rows=rows)
             moe_ops.grouped_gemm(act, self.w3, plan.h, plan=plan, gather=True, out_col=self.inner, max_rows=rows)
             layout = "concatenated"
-        row_scale = plan.row_weight if self.weight_before_down else None
         if self.mode == "w4a4":
             h_act = quant_ops.swiglu_quantize(plan.h, layout=layout, limit=self.limit, row_scale=row_scale,
                                               out=plan.h_act)
         else:
             h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
+        return self._down_and_combine(x, act, plan, h_act, rows)
+
+    def _down_and_combine(self, x, act, plan: _Plan, h_act, rows: int):
+        """The sorted path after SwiGLU: the down projection's grouped GEMM, the shared expert and
+        the combine back to token order."""
         moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows)
         shared = self._shared(x, act)
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
@@ -516,13 +557,17 @@ class MoE:
                 and (self.shared is None or self._folds_shared(t)))
 
     def _folds_shared(self, t: int) -> bool:
-        """Whether the small-T launches for ``t`` tokens run the shared expert as one more expert:
-        ``t`` takes the small-T path; the shared expert is a `SharedExpert` in the layer's mode with
-        this layer's widths, no biases and (W4A4) dynamic input scales, so that folding it in changes
-        nothing but the summation order of its GEMMs; and `fold_shared_pays` for ``t`` and top-k."""
+        """Whether the launches for ``t`` tokens run the shared expert as one more expert: on the
+        small-T path where `fold_shared_pays` for ``t`` and top-k (`FOLD_SHARED`), on the sorted
+        path with `GROUPED_FOLD_SHARED` and the SwiGLU epilogue (W4A16); and the shared expert is a
+        `SharedExpert` in the layer's mode with this layer's widths, no biases and (W4A4) dynamic
+        input scales, so that folding it in changes nothing but the summation order of its GEMMs."""
+        if self._small(t):
+            pays = self.fold_shared and fold_shared_pays(t, self.routing.top_k)
+        else:
+            pays = GROUPED_FOLD_SHARED and self._swiglu_in_gemm(t)
         sh = self.shared
-        if not (self.fold_shared and self._small(t) and isinstance(sh, SharedExpert) and sh.mode == self.mode
-                and fold_shared_pays(t, self.routing.top_k)):
+        if not (pays and isinstance(sh, SharedExpert) and sh.mode == self.mode):
             return False
         gate_up, down = sh.gate_up, sh.down
         return (gate_up.bias is None and down.bias is None and gate_up.in_features == self.hidden

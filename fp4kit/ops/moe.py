@@ -136,21 +136,32 @@ def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = F
 GROUPED_BLOCKS_PER_SM = 2
 
 
-def grouped_kernel_name(tiles: int) -> str:
-    """The grouped GEMM build (``{}``: the activation kind) for ``tiles`` token tiles of 8 rows."""
+def grouped_kernel_name(tiles: int, swiglu: bool = False, dense: bool = False) -> str:
+    """The grouped GEMM build (``{}``: the activation kind) for ``tiles`` token tiles of 8 rows;
+    ``swiglu``: the one with SwiGLU in its epilogue (and a dense expert); ``dense``: a plain one
+    with a dense expert (bf16 activations only, as the SwiGLU builds)."""
     occ3 = GROUPED_BLOCKS_PER_SM == 3 and tiles <= 2
-    return f"moe_gemm_{{}}_{tiles}" + ("_occ3" if occ3 else "")
+    kind = "swiglu_" if swiglu else "dense_" if dense else ""
+    return f"moe_gemm_{kind}{{}}_{tiles}" + ("_occ3" if occ3 else "")
 
 
 def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
-                 side_by_side: bool = False) -> None:
+                 side_by_side: bool = False, swiglu: tuple | None = None, dense: tuple | None = None) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
     every active expert ``e``; ``act`` an `Nvfp4Tensor` or bf16, gathered through the sorted rows'
     tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input).
     ``stack`` is tiled (`ExpertStack.to_tiled`). ``max_rows``: the rows one pass of an expert's
     weights serves (default: every row; an expert with more takes more passes, `grouped_pass_rows`).
     ``side_by_side``: expert ``e``'s i-th row lands in row ``i`` of ``out`` at columns ``out_col + e *
-    N ..`` instead (a grouped projection whose groups' outputs sit side by side in each row)."""
+    N ..`` instead (a grouped projection whose groups' outputs sit side by side in each row).
+    ``swiglu=(row_scale, limit)``: ``stack`` is W13 (gate and up interleaved in chunks of 16 rows)
+    and ``out`` bf16 ``[rows, N / 2]`` gets their SwiGLU, computed in the GEMM's epilogue: bit for bit
+    ``quant.swiglu`` of the GEMM's bf16 output (the optional clamp ``limit``, times ``row_scale`` per
+    sorted row unless None). bf16 activations only (W4A16).
+    ``dense=(weight, row_decode, first, rows, limit)``: one more expert with its own weight (a tiled
+    `Nvfp4Tensor` of ``stack``'s ``[N, K]``, e.g. the shared expert's) on sorted rows ``first ..
+    first + rows - 1``, whose ``plan.row_token`` the caller has filled with their tokens; its own
+    SwiGLU ``limit`` and no ``row_scale``. Its rows take ``ceil(rows / pass)`` more block rows."""
     if stack.layout != "tiled":
         raise ValueError("stack: the grouped GEMM reads tiled expert stacks; convert with stack.to_tiled()")
     n, k = stack.shape[1:]
@@ -158,9 +169,32 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     tiles = gemm_ops.token_tiles(plan.slot_row.size if max_rows is None else max_rows)
     common = (stack.packed, stack.block_scales, stack.decode, _opt(stack.row_decode),
               plan.row_token if gather else 0, out, _I32(out.dtype == np.float32), _U32(out.shape[-1]), _U32(out_col),
-              _I32(side_by_side), plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k))
-    kernel, args = _kernel_and_args(act, grouped_kernel_name(tiles), common)
-    kernel.launch((gemm_ops.row_groups(n, 1), slots), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
+              _I32(side_by_side), plan.offsets, plan.active, plan.num_active, _U32(n), _U32(k), _U32(slots))
+    dense_blocks = 0
+    if dense is None:
+        common += (0, 0, 0, 0, _U32(0), _U32(0), np.float32(0.0), _I32(0))
+    else:
+        weight, row_decode, first, rows, limit = dense
+        if weight.scale_layout != "tiled" or tuple(weight.shape) != (n, k):
+            raise ValueError(f"dense: expected a tiled NVFP4 weight [{n}, {k}], got {weight.scale_layout} "
+                             f"{list(weight.shape)}")
+        if side_by_side or first + rows > out.shape[0]:
+            raise ValueError(f"dense: rows {first} .. {first + rows - 1} must lie in the output's {out.shape[0]} rows")
+        if isinstance(act, Nvfp4Tensor):
+            raise ValueError("dense: a dense expert rides in the bf16-activation (W4A16) builds only")
+        common += (weight.packed, weight.block_scales, weight.global_scale, _opt(row_decode), _U32(first),
+                   _U32(rows), np.float32(limit or 0.0), _I32(limit is not None))
+        dense_blocks = -(-rows // (8 * tiles))
+    if swiglu is not None:
+        if isinstance(act, Nvfp4Tensor) or out.dtype != arrays.BF16 or out.shape[-1] * 2 != n or n % 32:
+            raise ValueError(f"swiglu: the SwiGLU epilogue takes a bf16 activation, a W13 stack (rows a multiple of "
+                             f"32, here {n}) and a bf16 output of {n // 2} columns, got {arrays.describe(out)}")
+        if out_col or side_by_side:
+            raise ValueError("swiglu: the SwiGLU epilogue writes whole rows (no out_col, no side_by_side)")
+        row_scale, limit = swiglu
+        common += (_opt(row_scale), np.float32(limit or 0.0), _I32(limit is not None))
+    kernel, args = _kernel_and_args(act, grouped_kernel_name(tiles, swiglu is not None, dense is not None), common)
+    kernel.launch((gemm_ops.row_groups(n, 1), slots + dense_blocks), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 
 
 def _tile_chunks(k: int) -> int:
@@ -350,11 +384,13 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 
 
-def combine(y, slot_row, weights, weighted: bool, shared, out) -> None:
+def combine(y, slot_row, weights, weighted: bool, shared, out, shared_rows=None) -> None:
+    """``out[t] = sum_j y[slot_row[t, j]] (* weight) + shared[t]``; ``shared_rows`` (fp32 ``[T, H]``,
+    instead of the bf16 ``shared``): a folded shared expert's rows of ``y``, rounded to bf16 first."""
     t, h = out.shape
     top_k = slot_row.size // t
     loader.get_kernel(_MODULE, "moe_combine")(
-        t, 256, (y, slot_row, weights, _I32(weighted), _opt(shared), out, _U32(h), _U32(top_k)))
+        t, 256, (y, slot_row, weights, _I32(weighted), _opt(shared), _opt(shared_rows), out, _U32(h), _U32(top_k)))
 
 
 def _kernel_and_args(act, name: str, common: tuple, nvfp4_extra: tuple = ()):

@@ -20,7 +20,10 @@
 //                  The weights are stacked tiled experts (fp4kit/formats.py to_tiled, one after
 //                  another) with a decode factor per expert [E] (or per row [E, N]); the activation
 //                  rows are gathered through row_token (from the token order) or taken in sorted
-//                  order; the output is written in sorted order.
+//                  order; the output is written in sorted order (moe_gemm_swiglu_bf16_<T>: the
+//                  SwiGLU of W13's gate|up pairs, bf16 [rows, N / 2], in place of h + a SwiGLU launch).
+//                  The swiglu and dense builds also run one dense expert (a folded shared expert)
+//                  on block rows of their own (DenseExpert).
 //   moe_combine    grid T, 256 threads: out[t] = sum over slots of y[slot_row] (times the routing
 //                  weight unless it was applied before the down projection) + shared[t], in slot order.
 //   moe_small_gate_up_* / moe_small_down_*  the small-T path (decode), which needs no dispatch: see
@@ -362,36 +365,125 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
 // bit-identical.
 constexpr bool kMoeSkipEmptyTiles = true;
 
+// The sorted path's gate|up with SwiGLU in the grouped GEMM's epilogue. W13 is interleaved in
+// chunks of 16 rows (formats.py interleave_rows), so the 128 weight rows of a block are 4 gate|up
+// pairs: the GEMM's outputs, rounded to bf16 as it stores h, go to shared memory instead (over the
+// activation buffers, free once every warp is past the mainloop), and the block turns them into
+// the 64 SwiGLU outputs of its rows as quant.cu's swiglu_bf16_interleaved does from h: the same
+// bits, without h's round trip or the SwiGLU launch.
+constexpr unsigned kBlockRows = gemm::kWarps * 16;
+// bf16 per staged token row: 8 more than the block's rows, so the 4 token columns of a fragment
+// store (2 tokens = 544 bytes apart) fall 8 banks apart
+constexpr unsigned kStageLd = kBlockRows + 8;
+
+struct SwigluStage : gemm::Epilogue {
+    static constexpr bool kSplitK = false;  // the grouped GEMM does not split K
+    __nv_bfloat16* stage;                   // [tokens of the pass][kStageLd]
+    unsigned n0;                            // the block's first weight row
+
+    __device__ __forceinline__ void init() {
+        __syncthreads();  // every warp is done with the activation buffers the stage reuses
+        gemm::Epilogue::init();
+    }
+    __device__ __forceinline__ void store(unsigned token, unsigned n, unsigned, float sum,
+                                          float unscale = gemm::kWeightUnscale) const {
+        stage[token * kStageLd + n - n0] = __float2bfloat16_rn(__fmul_rn(sum, row_alpha(row(n).decode, unscale)));
+    }
+};
+
+struct SwigluOut {
+    __nv_bfloat16* out;      // [sorted rows, I]
+    const float* row_scale;  // per sorted row (the routing weight before the down projection), or nullptr
+    float limit;
+    int has_limit;
+};
+
+// SwiGLU of the staged gate|up outputs of sorted rows row0 .. row0 + rows - 1 (block column group bx)
+__device__ __forceinline__ void swiglu_from_stage(const __nv_bfloat16* stage, const SwigluOut& o, unsigned row0,
+                                                  unsigned rows, unsigned bx, unsigned I) {
+    constexpr unsigned kCols = kBlockRows / 2;
+    const unsigned c0 = bx * kCols;
+    for (unsigned q = threadIdx.x; q < rows * kCols; q += gemm::kThreads) {
+        const unsigned token = q / kCols, c = q % kCols;
+        if (c0 + c >= I) continue;
+        const __nv_bfloat16* gate = stage + token * kStageLd + c / 16 * 32 + c % 16;  // up: 16 rows on
+        float v = fp4_swiglu(__bfloat162float(gate[0]), __bfloat162float(gate[16]), o.limit, o.has_limit);
+        if (o.row_scale) v = __fmul_rn(v, fp4_ftz(o.row_scale[row0 + token]));
+        o.out[(size_t)(row0 + token) * I + c0 + c] = __float2bfloat16_rn(v);
+    }
+}
+
+// A dense weight the grouped GEMM runs as one more expert (the shared expert folded into the sorted
+// path): its own codes, scales, encode scale and optional per-row decode factors, on sorted rows
+// first .. first + rows - 1 (the host fills their row_token with their tokens, once), one pass of
+// 8T rows per block row y >= routed_slots; its own SwiGLU clamp and no routing weight.
+struct DenseExpert {
+    const uint4* codes;
+    const uint2* scales;
+    const float* global;
+    const float* row_decode;
+    unsigned first, rows;
+    float limit;
+    int has_limit;
+};
+
 // Grouped GEMM over the active experts on the GEMM engine (common/gemm_engine.cuh): block (i, s)
 // multiplies row group i (128 weight rows) of expert active[s] with that expert's rows, 8T at a
 // time (the weight tile is re-read, mostly from L2, per 8T rows; the host sizes T to the rows an
 // expert is expected to get, ops/moe.py grouped_pass_rows). Weights: tiled stacks, one expert after
-// another.
-template <int T, class Act>
+// another. kSwiglu: the output is SwiGLU of W13's gate|up pairs (`sw`, SwigluStage). kDense: block
+// rows y >= routed_slots run the dense expert `dx` (builds of their own: the branch costs the plain
+// builds registers, e.g. the W4A16 8-row pass 78 -> 96, sm_90a).
+template <int T, bool kSwiglu = false, bool kDense = false, class Act>
 __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* row_decode,
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
                          unsigned out_ld, unsigned out_col, int side_by_side, const unsigned* offsets,
-                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K) {
+                         const unsigned* active, const unsigned* num_active, unsigned N, unsigned K,
+                         unsigned routed_slots, DenseExpert dx, SwigluOut sw = {}) {
     pdl::wait_prior();  // the dispatch's counts choose the expert
-    if (blockIdx.y >= *num_active) return;  // block-uniform: no barrier is skipped by part of a block
-    const unsigned e = active[blockIdx.y];
-    const unsigned row0 = offsets[e], rows = offsets[e + 1] - row0;
+    const bool dense = kDense && blockIdx.y >= routed_slots;  // block-uniform, as every exit below
+    if (!dense && blockIdx.y >= *num_active) return;
     const unsigned row_tiles = (N + 15) / 16, chunks = (K + gemm::kTileK - 1) / gemm::kTileK;
     const unsigned groups = (chunks + gemm::kGroupChunks - 1) / gemm::kGroupChunks;
-    const uint4* codes = w_codes + (size_t)e * row_tiles * chunks * 32;
-    const uint2* scales = w_scales + (size_t)e * row_tiles * groups * 32;
-    for (unsigned m0 = 0; m0 < rows; m0 += 8 * T) {
+    unsigned e = 0, row0, m_begin = 0, m_end;
+    const uint4* codes;
+    const uint2* scales;
+    if (dense) {
+        row0 = dx.first;
+        m_begin = (blockIdx.y - routed_slots) * 8 * T;
+        m_end = min(dx.rows, m_begin + 8 * T);
+        codes = dx.codes, scales = dx.scales;
+        sw.row_scale = nullptr, sw.limit = dx.limit, sw.has_limit = dx.has_limit;
+    } else {
+        e = active[blockIdx.y];
+        row0 = offsets[e];
+        m_end = offsets[e + 1] - row0;
+        codes = w_codes + (size_t)e * row_tiles * chunks * 32;
+        scales = w_scales + (size_t)e * row_tiles * groups * 32;
+    }
+    const float* rd = dense ? dx.row_decode : row_decode ? row_decode + (size_t)e * N : nullptr;
+    for (unsigned m0 = m_begin; m0 < m_end; m0 += 8 * T) {
         act.row = gemm::RowMap{gather, row0 + m0};
-        gemm::Epilogue ep{nullptr, row_decode ? row_decode + (size_t)e * N : nullptr, act_global, nullptr, 0, out,
-                          out_f32};
-        ep.w_decode = w_decode + e;
+        gemm::Epilogue ep{dense ? dx.global : nullptr, rd, act_global, nullptr, 0, out, out_f32};
+        ep.w_decode = dense ? nullptr : w_decode + e;
         ep.out_ld = out_ld;
         // sorted row r at output row r; or (side_by_side) expert e's rows at rows 0.. and columns e * N..
         ep.out_row_base = side_by_side ? m0 : row0 + m0;
         ep.out_col = out_col + (side_by_side ? e * N : 0u);
-        gemm::gemm_block<1, gemm::kGroupChunks, 0, false, kMoeSkipEmptyTiles>(
-            codes, scales, act, ep, min(rows - m0, 8u * T), N, K, blockIdx.x, 0,
-            gemm::SplitK{nullptr, nullptr, 1, chunks});
+        const unsigned pass = min(m_end - m0, 8u * T);
+        if constexpr (kSwiglu) {
+            extern __shared__ uint4 smem_raw[];
+            static_assert(8 * T * kStageLd * 2 <= 2 * gemm::Window<T>::kBytes, "the stage fits the activation buffers");
+            __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+            gemm::gemm_block<1, gemm::kGroupChunks, 0, false, kMoeSkipEmptyTiles>(
+                codes, scales, act, SwigluStage{ep, stage, blockIdx.x * kBlockRows}, pass, N, K, blockIdx.x, 0,
+                gemm::SplitK{nullptr, nullptr, 1, chunks});
+            __syncthreads();  // the stage is complete
+            swiglu_from_stage(stage, sw, row0 + m0, pass, blockIdx.x, N / 2);
+        } else {
+            gemm::gemm_block<1, gemm::kGroupChunks, 0, false, kMoeSkipEmptyTiles>(
+                codes, scales, act, ep, pass, N, K, blockIdx.x, 0, gemm::SplitK{nullptr, nullptr, 1, chunks});
+        }
         __syncthreads();  // the next rows reuse the shared activation buffers
     }
 }
@@ -399,7 +491,11 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
 #define FP4_MOE_GEMM_ARGS                                                                                 \
     const uint4 *w_codes, const uint2 *w_scales, const float *w_decode, const float *row_decode,        \
         const unsigned *gather, void *out, int out_f32, unsigned out_ld, unsigned out_col, int side_by_side, \
-        const unsigned *offsets, const unsigned *active, const unsigned *num_active, unsigned N, unsigned K
+        const unsigned *offsets, const unsigned *active, const unsigned *num_active, unsigned N, unsigned K, \
+        unsigned routed_slots, const uint4 *d_codes, const uint2 *d_scales, const float *d_global,        \
+        const float *d_row_decode, unsigned d_first, unsigned d_rows, float d_limit, int d_has_limit
+#define FP4_MOE_GEMM_DENSE \
+    routed_slots, DenseExpert{d_codes, d_scales, d_global, d_row_decode, d_first, d_rows, d_limit, d_has_limit}
 
 // BLOCKS: the resident blocks per SM a build is compiled for (its register bound). SUFFIX "_occ3":
 // the 8- and 16-row passes bounded to 3 blocks (85 registers), which they fit without spilling in
@@ -411,14 +507,30 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS) moe_gemm_bf16_##T##SUFFIX(        \
         const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
         moe_gemm<T>(w_codes, w_scales, w_decode, row_decode, gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, \
-                    gather, nullptr, out, out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K);       \
+                    gather, nullptr, out, out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K, \
+                    FP4_MOE_GEMM_DENSE);                                                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS) moe_gemm_nvfp4_##T##SUFFIX(       \
         const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
         FP4_MOE_GEMM_ARGS) {                                                                              \
         moe_gemm<T>(w_codes, w_scales, w_decode, row_decode,                                            \
                     gemm::ActNvfp4<gemm::Window<T>>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, gather, act_global, out, \
-                    out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K);                                 \
+                    out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K, FP4_MOE_GEMM_DENSE); \
+    }
+#define FP4_DEFINE_MOE_GEMM_FOLDED(T, BLOCKS, SUFFIX)                                                     \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS) moe_gemm_swiglu_bf16_##T##SUFFIX( \
+        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS, const float* row_scale, float limit, int has_limit) { \
+        moe_gemm<T, true, true>(w_codes, w_scales, w_decode, row_decode,                                \
+                          gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, gather, nullptr, out, \
+                          out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K,     \
+                          FP4_MOE_GEMM_DENSE, SwigluOut{static_cast<__nv_bfloat16*>(out), row_scale, limit, has_limit}); \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS) moe_gemm_dense_bf16_##T##SUFFIX(  \
+        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS) {                                                    \
+        moe_gemm<T, false, true>(w_codes, w_scales, w_decode, row_decode,                               \
+                                 gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, gather, nullptr, out, \
+                                 out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K, \
+                                 FP4_MOE_GEMM_DENSE);                                                     \
     }
 
 #define FP4_DEFINE_MOE_GEMM(T) FP4_DEFINE_MOE_GEMM_B(T, 2, )
@@ -430,11 +542,26 @@ FP4_DEFINE_MOE_GEMM(8)
 FP4_DEFINE_MOE_GEMM_B(1, 3, _occ3)
 FP4_DEFINE_MOE_GEMM_B(2, 3, _occ3)
 
+// moe_gemm_swiglu_bf16_*: the W4A16 gate|up with SwiGLU in the epilogue (out: bf16 [rows, N / 2],
+// out_f32 0, out_col 0, side_by_side 0; row_scale, limit and has_limit as the SwiGLU kernels take
+// them) and a dense expert (the d_* arguments, d_rows 0: none); moe_gemm_dense_bf16_*: the plain
+// W4A16 GEMM with a dense expert (the folded shared expert's down projection). The 8-row builds
+// are bounded to three blocks per SM by default: the plain one fits them unbounded (78 registers),
+// the SwiGLU one takes 121 unless bounded (sm_90a).
+FP4_DEFINE_MOE_GEMM_FOLDED(1, 3, )
+FP4_DEFINE_MOE_GEMM_FOLDED(2, 2, )
+FP4_DEFINE_MOE_GEMM_FOLDED(4, 2, )
+FP4_DEFINE_MOE_GEMM_FOLDED(8, 2, )
+FP4_DEFINE_MOE_GEMM_FOLDED(1, 3, _occ3)
+FP4_DEFINE_MOE_GEMM_FOLDED(2, 3, _occ3)
+
 // out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
+// shared_f32 (instead of shared): the folded shared expert's fp32 rows [T, H], rounded to bf16 as
+// its dense GEMM's output would be.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, const unsigned* slot_row,
                                                               const float* weights, int weighted,
-                                                              const __nv_bfloat16* shared, __nv_bfloat16* out,
-                                                              unsigned H, unsigned top_k) {
+                                                              const __nv_bfloat16* shared, const float* shared_f32,
+                                                              __nv_bfloat16* out, unsigned H, unsigned top_k) {
     pdl::wait_prior();
     const unsigned t = blockIdx.x;
     for (unsigned c = threadIdx.x; c < H; c += blockDim.x) {
@@ -444,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
             acc = weighted ? fmaf(v, weights[t * top_k + j], acc) : __fadd_rn(acc, v);
         }
         if (shared) acc = __fadd_rn(acc, __bfloat162float(shared[(size_t)t * H + c]));
+        if (shared_f32) acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(shared_f32[(size_t)t * H + c])));
         out[(size_t)t * H + c] = __float2bfloat16_rn(acc);
     }
 }
@@ -731,13 +859,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
                 // the GEMM's bf16 output (h), as the grouped path and the dense GEMM store it
                 y[r] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sum, alpha[r])));
             }
-            // SwiGLU as quant.cu's SwigluSource computes it
-            float g = y[0], u = y[1];
-            if (sw.has_limit) {
-                g = g > sw.limit ? sw.limit : g;
-                u = u > sw.limit ? sw.limit : (u < -sw.limit ? -sw.limit : u);
-            }
-            float v = __fmul_rn(fp4_silu(g), u);
+            float v = fp4_swiglu(y[0], y[1], sw.limit, sw.has_limit);
             if (row_scale && !shared) v = __fmul_rn(v, fp4_ftz(row_scale[a]));
             const size_t index = (size_t)(shared ? routed + first + n : a) * I + pair * 16 + i;
             if (out_f32) static_cast<float*>(out)[index] = v;

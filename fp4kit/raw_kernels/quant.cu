@@ -85,12 +85,7 @@ struct SwigluSource {
         const float rs = row_scale ? fp4_ftz(row_scale[b / kblocks]) : 1.0f;
 #pragma unroll
         for (int i = 0; i < FP4_BLOCK; ++i) {
-            float gi = g[i], ui = u[i];
-            if (has_limit) {  // comparisons keep a NaN a NaN
-                gi = gi > limit ? limit : gi;
-                ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
-            }
-            v[i] = __fmul_rn(fp4_silu(gi), ui);
+            v[i] = fp4_swiglu(g[i], u[i], limit, has_limit);
             if (row_scale) v[i] = __fmul_rn(v[i], rs);
         }
     }

@@ -61,9 +61,17 @@ def zeros_outside_capture(n: int, dtype):
     """
     import cupy
 
+    return made_outside_capture(lambda: cupy.zeros(n, dtype=dtype))
+
+
+def made_outside_capture(make):
+    """``make()``'s device array, made (allocated and written) on a private side stream as
+    `zeros_outside_capture` makes its zeros: never a node of a graph being captured."""
+    import cupy
+
     side = cupy.cuda.Stream(non_blocking=True)
     with side:
-        buf = cupy.zeros(n, dtype=dtype)
+        buf = make()
     side.synchronize()
     return buf
 

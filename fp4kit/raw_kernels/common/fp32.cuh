@@ -54,3 +54,13 @@ __device__ __forceinline__ float fp4_silu(float g) {
     g = fp4_ftz(g);
     return __fdiv_rn(g, __fadd_rn(1.0f, fp4_exp(-g)));
 }
+
+// SwiGLU of one gate/up pair, silu(gate) * up, with DeepSeek-V4's optional clamp (gate <= limit,
+// up in [-limit, limit]; the comparisons keep a NaN a NaN). Every SwiGLU of the kernels is this one.
+__device__ __forceinline__ float fp4_swiglu(float g, float u, float limit, int has_limit) {
+    if (has_limit) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return __fmul_rn(fp4_silu(g), u);
+}

@@ -428,6 +428,9 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
 #undef FP4_ACC8
 
 struct Epilogue {
+    // gemm_block may split K (the reductions below store through this type); a stand-in that
+    // stores elsewhere (moe.cu SwigluStage) sets it false and is only used unsplit
+    static constexpr bool kSplitK = true;
     const float* w_global;      // encode scale S_w (unused with w_decode or row_decode)
     const float* row_decode;  // nullptr: one decode factor for every row
     const float* act_global;    // nullptr: W4A16
@@ -607,8 +610,8 @@ __device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilo
 // kSkipEmpty (mma.sync): the token tiles at or past M are not multiplied; for a caller whose M
 // varies per block below 8T (the grouped expert GEMM: T sized to the mean rows per expert, so
 // many experts' passes hold fewer rows).
-template <int R, int F, int kCluster = 0, bool kPdl = false, bool kSkipEmpty = false, class Act>
-__device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in,
+template <int R, int F, int kCluster = 0, bool kPdl = false, bool kSkipEmpty = false, class Act, class Ep>
+__device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act, const Ep& ep_in,
                            unsigned M, unsigned N, unsigned K, unsigned group, unsigned split, const SplitK& sk) {
     using Win = typename Act::Win;
     constexpr int T = Win::kTiles;
@@ -784,11 +787,11 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         window_done();
     }
 
-    Epilogue ep = ep_in;
-    ep.init();
+    Ep ep = ep_in;
+    ep.init();  // every thread of the block calls it (a stand-in may hold a barrier)
     ep.select_column_block(group * kWarps * R * 16);
     // D fragment: acc[r][i] = (row g, tokens 8i + 2t, 8i + 2t + 1), (row g + 8, the same tokens)
-    if (sk.splits == 1) {
+    if (sk.splits == 1 || !Ep::kSplitK) {
         if (!active) return;
 #pragma unroll
         for (int r = 0; r < R; ++r)
