@@ -37,8 +37,9 @@ nothing right, so the measured rate is not the point; trained MTP weights are re
 ``--grouped-swiglu-epilogue`` turns on `fp4kit.layers.moe.GROUPED_SWIGLU_EPILOGUE` (the sorted MoE
 path, batch 32 here, computes SwiGLU in its gate|up grouped GEMM), ``--grouped-fold-shared`` that
 and `GROUPED_FOLD_SHARED` (the shared expert rides in the sorted path's grouped GEMMs), to compare
-within one session; ``--ab-moe-sorted`` (with ``--step-only``, W4A16) times the step under the
-three settings in one process, from one state per batch, in two rounds of opposite order.
+within one session; ``--ab-moe-sorted`` (with ``--step-only``, W4A16) times the step under each of
+`SORTED_MOE_SETTINGS` (those two, then the dispatch in the router's last block too) in one process,
+from one state per batch, in two rounds of opposite order.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def replay_ms(fn) -> float:
 
 
 # the expert-sorted MoE path's W4A16 variants (`fp4kit.layers.moe`), for --ab-moe-sorted
-SORTED_MOE_SETTINGS = (("SwiGLU and shared expert apart", False, False), ("SwiGLU in the gate|up GEMM", True, False),
-                       ("and the shared expert folded in", True, True))
+# (label, GROUPED_SWIGLU_EPILOGUE, GROUPED_FOLD_SHARED, ROUTER_DISPATCH_MAX_PAIRS)
+SORTED_MOE_SETTINGS = (("SwiGLU and shared expert apart", False, False, 0),
+                       ("SwiGLU in the gate|up GEMM", True, False, 0),
+                       ("and the shared expert folded in", True, True, 0),
+                       ("and the dispatch in the router", True, True, 1 << 30))
 
 
 def sorted_moe_ab(model, batch: int) -> list[dict]:
@@ -102,19 +106,20 @@ def sorted_moe_ab(model, batch: int) -> list[dict]:
     the order is balanced): ms per step and kernels per layer."""
     state = model.new_state(batch, history_rows=64)
     runner.fill_context(model, state, CONTEXT, seed=batch)
-    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED
+    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS
     rows = []
     try:
         for rnd, order in enumerate((SORTED_MOE_SETTINGS, SORTED_MOE_SETTINGS[::-1])):
-            for label, epilogue, fold in order:
-                moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
+            for label, *setting in order:
+                (moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
+                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS) = setting
                 dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
                 ms = step_ms(dec)
                 rows.append({"batch": batch, "setting": label, "round": rnd + 1, "ms/step": ms,
                              "kernels per layer": len(graph_kernels(dec.decode_graph.graph)) / LAYERS})
                 del dec
     finally:
-        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = saved
+        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS = saved
     return rows
 
 

@@ -178,22 +178,24 @@ def main() -> None:
                     ("sorted", 0, False, False)]
                 if mode == "w4a16" and layer.fused:  # the sorted path's W4A16 variants, in the same run
                     paths += [("sorted, SwiGLU in the GEMM", 0, True, False),
-                              ("sorted, SwiGLU in the GEMM, shared folded", 0, True, True)]
+                              ("sorted, SwiGLU in the GEMM, shared folded, dispatch in the router", 0, True, True)]
                 base = None
                 if torch is not None and name == "V4-Flash" and mode == "w4a4" and t <= 512:
                     base = torch_baseline(torch, layer, cfg, t, rng)
                 if torch is not None and t <= FP8_PEER_MAX_TOKENS and (name, t) not in fp8_us:
                     fp8_us[name, t] = fp8_peer_us(torch, layer, cfg, xs)
                 fp8 = fp8_us.get((name, t))
-                saved = layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED
+                saved = (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
+                         moe_layer.ROUTER_DISPATCH_MAX_PAIRS)
                 for path, limit, epilogue, fold in paths:
                     layer.small_max_assignments = limit
                     moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
+                    moe_layer.ROUTER_DISPATCH_MAX_PAIRS = 1 << 30 if fold else saved[3]
                     us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
                     n_launch = launches(lambda: layer(xs[0]))
                     ratio = us / floor_us
                     goal = GOALS.get(t)
-                    is_default = (path == "small") == default_small and (path == "small" or (epilogue, fold) == saved[1:])
+                    is_default = (path == "small") == default_small and (path == "small" or (epilogue, fold) == saved[1:3])
                     target = "" if goal is None or not is_default else (
                         f"<= {goal}x floor: " + ("met" if ratio <= goal else "MISSED"))
                     table.add(**{"shape": name, "mode": mode, "T": t, "path": path + (" (default)" if is_default else ""),
@@ -201,7 +203,8 @@ def main() -> None:
                                  "x floor": ratio, "TFLOP/s": flops / us / 1e6, "target": target,
                                  "PyTorch loop µs": base, "speedup": base / us if base else None,
                                  "PyTorch FP8 µs": fp8, "x FP8": fp8 / us if fp8 else None})
-                layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = saved
+                (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
+                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS) = saved
             del layer
             cp.get_default_memory_pool().free_all_blocks()
     print()

@@ -52,6 +52,8 @@ def path(request, monkeypatch):
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", request.param in ("sorted-swiglu-epilogue",
                                                                               "sorted-shared-folded"))
     monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", request.param == "sorted-shared-folded")
+    # the last sorted variant takes every fusion of the path: the dispatch in the router too
+    monkeypatch.setattr(moe_layer, "ROUTER_DISPATCH_MAX_PAIRS", 1 << 30 if request.param == "sorted-shared-folded" else 0)
     monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param != "small-shared-apart")
     monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 0 if request.param == "small-quantize-launches" else 1 << 30)
     return request.param
@@ -359,10 +361,43 @@ def test_dispatch_kernel_matches_reference(rng, t, k, e):
     assert int(d_counts.sum()) == 0  # zeroed for the next call
 
 
-def test_dispatch_after_the_device_router_is_a_consistent_plan(rng):
+@pytest.mark.parametrize("t, k, routing, e", [(1, 6, V4, 256), (40, 6, V4, 64), (300, 8, V3, 256),
+                                          (33, 8, RoutingConfig(top_k=8, score_func="sigmoid"), 1024)])
+def test_router_last_block_dispatch_matches_reference(rng, t, k, routing, e):
+    """``route(..., dispatch_into=)``: the router's last block runs the dispatch (256 threads, four
+    experts each): bit for bit the plan the reference dispatch makes from the router's own ids,
+    tickets and weights (up to 2400 pairs: several turns of its loop); counts and the arrival
+    counter back to zero, so a second call in a row is right too."""
+    from fp4kit.reference import dist as dist_ref
+
+    h = 256
+    gate = cp.asarray((rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32))
+    counts, done = cp.zeros(e, cp.uint32), cp.zeros(1, cp.uint32)
+    for _ in range(2):
+        x = cp.asarray(rng.standard_normal((t, h)).astype(BF16))
+        ids, weights, tickets = cp.empty((t, k), cp.int32), cp.empty((t, k), cp.float32), cp.empty((t, k), cp.uint32)
+        plan = _plan_buffers(e, t * k)
+        moe_ops.route(x, gate, None, None, None, routing, ids, weights, counts, tickets, cp.empty((t, e), cp.float32),
+                      dispatch_into=(plan, done))
+        h_ids, h_tickets, h_weights = (cp.asnumpy(a) for a in (ids, tickets, weights))
+        offsets, active, slot_row, row_token, row_weight = ref.dispatch(dist_ref.tickets(h_ids, e)[0], h_tickets,
+                                                                       h_ids, h_weights)
+        assert np.array_equal(cp.asnumpy(plan.offsets), offsets)
+        n = int(plan.num_active.get()[0])
+        assert n == active.size and np.array_equal(cp.asnumpy(plan.active[:n]), active)
+        assert np.array_equal(cp.asnumpy(plan.slot_row), slot_row)
+        assert np.array_equal(cp.asnumpy(plan.row_token), row_token)
+        assert cp.asnumpy(plan.row_weight).tobytes() == row_weight.tobytes()
+        assert int(counts.sum()) == 0 and int(done[0]) == 0
+
+
+@pytest.mark.parametrize("t, in_router", [(40, False), (40, True), (300, True)])
+def test_dispatch_after_the_device_router_is_a_consistent_plan(rng, monkeypatch, t, in_router):
     """Tickets from the router's atomics come in any order: every pair still gets a row of its
-    expert's range, each row once, with the pair's token and weight."""
-    e, h, i, t = 64, 512, 256, 40
+    expert's range, each row once, with the pair's token and weight; by the dispatch launch or by
+    the router's last block (`ROUTER_DISPATCH_MAX_PAIRS`)."""
+    e, h, i = 64, 512, 256
+    monkeypatch.setattr(moe_layer, "ROUTER_DISPATCH_MAX_PAIRS", 1 << 30 if in_router else 0)
     dev, _ = build(rng, e, h, i, V4, limit=10.0)
     dev.small_max_assignments = 0  # the sorted path: the one with a dispatch
     x = cp.asarray(rng.standard_normal((t, h)).astype(BF16))

@@ -91,6 +91,12 @@ GROUPED_SWIGLU_EPILOGUE = False
 #: nothing but its GEMMs' summation order. Off until timed on a GPU (prediction: three launches per
 #: layer fewer at T = 32; its weights are streamed once per pass, so it may lose at prefill sizes)
 GROUPED_FOLD_SHARED = False
+#: the expert-sorted path's dispatch run by the router's last block instead of a launch of its own,
+#: up to this many (token, slot) pairs (0: never). The dispatch is one block either way; the
+#: router's blocks are 256 threads against the dispatch's 1024, so its loop over the pairs takes
+#: four times the turns above 256 pairs. Off until timed on a GPU (prediction: one launch per layer
+#: fewer, a few us at T = 32)
+ROUTER_DISPATCH_MAX_PAIRS = 0
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -323,6 +329,7 @@ class MoE:
         self.num_experts, self.hidden, self.inner = e, h, inner
         self._plans = workspace.BufferCache()  # one plan per token count and path
         self._counts = None
+        self._dispatch_done = None  # the router's arrival counter when it runs the dispatch
         #: the small-T path (`SMALL_MAX_ASSIGNMENTS`) up to this many (token, slot) assignments
         self.small_max_assignments = SMALL_MAX_ASSIGNMENTS
         #: the small-T launches run a `SharedExpert` as one more expert (`_folds_shared`)
@@ -491,9 +498,14 @@ class MoE:
             moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
                                 plan.weights, plan.logits, plan.done, None)
             return
+        in_router = plan.ids.size <= ROUTER_DISPATCH_MAX_PAIRS
+        if in_router and self._dispatch_done is None:
+            self._dispatch_done = zeros_outside_capture(1, np.uint32)
         moe_ops.route(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids, plan.weights,
-                      self._counts, plan.tickets, plan.logits)
-        moe_ops.dispatch(self._counts, plan.tickets, plan.ids, plan.weights, self.routing.top_k, plan)
+                      self._counts, plan.tickets, plan.logits,
+                      dispatch_into=(plan, self._dispatch_done) if in_router else None)
+        if not in_router:
+            moe_ops.dispatch(self._counts, plan.tickets, plan.ids, plan.weights, self.routing.top_k, plan)
 
     def _forward_device(self, x, token_ids):
         plan = self._plan(x)

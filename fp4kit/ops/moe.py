@@ -47,12 +47,15 @@ def router_warps_per_expert(h: int, e: int, t: int, sms: int) -> int:
     return 1
 
 
-def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits) -> None:
+def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, tickets, logits, *,
+          dispatch_into=None) -> None:
     """Logits (`router_warps_per_expert` warps per token and expert), then one block per token: scores, (grouped) top-k or
     hash ids, weights; dispatch tickets. ``counts`` must be zero on entry (`dispatch` leaves it
     zero); ``counts`` and ``tickets`` None: no tickets (the small-T path needs none); ``logits``
     is fp32 ``[T, E]`` scratch. A hash-routing token id outside
-    ``[0, vocab)`` reads ``tid2eid`` row 0 and records `fp4kit.runtime.status.TOKEN_RANGE`."""
+    ``[0, vocab)`` reads ``tid2eid`` row 0 and records `fp4kit.runtime.status.TOKEN_RANGE`.
+    ``dispatch_into=(plan, done)``: the router's last block also runs `dispatch` into ``plan``
+    (``done``: uint32 ``[1]``, zero on entry and left zero), one launch fewer."""
     t, h = x.shape
     e = gate_weight.shape[0]
     for name, a in (("x", x), ("gate_weight", gate_weight)):
@@ -65,7 +68,17 @@ def route(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, counts, t
         t, 256, (logits, _opt(bias), _opt(token_ids), _opt(tid2eid), _U32(0 if tid2eid is None else tid2eid.shape[0]),
                  status.device_word(), _U32(e), _U32(cfg.top_k),
                  _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group),
-                 _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, _opt(counts), _opt(tickets)))
+                 _I32(cfg.renormalize), np.float32(cfg.routed_scale), ids, weights, _opt(counts), _opt(tickets),
+                 *_dispatch_args(dispatch_into, ids.size)))
+
+
+def _dispatch_args(dispatch_into, pairs: int) -> tuple:
+    """The router's dispatch arguments (done, pairs, the plan's outputs), or nulls."""
+    if dispatch_into is None:
+        return 0, _U32(0), 0, 0, 0, 0, 0, 0
+    plan, done = dispatch_into
+    return (done, _U32(pairs), plan.offsets, plan.active, plan.num_active, plan.slot_row, plan.row_token,
+            plan.row_weight)
 
 
 def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax) -> None:

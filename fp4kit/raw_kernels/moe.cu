@@ -9,7 +9,8 @@
 //                  and or-s FP4_STATUS_TOKEN_RANGE into status [1]. Writes ids [T, top_k] (int32),
 //                  weights [T, top_k] (fp32), and for each (token, slot) a ticket: its position
 //                  among the pairs routed to the same expert, from an atomic increment of
-//                  counts [E] (zero on entry).
+//                  counts [E] (zero on entry). With done (uint32 [1], zero on entry and left zero)
+//                  the last block to finish then runs the dispatch below (no moe_dispatch launch).
 //   moe_dispatch   one block of 1024 threads. Exclusive scan of counts into offsets [E + 1],
 //                  the active experts in id order (active [E], num_active [1]), each pair's row in
 //                  expert-sorted order (slot_row [T * top_k]), the token and weight of every sorted
@@ -277,13 +278,67 @@ FP4_DEFINE_ROUTER_LOGITS(bf16_f32, __nv_bfloat16, float)
 FP4_DEFINE_ROUTER_LOGITS(f32_f32, float, float)
 FP4_DEFINE_ROUTER_LOGITS(f32_bf16, float, __nv_bfloat16)
 
+// The dispatch, by one block of kPer experts per thread (blockDim.x * kPer >= E): offsets by an
+// exclusive scan of counts in expert order, the active experts in id order, each pair's sorted row
+// (its expert's offset + its ticket) with that row's token and weight; counts back to zero. Integer
+// arithmetic in a fixed order: the same outputs for any block size. The pairs' data may have been
+// written by other blocks of this launch (the router's last block), so it is read past L1.
+template <int kPer>
+__device__ void dispatch_block(unsigned* counts, const unsigned* tickets, const int* ids, const float* weights,
+                               unsigned E, unsigned pairs, unsigned top_k, unsigned* offsets, unsigned* active,
+                               unsigned* num_active, unsigned* slot_row, unsigned* row_token, float* row_weight) {
+    __shared__ unsigned sh_offsets[kMaxExperts];
+    const unsigned e0 = threadIdx.x * kPer;
+    unsigned c[kPer], sum = 0, nonzero = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+        c[j] = e0 + j < E ? __ldcg(counts + e0 + j) : 0u;
+        sum += c[j], nonzero += c[j] > 0;
+    }
+    unsigned total, n_active;
+    unsigned start = block_exclusive_scan(sum, total);
+    unsigned rank = block_exclusive_scan(nonzero, n_active);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+        const unsigned e = e0 + j;
+        if (e < E) {
+            offsets[e] = sh_offsets[e] = start;
+            if (c[j] > 0) active[rank++] = e;
+            counts[e] = 0;  // ready for the next call (every reader of counts ran before)
+        }
+        start += c[j];
+    }
+    if (threadIdx.x == 0) offsets[E] = total, *num_active = n_active;
+    __syncthreads();
+    for (unsigned p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const unsigned row = sh_offsets[__ldcg(ids + p)] + __ldcg(tickets + p);
+        slot_row[p] = row;
+        row_token[row] = p / top_k;
+        row_weight[row] = __ldcg(weights + p);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     const float* logits, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,
     unsigned E, unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, int* ids,
-    float* weights, unsigned* counts, unsigned* tickets) {
+    float* weights, unsigned* counts, unsigned* tickets, unsigned* done, unsigned pairs, unsigned* offsets,
+    unsigned* active, unsigned* num_active, unsigned* slot_row, unsigned* row_token, float* row_weight) {
     pdl::wait_prior();
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize, routed_scale,
            ids, weights, counts, tickets, blockIdx.x);
+    if (!done) return;
+    // the dispatch in the last block to finish, instead of a launch of its own
+    __shared__ unsigned last;
+    __threadfence();  // this block's ids, weights and tickets (and its count atomics) before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;  // block-uniform
+    __threadfence();
+    static_assert(kRouterThreads * 4 >= kMaxExperts, "four experts per thread cover every expert");
+    dispatch_block<4>(counts, tickets, ids, weights, E, pairs, top_k, offsets, active, num_active, slot_row, row_token,
+                      row_weight);
+    if (threadIdx.x == 0) *done = 0u;  // every block has arrived
 }
 
 // moe_route_<x>_<w>: the small-T path's first launch, grid (ceil(E / 8), T), 256 threads. The
@@ -336,27 +391,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
                                                                unsigned* num_active, unsigned* slot_row,
                                                                unsigned* row_token, float* row_weight) {
     pdl::wait_prior();
-    const unsigned e = threadIdx.x;
-    const unsigned c = e < E ? counts[e] : 0u;
-    unsigned total, n_active;
-    const unsigned start = block_exclusive_scan(c, total);
-    const unsigned rank = block_exclusive_scan(c > 0 ? 1u : 0u, n_active);
-    if (e < E) {
-        offsets[e] = start;
-        if (c > 0) active[rank] = e;
-        counts[e] = 0;  // ready for the next call (every reader of counts ran before this kernel)
-    }
-    if (e == 0) offsets[E] = total, *num_active = n_active;
-    __syncthreads();
-    __shared__ unsigned sh_offsets[kMaxExperts];
-    if (e < E) sh_offsets[e] = start;
-    __syncthreads();
-    for (unsigned p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const unsigned row = sh_offsets[ids[p]] + tickets[p];
-        slot_row[p] = row;
-        row_token[row] = p / top_k;
-        row_weight[row] = weights[p];
-    }
+    dispatch_block<1>(counts, tickets, ids, weights, E, pairs, top_k, offsets, active, num_active, slot_row, row_token,
+                      row_weight);
 }
 
 // The grouped GEMM multiplies only the token tiles that hold rows: an expert's rows vary per block
