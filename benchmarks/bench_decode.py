@@ -38,7 +38,8 @@ nothing right, so the measured rate is not the point; trained MTP weights are re
 path, batch 32 here, computes SwiGLU in its gate|up grouped GEMM), ``--grouped-fold-shared`` that
 and `GROUPED_FOLD_SHARED` (the shared expert rides in the sorted path's grouped GEMMs), to compare
 within one session; ``--ab-moe-sorted`` (with ``--step-only``, W4A16) times the step under each of
-`SORTED_MOE_SETTINGS` (those two, then the dispatch in the router's last block too) in one process,
+`SORTED_MOE_SETTINGS` (those two, then the dispatch in the router's last block and the combine in the
+down GEMM too) in one process,
 from one state per batch, in two rounds of opposite order.
 """
 
@@ -93,11 +94,12 @@ def replay_ms(fn) -> float:
 
 
 # the expert-sorted MoE path's W4A16 variants (`fp4kit.layers.moe`), for --ab-moe-sorted
-# (label, GROUPED_SWIGLU_EPILOGUE, GROUPED_FOLD_SHARED, ROUTER_DISPATCH_MAX_PAIRS)
-SORTED_MOE_SETTINGS = (("SwiGLU and shared expert apart", False, False, 0),
-                       ("SwiGLU in the gate|up GEMM", True, False, 0),
-                       ("and the shared expert folded in", True, True, 0),
-                       ("and the dispatch in the router", True, True, 1 << 30))
+# (label, GROUPED_SWIGLU_EPILOGUE, GROUPED_FOLD_SHARED, ROUTER_DISPATCH_MAX_PAIRS, GROUPED_COMBINE_IN_GEMM)
+SORTED_MOE_SETTINGS = (("SwiGLU and shared expert apart", False, False, 0, False),
+                       ("SwiGLU in the gate|up GEMM", True, False, 0, False),
+                       ("and the shared expert folded in", True, True, 0, False),
+                       ("and the dispatch in the router", True, True, 1 << 30, False),
+                       ("and the combine in the down GEMM", True, True, 1 << 30, True))
 
 
 def sorted_moe_ab(model, batch: int) -> list[dict]:
@@ -106,20 +108,22 @@ def sorted_moe_ab(model, batch: int) -> list[dict]:
     the order is balanced): ms per step and kernels per layer."""
     state = model.new_state(batch, history_rows=64)
     runner.fill_context(model, state, CONTEXT, seed=batch)
-    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS
+    names = ("GROUPED_SWIGLU_EPILOGUE", "GROUPED_FOLD_SHARED", "ROUTER_DISPATCH_MAX_PAIRS", "GROUPED_COMBINE_IN_GEMM")
+    saved = [getattr(moe_layer, n) for n in names]
     rows = []
     try:
         for rnd, order in enumerate((SORTED_MOE_SETTINGS, SORTED_MOE_SETTINGS[::-1])):
             for label, *setting in order:
-                (moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
-                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS) = setting
+                for n, v in zip(names, setting):
+                    setattr(moe_layer, n, v)
                 dec = runner.Decoder(model, state, cp.zeros((batch, 1), cp.int32))
                 ms = step_ms(dec)
                 rows.append({"batch": batch, "setting": label, "round": rnd + 1, "ms/step": ms,
                              "kernels per layer": len(graph_kernels(dec.decode_graph.graph)) / LAYERS})
                 del dec
     finally:
-        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS = saved
+        for n, v in zip(names, saved):
+            setattr(moe_layer, n, v)
     return rows
 
 

@@ -178,7 +178,8 @@ def main() -> None:
                     ("sorted", 0, False, False)]
                 if mode == "w4a16" and layer.fused:  # the sorted path's W4A16 variants, in the same run
                     paths += [("sorted, SwiGLU in the GEMM", 0, True, False),
-                              ("sorted, SwiGLU in the GEMM, shared folded, dispatch in the router", 0, True, True)]
+                              ("sorted, SwiGLU in the GEMM, shared folded, dispatch in the router, combine in the GEMM",
+                               0, True, True)]
                 base = None
                 if torch is not None and name == "V4-Flash" and mode == "w4a4" and t <= 512:
                     base = torch_baseline(torch, layer, cfg, t, rng)
@@ -186,11 +187,12 @@ def main() -> None:
                     fp8_us[name, t] = fp8_peer_us(torch, layer, cfg, xs)
                 fp8 = fp8_us.get((name, t))
                 saved = (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
-                         moe_layer.ROUTER_DISPATCH_MAX_PAIRS)
-                for path, limit, epilogue, fold in paths:
+                         moe_layer.ROUTER_DISPATCH_MAX_PAIRS, moe_layer.GROUPED_COMBINE_IN_GEMM)
+                for path, limit, epilogue, fold in paths:  # the last variant: every fusion of the sorted path
                     layer.small_max_assignments = limit
                     moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
                     moe_layer.ROUTER_DISPATCH_MAX_PAIRS = 1 << 30 if fold else saved[3]
+                    moe_layer.GROUPED_COMBINE_IN_GEMM = fold or saved[4]
                     us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
                     n_launch = launches(lambda: layer(xs[0]))
                     ratio = us / floor_us
@@ -204,7 +206,7 @@ def main() -> None:
                                  "PyTorch loop µs": base, "speedup": base / us if base else None,
                                  "PyTorch FP8 µs": fp8, "x FP8": fp8 / us if fp8 else None})
                 (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
-                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS) = saved
+                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS, moe_layer.GROUPED_COMBINE_IN_GEMM) = saved
             del layer
             cp.get_default_memory_pool().free_all_blocks()
     print()

@@ -172,21 +172,24 @@ def run_moe(be: Backend, rng) -> None:
         close(be.host(dev(be.to(x))).astype(np.float32), host(x).astype(np.float32), f"MoE + shared expert {mode}", 1e-4)
     # the expert-sorted path in W4A16: SwiGLU in a launch of its own or in the gate|up grouped GEMM's
     # epilogue, the shared expert apart or folded into the grouped GEMMs, the dispatch in a launch of
-    # its own or in the router's last block
+    # its own or in the router's last block, the combine in a launch of its own or in the down GEMM
     host = MoE.from_float(*weights, RoutingConfig(top_k=2), mode="w4a16", limit=4.0,
                           shared=SharedExpert.from_float(g, u, dn, limit=3.0, mode="w4a16"))
     dev = MoE.from_float(*(be.to(w) for w in weights), RoutingConfig(top_k=2), mode="w4a16", limit=4.0,
                          shared=SharedExpert.from_float(be.to(g), be.to(u), be.to(dn), limit=3.0, mode="w4a16"))
     dev.small_max_assignments = 0
     x = rng.standard_normal((5, 64)).astype(BF16)
-    saved = moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS
+    names = ("GROUPED_SWIGLU_EPILOGUE", "GROUPED_FOLD_SHARED", "ROUTER_DISPATCH_MAX_PAIRS", "GROUPED_COMBINE_IN_GEMM")
+    saved = [getattr(moe_layer, n) for n in names]
     try:
-        for setting in ((False, False, 0), (True, False, 0), (True, True, 1 << 30)):
-            moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS = setting
+        for setting in ((False, False, 0, False), (True, False, 0, True), (True, True, 1 << 30, True)):
+            for n, v in zip(names, setting):
+                setattr(moe_layer, n, v)
             close(be.host(dev(be.to(x))).astype(np.float32), host(x).astype(np.float32),
-                  f"MoE sorted path, (SwiGLU in the GEMM, shared folded, dispatch pairs) {setting}", 1e-4)
+                  f"MoE sorted path, {dict(zip(names, setting))}", 1e-4)
     finally:
-        moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED, moe_layer.ROUTER_DISPATCH_MAX_PAIRS = saved
+        for n, v in zip(names, saved):
+            setattr(moe_layer, n, v)
 
 
 def run_kv_cache(be: Backend, rng) -> None:

@@ -100,8 +100,8 @@ def test_every_small_moe_variant_exists():
 @needs_cupy
 def test_every_grouped_moe_gemm_build_exists(monkeypatch):
     """The grouped expert GEMM's launcher names its build from the pass's token tiles, the blocks
-    per SM it is built for, the SwiGLU epilogue and a dense expert: every name it can form is a
-    compiled kernel."""
+    per SM it is built for, the SwiGLU or combine epilogue and a dense expert: every name it can
+    form is a compiled kernel."""
     from fp4kit.ops import moe as moe_ops
 
     cubin = _cubin("moe", "sm_90a")
@@ -112,7 +112,10 @@ def test_every_grouped_moe_gemm_build_exists(monkeypatch):
             names += [moe_ops.grouped_kernel_name(tiles).format(kind) for kind in ("bf16", "nvfp4")]
             names.append(moe_ops.grouped_kernel_name(tiles, swiglu=True).format("bf16"))
             names.append(moe_ops.grouped_kernel_name(tiles, dense=True).format("bf16"))
-    assert {"moe_gemm_swiglu_bf16_1_occ3", "moe_gemm_dense_bf16_8", "moe_gemm_nvfp4_8"} <= set(names)
+            names += [moe_ops.grouped_kernel_name(tiles, dense=True, combine=True).format(kind)
+                      for kind in ("bf16", "nvfp4")]
+    assert {"moe_gemm_swiglu_bf16_1_occ3", "moe_gemm_dense_bf16_8", "moe_gemm_combine_nvfp4_2_occ3",
+            "moe_gemm_nvfp4_8"} <= set(names)
     missing = [name for name in names if name.encode() + b"\0" not in cubin]
     assert not missing, f"moe.cu does not define {missing}"
 

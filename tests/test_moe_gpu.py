@@ -52,8 +52,10 @@ def path(request, monkeypatch):
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", request.param in ("sorted-swiglu-epilogue",
                                                                               "sorted-shared-folded"))
     monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", request.param == "sorted-shared-folded")
-    # the last sorted variant takes every fusion of the path: the dispatch in the router too
+    # the last sorted variant takes every fusion of the path: the dispatch in the router and the
+    # combine in the down GEMM too
     monkeypatch.setattr(moe_layer, "ROUTER_DISPATCH_MAX_PAIRS", 1 << 30 if request.param == "sorted-shared-folded" else 0)
+    monkeypatch.setattr(moe_layer, "GROUPED_COMBINE_IN_GEMM", request.param == "sorted-shared-folded")
     monkeypatch.setattr(moe_layer, "FOLD_SHARED", request.param != "small-shared-apart")
     monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 0 if request.param == "small-quantize-launches" else 1 << 30)
     return request.param
@@ -510,3 +512,33 @@ def test_shared_expert_folded_into_the_grouped_gemms(rng, monkeypatch, t, pass_r
     got = cp.asnumpy(folded).astype(np.float32)
     assert gref.calc_diff(got, cp.asnumpy(apart).astype(np.float32)) < 1e-5
     assert gref.calc_diff(got, host(x_host).astype(np.float32)) < BOUND
+
+
+@pytest.mark.parametrize("mode, shared", [("w4a16", None), ("w4a16", "apart"), ("w4a16", "folded"), ("w4a4", "apart")])
+@pytest.mark.parametrize("routing, before", [(V4, True), (V3, False)])
+@pytest.mark.parametrize("pass_rows", [8, 64])
+def test_combine_in_the_down_gemm_gives_the_same_bits(rng, monkeypatch, mode, shared, routing, before, pass_rows):
+    """GROUPED_COMBINE_IN_GEMM (``moe_gemm_combine_*``): the block whose rows complete a token's
+    slots in a column group adds them as the combine launch does, so the layer's output is bit for
+    bit that of the combine launch: with the routing weight in the combine (V3) or before the down
+    projection (V4), with no shared expert, one run apart or one folded into the grouped GEMMs,
+    with experts over one pass or several; twice in a row (the arrival counts are left zero)."""
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
+    sh = None if shared is None else SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
+    dev, _ = build(rng, 32, 512, 256, routing, limit=10.0, weight_before_down=before, mode=mode, shared=sh)
+    dev.small_max_assignments = 0  # the sorted path
+    monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", shared == "folded")
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", shared == "folded")
+    assert dev._folds_shared(96) == (shared == "folded")
+    xs = [cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16)) for _ in range(2)]
+    want = [dev(x).copy() for x in xs]
+    launches = []
+    combine = moe_ops.combine
+    monkeypatch.setattr(moe_ops, "combine", lambda *a, **kw: (launches.append(1), combine(*a, **kw))[1])
+    monkeypatch.setattr(moe_layer, "GROUPED_COMBINE_IN_GEMM", True)
+    for x, w in zip(xs, want):
+        got = dev(x)
+        assert float(cp.abs(w.astype(cp.float32)).max()) > 0
+        assert cp.array_equal(got.view(cp.uint16), w.view(cp.uint16))
+    assert not launches  # no combine launch

@@ -25,7 +25,8 @@ rides along as one more expert (`FOLD_SHARED`) or runs apart. The expert-sorted 
    in L1's epilogue instead of a launch of its own);
 6. L2: one grouped GEMM over W2;
 7. combine back to token order in slot order (times the routing weight for V3), plus the shared
-   expert (with `GROUPED_FOLD_SHARED` one more expert of L1 and L2 instead of its own launches).
+   expert (with `GROUPED_FOLD_SHARED` one more expert of L1 and L2 instead of its own launches; with
+   `GROUPED_COMBINE_IN_GEMM` in L2, by the block that completes a token's slots).
 
 Expert weights are stacked: `ExpertStack` holds ``[E, N, K/2]`` codes, ``[E, N, K/16]`` scales, the
 per-expert encode scales ``[E]`` and their decode factors on the device (and optional per-row
@@ -97,6 +98,12 @@ GROUPED_FOLD_SHARED = False
 #: four times the turns above 256 pairs. Off until timed on a GPU (prediction: one launch per layer
 #: fewer, a few us at T = 32)
 ROUTER_DISPATCH_MAX_PAIRS = 0
+#: the expert-sorted path's combine in the down projection's grouped GEMM (moe.cu
+#: ``moe_gemm_combine_*``): the block whose rows complete a token's slots (per column group of 128)
+#: adds them in slot order, bit for bit `moe_combine`, instead of a launch of its own. Off until
+#: timed on a GPU (prediction: one launch per layer fewer; the down GEMM's blocks count their rows
+#: with one atomic each and a few finish tokens)
+GROUPED_COMBINE_IN_GEMM = False
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -249,6 +256,7 @@ class _Plan:
     done: object = None  # the small-T router's per-token block counters (zero between calls)
     x_amax: object = None  # W4A4 quantized in the blocks: per-token max |x| (fp32 bits)
     h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
+    arrivals: object = None  # the sorted path's combine in the down GEMM: arrivals per (token, column group)
 
 
 def _shared_intermediate(name: str, shape: tuple, dtype):
@@ -433,7 +441,8 @@ class MoE:
         return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
 
     def _plan_key(self, t: int) -> tuple:
-        return t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t)
+        return (t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t),
+                GROUPED_COMBINE_IN_GEMM)
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
@@ -490,6 +499,8 @@ class MoE:
             active=cupy.empty(e, np.uint32), num_active=cupy.empty(1, np.uint32),
             slot_row=cupy.empty(pairs, np.uint32), row_token=row_token,
             row_weight=cupy.empty(pairs, np.float32), fold=fold,
+            arrivals=zeros_outside_capture(t * moe_ops.combine_column_groups(h), np.uint32)
+            if GROUPED_COMBINE_IN_GEMM else None,
             h=None if self._swiglu_in_gemm(t) else _shared_intermediate("h", (pairs, 2 * i), arrays.BF16),
             y=_shared_intermediate("y", (rows, h), np.float32))
 
@@ -522,12 +533,6 @@ class MoE:
             dense = (sh.gate_up.weight, sh.gate_up.row_decode, pairs, t, sh.limit) if plan.fold else None
             moe_ops.grouped_gemm(act, self.w13, plan.h_act, plan=plan, gather=True, max_rows=rows,
                                  swiglu=(row_scale, self.limit), dense=dense)
-            if plan.fold:  # the shared expert as one more expert of the down GEMM, its rows added last
-                moe_ops.grouped_gemm(plan.h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows,
-                                     dense=(sh.down.weight, sh.down.row_decode, pairs, t, None))
-                moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, None, plan.out,
-                                shared_rows=plan.y[pairs:])
-                return plan.out
             return self._down_and_combine(x, act, plan, plan.h_act, rows)
         if self.fused:
             moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=rows)
@@ -544,11 +549,20 @@ class MoE:
         return self._down_and_combine(x, act, plan, h_act, rows)
 
     def _down_and_combine(self, x, act, plan: _Plan, h_act, rows: int):
-        """The sorted path after SwiGLU: the down projection's grouped GEMM, the shared expert and
-        the combine back to token order."""
-        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows)
-        shared = self._shared(x, act)
-        moe_ops.combine(plan.y, plan.slot_row, plan.weights, not self.weight_before_down, shared, plan.out)
+        """The sorted path after SwiGLU: the shared expert (run apart, or as one more expert of the
+        down GEMM whose rows the combine adds last), the down projection's grouped GEMM and the
+        combine back to token order (in the down GEMM with `GROUPED_COMBINE_IN_GEMM`)."""
+        pairs, t, sh = plan.slot_row.size, x.shape[0], self.shared
+        dense = (sh.down.weight, sh.down.row_decode, pairs, t, None) if plan.fold else None
+        shared = None if plan.fold else self._shared(x, act)  # before the down GEMM, whose blocks may combine
+        weighted = not self.weight_before_down
+        if plan.arrivals is not None:
+            moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows, dense=dense,
+                                 combine=(plan.arrivals, weighted, shared, plan.fold, plan.out))
+            return plan.out
+        moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows, dense=dense)
+        moe_ops.combine(plan.y, plan.slot_row, plan.weights, weighted, shared, plan.out,
+                        shared_rows=plan.y[pairs:] if plan.fold else None)
         return plan.out
 
     def _shared(self, x, act):

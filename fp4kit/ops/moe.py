@@ -149,17 +149,25 @@ def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = F
 GROUPED_BLOCKS_PER_SM = 2
 
 
-def grouped_kernel_name(tiles: int, swiglu: bool = False, dense: bool = False) -> str:
+def grouped_kernel_name(tiles: int, swiglu: bool = False, dense: bool = False, combine: bool = False) -> str:
     """The grouped GEMM build (``{}``: the activation kind) for ``tiles`` token tiles of 8 rows;
-    ``swiglu``: the one with SwiGLU in its epilogue (and a dense expert); ``dense``: a plain one
-    with a dense expert (bf16 activations only, as the SwiGLU builds)."""
+    ``swiglu``: the one with SwiGLU in its epilogue (and a dense expert); ``combine``: the one with
+    the combine in its epilogue (and a dense expert); ``dense``: a plain one with a dense expert
+    (the SwiGLU and dense builds take bf16 activations only)."""
     occ3 = GROUPED_BLOCKS_PER_SM == 3 and tiles <= 2
-    kind = "swiglu_" if swiglu else "dense_" if dense else ""
+    kind = "swiglu_" if swiglu else "combine_" if combine else "dense_" if dense else ""
     return f"moe_gemm_{kind}{{}}_{tiles}" + ("_occ3" if occ3 else "")
 
 
+def combine_column_groups(hidden: int) -> int:
+    """Column groups of the grouped GEMM's blocks over an output of ``hidden`` columns: the arrival
+    counts of the combine in the down GEMM are per (token, column group)."""
+    return gemm_ops.row_groups(hidden, 1)
+
+
 def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_rows: int | None = None,
-                 side_by_side: bool = False, swiglu: tuple | None = None, dense: tuple | None = None) -> None:
+                 side_by_side: bool = False, swiglu: tuple | None = None, dense: tuple | None = None,
+                 combine: tuple | None = None) -> None:
     """``out[r, out_col : out_col + N] = alpha_e * A[row r] @ W[e]^T`` for every sorted row ``r`` of
     every active expert ``e``; ``act`` an `Nvfp4Tensor` or bf16, gathered through the sorted rows'
     tokens when ``gather`` (the layer input) or read in sorted order (the down-projection input).
@@ -174,7 +182,12 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
     ``dense=(weight, row_decode, first, rows, limit)``: one more expert with its own weight (a tiled
     `Nvfp4Tensor` of ``stack``'s ``[N, K]``, e.g. the shared expert's) on sorted rows ``first ..
     first + rows - 1``, whose ``plan.row_token`` the caller has filled with their tokens; its own
-    SwiGLU ``limit`` and no ``row_scale``. Its rows take ``ceil(rows / pass)`` more block rows."""
+    SwiGLU ``limit`` and no ``row_scale``. Its rows take ``ceil(rows / pass)`` more block rows.
+    ``combine=(arrivals, weighted, shared, shared_rows, combined)`` (the down projection, fp32
+    ``out``): the blocks also combine into bf16 ``combined [T, N]`` as `combine` does, each token's
+    column group by the block whose rows complete it; ``arrivals`` uint32 ``[T *
+    combine_column_groups(N)]``, zero on entry and left zero; ``shared``: a shared expert's bf16
+    output or None; ``shared_rows``: the dense expert's rows are a folded shared expert's."""
     if stack.layout != "tiled":
         raise ValueError("stack: the grouped GEMM reads tiled expert stacks; convert with stack.to_tiled()")
     n, k = stack.shape[1:]
@@ -206,7 +219,18 @@ def grouped_gemm(act, stack, out, *, plan, gather: bool, out_col: int = 0, max_r
             raise ValueError("swiglu: the SwiGLU epilogue writes whole rows (no out_col, no side_by_side)")
         row_scale, limit = swiglu
         common += (_opt(row_scale), np.float32(limit or 0.0), _I32(limit is not None))
-    kernel, args = _kernel_and_args(act, grouped_kernel_name(tiles, swiglu is not None, dense is not None), common)
+    if combine is not None:
+        arrivals, weighted, shared, shared_rows, combined = combine
+        t = combined.shape[0]
+        if (out.dtype != np.float32 or out_col or side_by_side or combined.shape != (t, n)
+                or arrivals.size != t * combine_column_groups(n) or plan.slot_row.size % t):
+            raise ValueError(f"combine: the down projection's fp32 rows into bf16 [T, {n}] with {t} * "
+                             f"{combine_column_groups(n)} arrival counts, got {arrays.describe(combined)} and "
+                             f"{arrivals.size} counts")
+        common += (arrivals, plan.row_token, plan.slot_row, plan.weights, _I32(weighted), _opt(shared),
+                   _I32(bool(shared_rows)), combined, _U32(plan.slot_row.size // t))
+    name = grouped_kernel_name(tiles, swiglu is not None, dense is not None, combine is not None)
+    kernel, args = _kernel_and_args(act, name, common)
     kernel.launch((gemm_ops.row_groups(n, 1), slots + dense_blocks), 256, args, shared_mem=gemm_ops.shared_bytes(tiles))
 
 

@@ -463,19 +463,74 @@ struct DenseExpert {
     int has_limit;
 };
 
+// The combine in the down projection's grouped GEMM: each block, after storing a pass's fp32 rows
+// of y, counts them in per (token, column group of kBlockRows) arrivals, and the block whose
+// arrival completes a token's slots (and its folded shared expert's row) adds them for that
+// column group as moe_combine does (slot order, then the shared expert): the same bits, without
+// the combine launch. Arrival counts are zero between calls (the finisher resets its own).
+struct CombineOut {
+    unsigned* arrivals;          // [T * column groups]
+    const unsigned* row_token;   // the token of each routed sorted row
+    const unsigned* slot_row;    // [T * top_k]
+    const float* weights;        // [T * top_k]
+    int weighted;
+    const __nv_bfloat16* shared; // bf16 [T, H] of a shared expert run apart, or nullptr
+    int shared_rows;             // the dense expert's rows of y are the shared expert's (added last)
+    __nv_bfloat16* out;          // [T, H]
+    unsigned top_k;
+};
+
+// After a pass's stores: the arrivals of its rows (sorted rows row_first .., `rows` of them; dense:
+// the tokens row_first - dense_first ..), then the combine of the (token, column group)s it completed.
+__device__ __forceinline__ void combine_finished(const CombineOut& cb, const float* y, unsigned row_first,
+                                                 unsigned rows, bool dense, unsigned dense_first, unsigned H) {
+    __shared__ unsigned finished[64], n_finished;
+    if (threadIdx.x == 0) n_finished = 0;
+    __threadfence();  // this thread's rows of y before the block's arrivals
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        const unsigned r = row_first + threadIdx.x;
+        const unsigned t = dense ? r - dense_first : __ldg(cb.row_token + r);
+        const unsigned slots = cb.top_k + (cb.shared_rows ? 1u : 0u);
+        if (atomicAdd(cb.arrivals + (size_t)t * gridDim.x + blockIdx.x, 1u) == slots - 1)
+            finished[atomicAdd(&n_finished, 1u)] = t;  // an expert holds a token once: distinct tokens
+    }
+    __syncthreads();
+    const unsigned n = n_finished;
+    if (n == 0) return;  // block-uniform
+    __threadfence();     // the other blocks' rows of these tokens, after their arrivals
+    for (unsigned i = 0; i < n; ++i) {
+        const unsigned t = finished[i];
+        for (unsigned c = blockIdx.x * kBlockRows + threadIdx.x; c < min(H, (blockIdx.x + 1) * kBlockRows);
+             c += gemm::kThreads) {
+            float acc = 0.0f;
+            for (unsigned j = 0; j < cb.top_k; ++j) {
+                const float v = __ldcg(y + (size_t)__ldg(cb.slot_row + t * cb.top_k + j) * H + c);
+                acc = cb.weighted ? fmaf(v, __ldg(cb.weights + t * cb.top_k + j), acc) : __fadd_rn(acc, v);
+            }
+            if (cb.shared) acc = __fadd_rn(acc, __bfloat162float(cb.shared[(size_t)t * H + c]));
+            if (cb.shared_rows)
+                acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(__ldcg(y + (size_t)(dense_first + t) * H + c))));
+            cb.out[(size_t)t * H + c] = __float2bfloat16_rn(acc);
+        }
+        if (threadIdx.x == 0) cb.arrivals[(size_t)t * gridDim.x + blockIdx.x] = 0u;
+    }
+}
+
 // Grouped GEMM over the active experts on the GEMM engine (common/gemm_engine.cuh): block (i, s)
 // multiplies row group i (128 weight rows) of expert active[s] with that expert's rows, 8T at a
 // time (the weight tile is re-read, mostly from L2, per 8T rows; the host sizes T to the rows an
 // expert is expected to get, ops/moe.py grouped_pass_rows). Weights: tiled stacks, one expert after
 // another. kSwiglu: the output is SwiGLU of W13's gate|up pairs (`sw`, SwigluStage). kDense: block
 // rows y >= routed_slots run the dense expert `dx` (builds of their own: the branch costs the plain
-// builds registers, e.g. the W4A16 8-row pass 78 -> 96, sm_90a).
-template <int T, bool kSwiglu = false, bool kDense = false, class Act>
+// builds registers, e.g. the W4A16 8-row pass 78 -> 96, sm_90a). kCombine: the down projection
+// combines into `cb.out` as its rows complete tokens (CombineOut; fp32 out, no out_col).
+template <int T, bool kSwiglu = false, bool kDense = false, bool kCombine = false, class Act>
 __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const float* w_decode, const float* row_decode,
                          Act act, const unsigned* gather, const float* act_global, void* out, int out_f32,
                          unsigned out_ld, unsigned out_col, int side_by_side, const unsigned* offsets,
                          const unsigned* active, const unsigned* num_active, unsigned N, unsigned K,
-                         unsigned routed_slots, DenseExpert dx, SwigluOut sw = {}) {
+                         unsigned routed_slots, DenseExpert dx, SwigluOut sw = {}, CombineOut cb = {}) {
     pdl::wait_prior();  // the dispatch's counts choose the expert
     const bool dense = kDense && blockIdx.y >= routed_slots;  // block-uniform, as every exit below
     if (!dense && blockIdx.y >= *num_active) return;
@@ -519,6 +574,7 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
         } else {
             gemm::gemm_block<1, gemm::kGroupChunks, 0, false, kMoeSkipEmptyTiles>(
                 codes, scales, act, ep, pass, N, K, blockIdx.x, 0, gemm::SplitK{nullptr, nullptr, 1, chunks});
+            if constexpr (kCombine) combine_finished(cb, static_cast<const float*>(out), row0 + m0, pass, dense, dx.first, N);
         }
         __syncthreads();  // the next rows reuse the shared activation buffers
     }
@@ -569,6 +625,29 @@ __device__ void moe_gemm(const uint4* w_codes, const uint2* w_scales, const floa
                                  FP4_MOE_GEMM_DENSE);                                                     \
     }
 
+// moe_gemm_combine_{bf16,nvfp4}_*: the down projection with the combine (CombineOut) and a dense
+// expert (its rows the folded shared expert's, shared_rows 1).
+#define FP4_MOE_COMBINE_ARGS                                                                              \
+    unsigned *arrivals, const unsigned *row_token, const unsigned *slot_row, const float *weights,      \
+        int weighted, const __nv_bfloat16 *shared, int shared_rows, __nv_bfloat16 *combined, unsigned top_k
+#define FP4_MOE_COMBINE CombineOut{arrivals, row_token, slot_row, weights, weighted, shared, shared_rows, combined, top_k}
+#define FP4_DEFINE_MOE_GEMM_COMBINE(T, BLOCKS_BF16, BLOCKS_NVFP4, SUFFIX)                               \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS_BF16) moe_gemm_combine_bf16_##T##SUFFIX( \
+        const __nv_bfloat16* act, FP4_MOE_GEMM_ARGS, FP4_MOE_COMBINE_ARGS) {                              \
+        moe_gemm<T, false, true, true>(w_codes, w_scales, w_decode, row_decode,                         \
+                                       gemm::ActBf16<gemm::Window<T>>{act, gemm::RowMap{nullptr, 0}}, gather, nullptr, \
+                                       out, out_f32, out_ld, out_col, side_by_side, offsets, active, num_active, N, K, \
+                                       FP4_MOE_GEMM_DENSE, SwigluOut{}, FP4_MOE_COMBINE);                \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(gemm::kThreads, BLOCKS_NVFP4) moe_gemm_combine_nvfp4_##T##SUFFIX( \
+        const unsigned char* act_packed, const unsigned char* act_scales, const float* act_global,        \
+        FP4_MOE_GEMM_ARGS, FP4_MOE_COMBINE_ARGS) {                                                        \
+        moe_gemm<T, false, true, true>(w_codes, w_scales, w_decode, row_decode,                         \
+                                       gemm::ActNvfp4<gemm::Window<T>>{act_packed, act_scales, gemm::RowMap{nullptr, 0}}, \
+                                       gather, act_global, out, out_f32, out_ld, out_col, side_by_side, offsets, \
+                                       active, num_active, N, K, FP4_MOE_GEMM_DENSE, SwigluOut{}, FP4_MOE_COMBINE); \
+    }
+
 #define FP4_DEFINE_MOE_GEMM(T) FP4_DEFINE_MOE_GEMM_B(T, 2, )
 
 FP4_DEFINE_MOE_GEMM(1)
@@ -590,6 +669,14 @@ FP4_DEFINE_MOE_GEMM_FOLDED(4, 2, )
 FP4_DEFINE_MOE_GEMM_FOLDED(8, 2, )
 FP4_DEFINE_MOE_GEMM_FOLDED(1, 3, _occ3)
 FP4_DEFINE_MOE_GEMM_FOLDED(2, 3, _occ3)
+// (the W4A16 8-row combine build bounded to three blocks per SM, as the SwiGLU one: 121 registers
+// unbounded, against the plain build's 80)
+FP4_DEFINE_MOE_GEMM_COMBINE(1, 3, 2, )
+FP4_DEFINE_MOE_GEMM_COMBINE(2, 2, 2, )
+FP4_DEFINE_MOE_GEMM_COMBINE(4, 2, 2, )
+FP4_DEFINE_MOE_GEMM_COMBINE(8, 2, 2, )
+FP4_DEFINE_MOE_GEMM_COMBINE(1, 3, 3, _occ3)
+FP4_DEFINE_MOE_GEMM_COMBINE(2, 3, 3, _occ3)
 
 // out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
 // shared_f32 (instead of shared): the folded shared expert's fp32 rows [T, H], rounded to bf16 as
