@@ -350,17 +350,23 @@ def test_dispatch_kernel_matches_reference(rng, t, k, e):
     ids[: t // 2, 0] = 3  # a hot expert
     weights = rng.random((t, k)).astype(np.float32)
     counts, tickets = dist_ref.tickets(ids, e)
-    offsets, active, slot_row, row_token, row_weight = ref.dispatch(counts, tickets, ids, weights)
     d_counts = cp.asarray(counts)
     plan = _plan_buffers(e, t * k)
     moe_ops.dispatch(d_counts, cp.asarray(tickets), cp.asarray(ids), cp.asarray(weights), k, plan)
+    assert_plan_equals(plan, ref.dispatch(counts, tickets, ids, weights))
+    assert int(d_counts.sum()) == 0  # zeroed for the next call
+
+
+def assert_plan_equals(plan, want):
+    """The device dispatch's outputs equal the reference's (offsets, active, slot_row, row_token,
+    row_weight) bit for bit."""
+    offsets, active, slot_row, row_token, row_weight = want
     assert np.array_equal(cp.asnumpy(plan.offsets), offsets)
     n = int(plan.num_active.get()[0])
     assert n == active.size and np.array_equal(cp.asnumpy(plan.active[:n]), active)
     assert np.array_equal(cp.asnumpy(plan.slot_row), slot_row)
     assert np.array_equal(cp.asnumpy(plan.row_token), row_token)
     assert cp.asnumpy(plan.row_weight).tobytes() == row_weight.tobytes()
-    assert int(d_counts.sum()) == 0  # zeroed for the next call
 
 
 @pytest.mark.parametrize("t, k, routing, e", [(1, 6, V4, 256), (40, 6, V4, 64), (300, 8, V3, 256),
@@ -382,14 +388,7 @@ def test_router_last_block_dispatch_matches_reference(rng, t, k, routing, e):
         moe_ops.route(x, gate, None, None, None, routing, ids, weights, counts, tickets, cp.empty((t, e), cp.float32),
                       dispatch_into=(plan, done))
         h_ids, h_tickets, h_weights = (cp.asnumpy(a) for a in (ids, tickets, weights))
-        offsets, active, slot_row, row_token, row_weight = ref.dispatch(dist_ref.tickets(h_ids, e)[0], h_tickets,
-                                                                       h_ids, h_weights)
-        assert np.array_equal(cp.asnumpy(plan.offsets), offsets)
-        n = int(plan.num_active.get()[0])
-        assert n == active.size and np.array_equal(cp.asnumpy(plan.active[:n]), active)
-        assert np.array_equal(cp.asnumpy(plan.slot_row), slot_row)
-        assert np.array_equal(cp.asnumpy(plan.row_token), row_token)
-        assert cp.asnumpy(plan.row_weight).tobytes() == row_weight.tobytes()
+        assert_plan_equals(plan, ref.dispatch(dist_ref.tickets(h_ids, e)[0], h_tickets, h_ids, h_weights))
         assert int(counts.sum()) == 0 and int(done[0]) == 0
 
 
