@@ -398,3 +398,24 @@ def test_small_whole_fetch_variant_rule(monkeypatch):
     assert moe_ops._whole_variant("d2c1b2", 2048) == "d2c1b2"  # no whole-fetch build
     monkeypatch.setattr(moe_ops, "SMALL_WHOLE_FETCHES", False)
     assert moe_ops._whole_variant("d2c1", 4096) == "d2c1"
+
+
+@pytest.mark.parametrize("inner", [256, 80, 16])
+def test_swiglu_stage_reads_the_gate_and_up_rows_of_each_output(inner):
+    """The SwiGLU epilogue of the grouped GEMM (moe.cu ``swiglu_from_stage``) finds output column
+    c0 + c of block bx (c0 = 64 bx) at staged row c / 16 * 32 + c % 16 of the block's 128 weight
+    rows (its gate) and 16 rows on (its up): replayed here on W13's interleaving
+    (`formats.interleave_rows`) of gate and up row indices, for every block and column, including
+    a part-filled last block (inner 80: 160 rows, the second block 32 of them)."""
+    from fp4kit.formats import interleave_rows
+
+    gate, up = np.arange(inner)[:, None], 1000 + np.arange(inner)[:, None]
+    w13_row = interleave_rows(gate, up)[:, 0]  # which gate (i) or up (1000 + i) row sits at each W13 row
+    block_rows = 128
+    for bx in range(-(-2 * inner // block_rows)):
+        c0 = bx * block_rows // 2
+        for c in range(block_rows // 2):
+            if c0 + c >= inner:
+                continue
+            staged = bx * block_rows + c // 16 * 32 + c % 16
+            assert w13_row[staged] == c0 + c and w13_row[staged + 16] == 1000 + c0 + c
