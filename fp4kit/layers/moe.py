@@ -441,8 +441,9 @@ class MoE:
         return self._plans.get(self._plan_key(t), lambda: self._make_plan(x))
 
     def _plan_key(self, t: int) -> tuple:
-        return (t, self._small(t), self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t),
-                GROUPED_COMBINE_IN_GEMM)
+        small = self._small(t)
+        return (t, small, self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t),
+                GROUPED_COMBINE_IN_GEMM and not small)
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
