@@ -49,6 +49,11 @@ CONFIGS = {
 TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
 GOALS = {1: 1.5, 8: 2.0, 64: 1.5}  # x byte floor
 FP8_PEER_MAX_TOKENS = 64
+# the expert-sorted path's fusion settings (`fp4kit.layers.moe`) of the W4A16 comparison rows
+SORTED_NO_FUSION = {"GROUPED_SWIGLU_EPILOGUE": False, "GROUPED_FOLD_SHARED": False, "ROUTER_DISPATCH_MAX_PAIRS": 0,
+                    "GROUPED_COMBINE_IN_GEMM": False, "GROUPED_FOLD_SHARED_MAX_TOKENS": 0}
+SORTED_EVERY_FUSION = {"GROUPED_SWIGLU_EPILOGUE": True, "GROUPED_FOLD_SHARED": True, "ROUTER_DISPATCH_MAX_PAIRS": 1 << 30,
+                       "GROUPED_COMBINE_IN_GEMM": True, "GROUPED_FOLD_SHARED_MAX_TOKENS": 1 << 30}
 ROTATE = 4  # inputs per graph
 
 
@@ -172,32 +177,27 @@ def main() -> None:
                 floor_us = (touched * per_expert + shared_bytes) / bw * 1e6
                 flops = 2 * t * (k + 1) * 3 * cfg["hidden"] * cfg["inner"]
                 default_small = t * k <= layer.small_max_assignments
-                # (path, small-T limit, SwiGLU in the gate|up grouped GEMM's epilogue, shared expert folded
-                # into the grouped GEMMs)
-                paths = [("small", 1 << 30, False, False), ("sorted", 0, False, False)] if t * k <= 128 else [
-                    ("sorted", 0, False, False)]
-                if mode == "w4a16" and layer.fused:  # the sorted path's W4A16 variants, in the same run
-                    paths += [("sorted, SwiGLU in the GEMM", 0, True, False),
-                              ("sorted, SwiGLU in the GEMM, shared folded, dispatch in the router, combine in the GEMM",
-                               0, True, True)]
+                # (path, small-T limit, the sorted path's fusion settings: None = the layer's defaults).
+                # W4A16 adds the sorted path with no fusion and with every fusion at any T, in the same run
+                paths = [("small", 1 << 30, None), ("sorted", 0, None)] if t * k <= 128 else [("sorted", 0, None)]
+                if mode == "w4a16" and layer.fused:
+                    paths += [("sorted, no fusion", 0, SORTED_NO_FUSION), ("sorted, every fusion", 0, SORTED_EVERY_FUSION)]
                 base = None
                 if torch is not None and name == "V4-Flash" and mode == "w4a4" and t <= 512:
                     base = torch_baseline(torch, layer, cfg, t, rng)
                 if torch is not None and t <= FP8_PEER_MAX_TOKENS and (name, t) not in fp8_us:
                     fp8_us[name, t] = fp8_peer_us(torch, layer, cfg, xs)
                 fp8 = fp8_us.get((name, t))
-                saved = (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
-                         moe_layer.ROUTER_DISPATCH_MAX_PAIRS, moe_layer.GROUPED_COMBINE_IN_GEMM)
-                for path, limit, epilogue, fold in paths:  # the last variant: every fusion of the sorted path
+                saved = layer.small_max_assignments, {n: getattr(moe_layer, n) for n in SORTED_NO_FUSION}
+                for path, limit, setting in paths:
                     layer.small_max_assignments = limit
-                    moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED = epilogue, fold
-                    moe_layer.ROUTER_DISPATCH_MAX_PAIRS = 1 << 30 if fold else saved[3]
-                    moe_layer.GROUPED_COMBINE_IN_GEMM = fold or saved[4]
+                    for n, v in (setting or saved[1]).items():
+                        setattr(moe_layer, n, v)
                     us = graph_us(lambda j: layer(xs[j % ROTATE]), calls=ROTATE, replays=20)
                     n_launch = launches(lambda: layer(xs[0]))
                     ratio = us / floor_us
                     goal = GOALS.get(t)
-                    is_default = (path == "small") == default_small and (path == "small" or (epilogue, fold) == saved[1:3])
+                    is_default = setting is None and (path == "small") == default_small
                     target = "" if goal is None or not is_default else (
                         f"<= {goal}x floor: " + ("met" if ratio <= goal else "MISSED"))
                     table.add(**{"shape": name, "mode": mode, "T": t, "path": path + (" (default)" if is_default else ""),
@@ -205,8 +205,9 @@ def main() -> None:
                                  "x floor": ratio, "TFLOP/s": flops / us / 1e6, "target": target,
                                  "PyTorch loop µs": base, "speedup": base / us if base else None,
                                  "PyTorch FP8 µs": fp8, "x FP8": fp8 / us if fp8 else None})
-                (layer.small_max_assignments, moe_layer.GROUPED_SWIGLU_EPILOGUE, moe_layer.GROUPED_FOLD_SHARED,
-                 moe_layer.ROUTER_DISPATCH_MAX_PAIRS, moe_layer.GROUPED_COMBINE_IN_GEMM) = saved
+                layer.small_max_assignments = saved[0]
+                for n, v in saved[1].items():
+                    setattr(moe_layer, n, v)
             del layer
             cp.get_default_memory_pool().free_all_blocks()
     print()

@@ -21,18 +21,20 @@ from dsv4 import runner  # noqa: E402
 from fp4kit.reference import moe as moe_ref  # noqa: E402
 
 CFG = configs.tiny(layers=3)  # compress ratios 0, 4, 128; layer 0 hash-routed
+CFGS = {"w4a16": CFG, "w4a4": configs.tiny(layers=3, mode="w4a4")}
 SEED = 3
 
 
-def fresh():
-    return runner.build(CFG, device=False, seed=SEED)[0]
+def fresh(mode: str = "w4a16"):
+    return runner.build(CFGS[mode], device=False, seed=SEED)[0]
 
 
-@pytest.fixture(scope="module")
-def short():
-    """40 positions: enough for every fault to show (window 16, ratio-4 entries from position 4)."""
+@pytest.fixture(scope="module", params=["w4a16", "w4a4"])
+def short(request):
+    """40 positions: enough for every fault to show (window 16, ratio-4 entries from position 4), in
+    both activation modes (each with its own bound, `runner.LAYER_TOLERANCE`)."""
     tokens = runner.random_prompt(1, 40, CFG.vocab, seed=1)
-    return tokens, runner.record_layers(fresh(), tokens)
+    return request.param, tokens, runner.record_layers(fresh(request.param), tokens)
 
 
 def test_a_correct_model_passes_exactly_and_every_path_runs():
@@ -100,8 +102,8 @@ def window_without_oldest(model, monkeypatch):
 @pytest.mark.parametrize("fault", [skip_compressed, drop_sink, unweighted_moe, rope_one_ahead, window_without_newest,
                                    window_without_oldest], ids=lambda f: f.__name__)
 def test_each_fault_fails_the_check(short, fault, monkeypatch):
-    tokens, recorded = short
-    model = fresh()
+    mode, tokens, recorded = short
+    model = fresh(mode)
     fault(model, monkeypatch)
     result = runner.compare_layers(model, recorded, tokens)
     assert not result["ok"], (fault.__name__, result["worst_median"], result["worst_max"])

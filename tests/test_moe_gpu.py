@@ -52,6 +52,7 @@ def path(request, monkeypatch):
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", request.param in ("sorted-swiglu-epilogue",
                                                                               "sorted-shared-folded"))
     monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", request.param == "sorted-shared-folded")
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED_MAX_TOKENS", 1 << 30)
     # the last sorted variant takes every fusion of the path: the dispatch in the router and the
     # combine in the down GEMM too
     monkeypatch.setattr(moe_layer, "ROUTER_DISPATCH_MAX_PAIRS", 1 << 30 if request.param == "sorted-shared-folded" else 0)
@@ -464,6 +465,7 @@ def test_swiglu_in_the_grouped_gemm_epilogue_gives_the_same_bits(rng, monkeypatc
     dev.small_max_assignments = 0  # the sorted path
     monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
     monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", blocks_per_sm)
+    monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", False)  # the SwiGLU launch first
     x = cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16))  # 18 rows per expert on average
     want = dev(x).copy()
     epilogues = []
@@ -495,6 +497,8 @@ def test_shared_expert_folded_into_the_grouped_gemms(rng, monkeypatch, t, pass_r
     dev.small_max_assignments = 0  # the sorted path
     monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", False)
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED_MAX_TOKENS", 1 << 30)
     x_host = (rng.standard_normal((t, 512)) * 2).astype(BF16)
     x = cp.asarray(x_host)
     apart = dev(x).copy()
@@ -529,6 +533,7 @@ def test_combine_in_the_down_gemm_gives_the_same_bits(rng, monkeypatch, mode, sh
     monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", shared == "folded")
     monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED", shared == "folded")
+    monkeypatch.setattr(moe_layer, "GROUPED_FOLD_SHARED_MAX_TOKENS", 1 << 30)
     assert dev._folds_shared(96) == (shared == "folded")
     xs = [cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16)) for _ in range(2)]
     want = [dev(x).copy() for x in xs]

@@ -341,11 +341,16 @@ def compare_with_numpy(cfg: configs.ModelConfig, seed: int, tokens: np.ndarray) 
 #: summation order, the attention kernel's bf16 probabilities, and in W4A4 the NVFP4 code of an
 #: activation element that such a difference moves across a rounding boundary); a rare discrete
 #: flip (a routing choice, an indexer selection) may move one position further, which the looser
-#: largest-value bound allows. Every fault of `tests/test_decode_check.py` exceeds them; the tiny
-#: model on the H200 stays within them over 140 positions in both modes (tests/test_decode_gpu.py,
-#: 2026-12-01; the margin was not recorded).
+#: largest-value bound allows. Every fault of `tests/test_decode_check.py` exceeds them in both
+#: modes. Measured margins (2026-12-05, H100; the tiny model at 2 layers, 40 positions, 4 seeds of
+#: weights and prompt, with and without the MTP layer): correct W4A16 runs reach a worst median of
+#: 0.0035 and a worst max of 0.0045; correct W4A4 runs 0.050-0.055 and 0.11-0.14 (the NVFP4 code
+#: flips of the activations), which the first W4A4 median bound of 0.05 (set without a recorded
+#: margin) did not hold. The faults on numpy: W4A4 medians 0.15 (no sink) to 0.53, W4A16 0.063 (no
+#: sink) to 0.45, or a max of 1.0 (the window off by one). Hence W4A4's median bound 0.08: 1.45x the
+#: worst correct run, half the smallest fault.
 LAYER_TOLERANCE = {"w4a16": {"median": 0.02, "max": 0.25},
-                   "w4a4": {"median": 0.05, "max": 0.5}}
+                   "w4a4": {"median": 0.08, "max": 0.5}}
 
 
 def _run_tapped(m: Model, tokens: np.ndarray, tap_of) -> DecodeState:

@@ -82,27 +82,30 @@ QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
 #: W4A16 on the expert-sorted path with a fused W13: SwiGLU (+ clamp, + routing weight) computed in
 #: the gate|up grouped GEMM's epilogue (moe.cu ``moe_gemm_swiglu_bf16_*``, bit for bit the GEMM's
 #: bf16 output through the SwiGLU kernel) instead of writing ``h [pairs, 2I]`` and a SwiGLU launch:
-#: one launch per layer fewer, and h's write and read gone (V4-Flash at T = 4096: 2 x 200 MB). Off
-#: until timed on a GPU (prediction: a few us per layer at T = 32, more at prefill sizes)
-GROUPED_SWIGLU_EPILOGUE = False
+#: one launch per layer fewer, and h's write and read gone (V4-Flash at T = 4096: 2 x 200 MB).
+#: H100, same run: the V4-Flash layer at T = 64 1036 -> 1025 us, T = 512 1979 -> 1979; the decode step
+#: at batch 32 3.625 -> 3.61 ms (two rounds)
+GROUPED_SWIGLU_EPILOGUE = True
 #: on the expert-sorted path with the SwiGLU epilogue, a `SharedExpert` (W4A16, this layer's widths,
 #: no biases) rides in the two grouped GEMMs as one more expert on sorted rows T * top_k .. + T - 1
 #: (its own weights, clamp and no routing weight; 8T-row passes of its rows on block rows of their
 #: own) and in the combine, instead of its own three launches (gate|up, SwiGLU, down). Changes
-#: nothing but its GEMMs' summation order. Off until timed on a GPU (prediction: three launches per
-#: layer fewer at T = 32; its weights are streamed once per pass, so it may lose at prefill sizes)
-GROUPED_FOLD_SHARED = False
+#: nothing but its GEMMs' summation order. Its weights are streamed once per pass, so only up to
+#: `GROUPED_FOLD_SHARED_MAX_TOKENS` tokens. H100, the decode step at batch 32 (T = 32 per layer)
+#: 3.61 -> 3.565 ms (two rounds); with the dispatch and the combine fused too, the V4-Flash layer
+#: at T = 64 1025 -> 1034 us and at T = 512 1979 -> 2106
+GROUPED_FOLD_SHARED = True
+GROUPED_FOLD_SHARED_MAX_TOKENS = 32
 #: the expert-sorted path's dispatch run by the router's last block instead of a launch of its own,
 #: up to this many (token, slot) pairs (0: never). The dispatch is one block either way; the
 #: router's blocks are 256 threads against the dispatch's 1024, so its loop over the pairs takes
-#: four times the turns above 256 pairs. Off until timed on a GPU (prediction: one launch per layer
-#: fewer, a few us at T = 32)
-ROUTER_DISPATCH_MAX_PAIRS = 0
+#: four times the turns above 256 pairs, so up to 256. H100, the decode step at batch 32 (192 pairs
+#: per layer): 3.565 -> 3.56 ms (two rounds), one launch per layer fewer
+ROUTER_DISPATCH_MAX_PAIRS = 256
 #: the expert-sorted path's combine in the down projection's grouped GEMM (moe.cu
 #: ``moe_gemm_combine_*``): the block whose rows complete a token's slots (per column group of 128)
-#: adds them in slot order, bit for bit `moe_combine`, instead of a launch of its own. Off until
-#: timed on a GPU (prediction: one launch per layer fewer; the down GEMM's blocks count their rows
-#: with one atomic each and a few finish tokens)
+#: adds them in slot order, bit for bit `moe_combine`, instead of a launch of its own. Off: H100,
+#: the decode step at batch 32 3.56 -> 3.585 ms (two rounds, both slower), one launch per layer fewer
 GROUPED_COMBINE_IN_GEMM = False
 
 
@@ -586,13 +589,14 @@ class MoE:
     def _folds_shared(self, t: int) -> bool:
         """Whether the launches for ``t`` tokens run the shared expert as one more expert: on the
         small-T path where `fold_shared_pays` for ``t`` and top-k (`FOLD_SHARED`), on the sorted
-        path with `GROUPED_FOLD_SHARED` and the SwiGLU epilogue (W4A16); and the shared expert is a
+        path with `GROUPED_FOLD_SHARED`, up to `GROUPED_FOLD_SHARED_MAX_TOKENS` tokens and with the
+        SwiGLU epilogue (W4A16); and the shared expert is a
         `SharedExpert` in the layer's mode with this layer's widths, no biases and (W4A4) dynamic
         input scales, so that folding it in changes nothing but the summation order of its GEMMs."""
         if self._small(t):
             pays = self.fold_shared and fold_shared_pays(t, self.routing.top_k)
         else:
-            pays = GROUPED_FOLD_SHARED and self._swiglu_in_gemm(t)
+            pays = GROUPED_FOLD_SHARED and t <= GROUPED_FOLD_SHARED_MAX_TOKENS and self._swiglu_in_gemm(t)
         sh = self.shared
         if not (pays and isinstance(sh, SharedExpert) and sh.mode == self.mode):
             return False
