@@ -48,21 +48,23 @@ def _mxfp4(rng, n, k):
 
 
 def write_checkpoint(folder: Path, layers: int, experts: int, seed: int = 0) -> int:
+    """One shard per layer; every layer holds the same random values (the conversion's work does not
+    depend on them, and drawing 0.56 GB of random bytes per layer took longer than converting it)."""
     rng = np.random.default_rng(seed)
-    for layer in range(layers):
-        t = {}
-        p = f"layers.{layer}"
-        linears = {"attn.wq_a": (Q_RANK, HIDDEN), "attn.wq_b": (HEADS * HEAD_DIM, Q_RANK), "attn.wkv": (HEAD_DIM, HIDDEN),
-                   "attn.wo_a": (O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS), "attn.wo_b": (HIDDEN, O_GROUPS * O_RANK),
-                   "ffn.shared_experts.w1": (INNER, HIDDEN), "ffn.shared_experts.w3": (INNER, HIDDEN),
-                   "ffn.shared_experts.w2": (HIDDEN, INNER)}
-        for name, (n, k) in linears.items():
-            t[f"{p}.{name}.weight"], t[f"{p}.{name}.scale"] = _fp8(rng, n, k)
-        for e in range(experts):
-            for name, (n, k) in {"w1": (INNER, HIDDEN), "w3": (INNER, HIDDEN), "w2": (HIDDEN, INNER)}.items():
-                t[f"{p}.ffn.experts.{e}.{name}.weight"], t[f"{p}.ffn.experts.{e}.{name}.scale"] = _mxfp4(rng, n, k)
-        t[f"{p}.attn_norm.weight"] = np.ones(HIDDEN, ml_dtypes.bfloat16)
-        checkpoint.write_safetensors(folder / f"model-{layer + 1:05d}-of-{layers:05d}.safetensors", t)
+    layer = {}
+    linears = {"attn.wq_a": (Q_RANK, HIDDEN), "attn.wq_b": (HEADS * HEAD_DIM, Q_RANK), "attn.wkv": (HEAD_DIM, HIDDEN),
+               "attn.wo_a": (O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS), "attn.wo_b": (HIDDEN, O_GROUPS * O_RANK),
+               "ffn.shared_experts.w1": (INNER, HIDDEN), "ffn.shared_experts.w3": (INNER, HIDDEN),
+               "ffn.shared_experts.w2": (HIDDEN, INNER)}
+    for name, (n, k) in linears.items():
+        layer[f"{name}.weight"], layer[f"{name}.scale"] = _fp8(rng, n, k)
+    for e in range(experts):
+        for name, (n, k) in {"w1": (INNER, HIDDEN), "w3": (INNER, HIDDEN), "w2": (HIDDEN, INNER)}.items():
+            layer[f"ffn.experts.{e}.{name}.weight"], layer[f"ffn.experts.{e}.{name}.scale"] = _mxfp4(rng, n, k)
+    layer["attn_norm.weight"] = np.ones(HIDDEN, ml_dtypes.bfloat16)
+    for i in range(layers):
+        checkpoint.write_safetensors(folder / f"model-{i + 1:05d}-of-{layers:05d}.safetensors",
+                                     {f"layers.{i}.{name}": t for name, t in layer.items()})
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 

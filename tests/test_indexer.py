@@ -335,6 +335,9 @@ def _call(**changes):
         (dict(workspace=np.zeros((2, 15), np.float32)), ValueError, r"workspace: expected shape \(2, 16\) and dtype float32"),
         (dict(workspace=np.zeros((2, 16), BF16)), ValueError, r"workspace: expected shape \(2, 16\) and dtype float32"),
         (dict(workspace=np.zeros((16, 2), np.float32).T), ValueError, "workspace: expected a C-contiguous array"),
+        (dict(key_range=np.zeros((2, 3), np.uint32)), ValueError, r"key_range: expected shape \(2, 2\) and dtype uint32"),
+        (dict(key_range=np.zeros((2, 2), np.int32)), ValueError, r"key_range: expected shape \(2, 2\) and dtype uint32"),
+        (dict(key_range=[0, 0, 0, 0]), TypeError, "key_range: expected a numpy or CuPy array, got list"),
     ],
 )
 def test_bad_inputs_are_clear_errors(changes, exc, message):

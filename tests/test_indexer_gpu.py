@@ -68,9 +68,11 @@ def run(q, w, keys, lengths, k):
     val = cp.full((bsz, k), np.nan, cp.float32)
     work = cp.full((bsz, capacity), np.nan, cp.float32)
     lengths_d = cp.asarray(np.asarray(lengths, np.int32))
+    key_range = cp.zeros((bsz, 2), cp.uint32)  # the radix passes from each row's varying bits
     got_i, got_v = ops.score_topk(cp.asarray(q), cp.asarray(w), cp.asarray(keys), lengths_d, k,
-                                  out_indices=idx, out_scores=val, workspace=work)
+                                  out_indices=idx, out_scores=val, workspace=work, key_range=key_range)
     assert got_i is idx and got_v is val
+    assert not key_range.any()  # left zero for the next call
     return idx.get(), val.get(), work.get()
 
 
@@ -490,3 +492,41 @@ def test_device_bad_inputs():
         ops.score_topk(q, w, keys, lengths, 4, out_indices=np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError, match="workspace: expected an array on the same device"):
         ops.score_topk(q, w, keys, lengths, 4, workspace=np.zeros((2, 16), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["float", "exact", "negative", "equal", "nan"])
+def test_key_range_gives_the_same_selection_and_is_left_zero(rng, select_path, kind):
+    """With a key_range buffer the select's passes start at the highest bit in which a row's scores
+    differ: the same indices and values, bit for bit, as the passes over every bit, on every path;
+    the buffer is zero again after each call, and repeated calls (the range gathered afresh) agree."""
+    bsz, capacity, k = 8, 8192, 512
+    q, w, keys = (exact_inputs if kind == "exact" else float_inputs)(rng, bsz, capacity)
+    if kind == "negative":  # scores of both signs: every bit may vary
+        w = -np.abs(w) * np.where(np.arange(H) % 2, 1, -1).astype(np.float32)
+    if kind == "equal":  # every live score the same: no pass at all
+        keys[:] = keys[:, :1]
+    if kind == "nan":
+        keys[:, 7, 0] = np.nan
+    lengths = mixed_lengths(rng, k, capacity, bsz)
+    args = [cp.asarray(a) for a in (q, w, keys, lengths)]
+    plain = [o.get() for o in ops.score_topk(*args, k)]
+    key_range = cp.zeros((bsz, 2), cp.uint32)
+    for _ in range(2):
+        got = [o.get() for o in ops.score_topk(*args, k, key_range=key_range)]
+        assert np.array_equal(got[0], plain[0]), f"{np.count_nonzero(got[0] != plain[0])} indices differ"
+        assert got[1].tobytes() == plain[1].tobytes()
+        assert not key_range.any()
+    fp4kit.clear_status()  # the NaN case records an event
+
+
+def test_indexer_layer_uses_its_key_range(rng):
+    """The layer's buffers carry a key_range, zero between calls; its selection equals the op's
+    without one."""
+    bsz, capacity, k = 2, 32768, 2048
+    q, w, keys = float_inputs(rng, bsz, capacity)
+    lengths = np.array([32768, 20000], np.int32)
+    args = [cp.asarray(a) for a in (q, w, keys, lengths)]
+    layer = Indexer(k, capacity=capacity, heads=H, head_dim=D)
+    got = layer.score_topk(*args).get()
+    assert not layer.buffers(bsz).key_range.any()
+    assert np.array_equal(got, ops.score_topk(*args, k)[0].get())

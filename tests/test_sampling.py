@@ -277,6 +277,26 @@ def test_scratch_size_matches_the_kernel():
     assert const["kThreads"] == ops._THREADS and const["kMaxPer"] == ops._MAX_PER
 
 
+def test_register_builds_exist_and_hold_the_launch():
+    """Every build `sample` may pick is a kernel of raw_kernels/sampling.cu, and the pick holds the
+    launch's tokens per thread (the smallest such build)."""
+    import re
+
+    from fp4kit.runtime import loader
+
+    src = loader.kernel_source("sampling")
+    built = {(name, p) for name, p in re.findall(r"SMP_KERNEL\((sample_\w+), \w+, (\w+)\)", src)}
+    for p in ops.PER_BUILDS:
+        for dtype in ("bf16", "f32"):
+            name = f"sample_{dtype}" + ("" if p == ops._MAX_PER else f"_p{p}")
+            assert (name, "kMaxPer" if p == ops._MAX_PER else str(p)) in built, name
+    assert ops._MAX_PER in ops.PER_BUILDS
+    for per in range(4, ops._MAX_PER + 1, 4):
+        p = ops.register_build(per)
+        assert p >= per and all(q < per or q >= p for q in ops.PER_BUILDS)
+    assert [ops.register_build(per) for per in (4, 8, 12, 16)] == [4, 8, 16, 16]
+
+
 @pytest.mark.parametrize("batch", [1, 2, 7, 8, 64, 256, 5000])
 @pytest.mark.parametrize("vocab", [1, 3, 100, 1024, 1025, 4097, 129280, 262144, ops.MAX_VOCAB])
 def test_geometry_covers_the_row_with_resident_blocks(batch, vocab):

@@ -328,3 +328,23 @@ def test_graph_replays_match_the_reference_at_each_offset(rng, capture_stream):
               for off, got in enumerate(seen)]
         assert np.mean(ok) >= 0.75, f"only {np.sum(ok)} of 24 rows are decided with a margin"
         assert scratch_is_clean(sampler.generator)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])  # 4, 8 and 16 tokens per thread at this vocabulary
+def test_register_builds_draw_the_same_tokens(rng, batch, monkeypatch):
+    """The P = 4 and P = 8 builds (smaller unrolled code) draw the P = 16 build's tokens, bit for
+    bit, in every mode, and leave the scratch clean."""
+    x = cp.asarray((rng.standard_normal((batch, 129280)) * 3).astype(BF16))
+    modes = [dict(temperature=0.0), dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9),
+             dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05), dict(top_k=3000)]
+    per = ops.geometry(batch, 129280, 264)[0]  # 2 blocks per SM on 132 SMs
+    assert per == {1: 4, 2: 8, 8: 16}[batch]
+    for params in modes:
+        got = {}
+        for builds in (ops.PER_BUILDS, (ops._MAX_PER,)):
+            monkeypatch.setattr(ops, "PER_BUILDS", builds)
+            gen = Generator(11, offset=5)
+            got[builds] = [draw(x, gen, **params).get() for _ in range(3)]
+            assert scratch_is_clean(gen)
+        a, b = got.values()
+        assert all(np.array_equal(u, v) for u, v in zip(a, b)), (params, per)

@@ -20,11 +20,13 @@ from ..runtime import arrays, workspace
 
 class IndexerBuffers(NamedTuple):
     """Device buffers of one batch size: ``indices`` int32 ``[B, k]``, ``scores`` fp32 ``[B, k]``
-    (the selected scores) and ``workspace`` fp32 ``[B, capacity]`` (every live score)."""
+    (the selected scores), ``workspace`` fp32 ``[B, capacity]`` (every live score) and
+    ``key_range`` uint32 ``[B, 2]`` (zero between calls; see `fp4kit.ops.indexer.score_topk`)."""
 
     indices: object
     scores: object
     workspace: object
+    key_range: object
 
 
 def _positive_int(name: str, value, upper: int) -> int:
@@ -68,7 +70,7 @@ class Indexer:
         return self._buffers.get(
             (cupy.cuda.Device().id, int(batch)),
             lambda: IndexerBuffers(cupy.empty((batch, self.k), np.int32), cupy.empty((batch, self.k), np.float32),
-                                   cupy.empty((batch, self.capacity), np.float32)))
+                                   cupy.empty((batch, self.capacity), np.float32), cupy.zeros((batch, 2), np.uint32)))
 
     def _check_config(self, q, keys):
         q = arrays.as_array(q, "q")
@@ -98,7 +100,8 @@ class Indexer:
                 buf = self.buffers(q.shape[0])
             indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale,
                                                      out_indices=buf.indices, out_scores=buf.scores,
-                                                     workspace=buf.workspace)
+                                                     workspace=buf.workspace,
+                                                     key_range=buf.key_range if indexer_ops.KEY_RANGE else None)
         else:
             indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale)
         return (indices, scores) if return_scores else indices

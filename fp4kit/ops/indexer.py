@@ -60,6 +60,9 @@ CLUSTER_MAX_WAVES = 1
 #: "auto" (the rule above), "block" or "cluster": a knob to force either path (tests, benchmarks);
 #: "cluster" is refused above the capacity the cluster kernel holds in registers
 TOPK_SELECT = "auto"
+#: the `Indexer` layer passes its ``key_range`` buffer (the select's passes from the highest bit in
+#: which a row's scores differ); False: the passes over every bit, for an A/B in one process
+KEY_RANGE = True
 _U32 = np.uint32
 _I32 = np.int32
 
@@ -168,7 +171,7 @@ def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 9
 
 
 def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices=None, out_scores=None,
-               workspace=None):
+               workspace=None, key_range=None):
     """Indices and scores of the ``k`` highest-scoring live keys of each sequence.
 
     Parameters
@@ -197,6 +200,13 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     workspace : fp32 ``[B, C]``, optional
         Scratch for the scores; after the call ``workspace[b, :lengths[b]]`` holds every live score
         (the rest is left as it was). Allocated per call when not given.
+    key_range : uint32 ``[B, 2]``, optional
+        Zero before the first call (``cupy.zeros``) and left zero by every call: the scoring kernel
+        gathers each row's lowest and highest score key in it and the select, having read them, puts
+        the zeros back. With it the select's radix passes start at the highest bit in which the
+        live scores differ instead of at the sign bit (one pass fewer where the scores share their
+        sign and exponent, as they do here); the selection is the same bit for bit. One buffer per
+        concurrent call (a stream), like ``workspace``. Without it the passes cover every bit.
 
     Returns
     -------
@@ -216,6 +226,8 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     bsz, capacity = q.shape[0], keys.shape[1]
     shared = keys.shape[0] == 1  # one cache for every row (the same offsets when B = 1)
     out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
+    if key_range is not None:
+        arrays.check_out("key_range", key_range, (bsz, 2), np.uint32, q)
     if not arrays.is_device_array(q):
         w32 = w.astype(np.float32) * np.float32(w_scale)  # as the kernel: bf16 -> fp32 exactly, one fp32 product
         s = ref.scores(q, w32, np.broadcast_to(keys, (bsz, *keys.shape[1:])), lengths)
@@ -234,13 +246,14 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     scores_kernel = loader.get_kernel(_MODULE, "indexer_scores", block=_SCORE_THREADS)
     grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
     w_bf16 = _I32(w.dtype == arrays.BF16)
+    ranges = key_range if key_range is not None else np.uint64(0)  # null: passes over every bit
     scores_kernel.launch(grid, _SCORE_THREADS, (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
-                                               _U32(heads), _U32(dim), _U32(capacity), _U32(shared)))
+                                               _U32(heads), _U32(dim), _U32(capacity), _U32(shared), ranges))
     device = arrays.device_id(q)
     name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
     threads = _SMALL_TOPK_THREADS if name == "indexer_topk_registers_small" else _TOPK_THREADS
     topk_kernel = loader.get_kernel(_MODULE, name, block=threads)
     blocks = bsz * _CLUSTER_BLOCKS if name == "indexer_topk_cluster" else bsz  # clusters: blocks 8b .. 8b+7
     topk_kernel(blocks, threads, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
-                                        out_indices, out_scores, status.device_word()))
+                                        out_indices, out_scores, status.device_word(), ranges))
     return out_indices, out_scores

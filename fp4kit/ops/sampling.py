@@ -33,6 +33,12 @@ _MODULE = "sampling"
 _THREADS = 256
 _MAX_PER = 16  # tokens per thread (registers): a block holds up to 4096 tokens of a row
 _MIN_PER = 4
+#: the kernel builds by register tile (tokens per thread, `Tile<P>` in raw_kernels/sampling.cu): a
+#: launch runs the smallest build holding its ``per``. The token loops are unrolled to P, so the
+#: P = 4 build that batch 1 runs over a 129280-token vocabulary is half the code of the P = 16 one,
+#: which a cold SM fetches at every launch. ``(16,)``: every launch on the P = 16 build (the same
+#: tokens bit for bit: the builds differ only in unrolling).
+PER_BUILDS = (4, 8, 16)
 #: uint32 words of scratch per row in flight; equals kRowWords in raw_kernels/sampling.cu
 ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512
 _U32 = np.uint32
@@ -209,10 +215,20 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
     name = "sample_bf16" if logits.dtype == arrays.BF16 else "sample_f32"
     kernel = loader.get_kernel(_MODULE, name, cooperative=True, block=_THREADS)
     per, blocks_per_row, grid = geometry(bsz, vocab, kernel.max_blocks)
+    build = register_build(per)
+    if build != _MAX_PER:
+        small = loader.get_kernel(_MODULE, f"{name}_p{build}", cooperative=True, block=_THREADS)
+        if grid <= small.max_blocks:  # all blocks co-resident (the builds' register limits are equal)
+            kernel = small
     scratch = generator.scratch(grid // blocks_per_row * ROW_WORDS)  # one row's worth per group of blocks
     kernel(grid, _THREADS, (logits, _U32(bsz), _U32(vocab), _I32(per), _I32(blocks_per_row), _I32(vec), *pairs,
                             seed, offset, arrivals, scratch, out, status.device_word()))
     return out
+
+
+def register_build(per: int) -> int:
+    """The P of the smallest kernel build in `PER_BUILDS` holding ``per`` tokens per thread."""
+    return min((p for p in PER_BUILDS if p >= per), default=_MAX_PER)
 
 
 def geometry(batch: int, vocab: int, max_blocks: int) -> tuple[int, int, int]:

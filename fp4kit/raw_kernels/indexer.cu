@@ -13,6 +13,10 @@
 //   values   fp32  [B, k]      their canonical scores (NaN -> -inf, -0 -> +0), then -inf
 //   status   uint32 [1]        FP4_STATUS_INDEXER_INPUT (2) is or-ed in when a live score is NaN or a length
 //                              lies outside [0, C]
+//   key_range uint32 [B, 2] or null  zero between calls: indexer_scores gathers each row's lowest (stored
+//                              complemented) and highest score key by atomicMax, the select reads them, starts
+//                              its radix passes at the highest bit in which they differ (select_range) and
+//                              writes the zeros back; null: the passes cover all 32 bits
 //
 // indexer_scores: grid (ceil(C / 128), B), 128 threads (4 warps). Block (x, b) scores keys
 //   128x .. 128x+127 of row b and returns at once when 128x >= n_b, so the grid is sized for the
@@ -24,7 +28,8 @@
 // indexer_topk_registers (C <= 32768) / indexer_topk_global (any C): grid B, 1024 threads, one
 //   block per row. Thread i owns a contiguous range of the live scores (in registers, 32 at most,
 //   or re-read from global memory). The scores map to order-preserving unsigned keys; a radix
-//   select (digits of 11, 11 and 10 bits, a shared 2048-bin histogram per pass, a block scan to
+//   select (digits of up to 11 bits from the highest bit that varies, by the key range; 11, 11 and
+//   10 bits without one; a shared 2048-bin histogram per pass, a block scan to
 //   find the bin holding the k-th largest key) fixes the threshold key T and how many entries
 //   equal to T are taken; it stops early once the threshold bin is taken whole. A block scan of
 //   (greater, equal) counts then gives every thread its output position: entries above T, and the
@@ -36,8 +41,8 @@
 //   per row (blocks 8b .. 8b+7, cluster rank r). The same select spread over 8 SMs: thread
 //   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
 //   r-th eighth and the output positions are a block scan plus the counts of the lower ranks.
-//   Digits of 8 bits (4 passes at most, stopping early as above): each block builds the
-//   histogram of its share (256 bins in shared memory, equal bins of a warp added as one atomic),
+//   Digits of up to 8 bits (4 passes at most, fewer with a key range, stopping early as above):
+//   each block builds the histogram of its share (256 bins in shared memory, equal bins of a warp added as one atomic),
 //   a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
 //   memory and finds the threshold bin; every block computes the same integer sums, so all take
 //   the same decisions without another barrier. Each pass has its own histogram (zeroed once),
@@ -82,6 +87,18 @@ __device__ __forceinline__ void idx_mma(float d[4], unsigned a0, unsigned a1, un
 }
 
 // ReLU that keeps a NaN a NaN (fmaxf would drop it and hide a broken input).
+// Order-preserving map of the canonical score (NaN -> -inf; zero and subnormals -> +0, as -ftz
+// arithmetic would see them) to an unsigned key: a larger score gives a larger key.
+__device__ __forceinline__ unsigned score_key(float s) {
+    unsigned u = isnan(s) ? 0xFF800000u : __float_as_uint(s);
+    if ((u & 0x7F800000u) == 0u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_score(unsigned key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
 __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
 
 // The MMA's k order is a permutation of the head dimension, the same for both operands, so the
@@ -92,7 +109,7 @@ __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f
 extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ w, int w_bf16, float w_scale,
     const __nv_bfloat16* __restrict__ keys, const int* __restrict__ lengths, float* __restrict__ scores, unsigned H,
-    unsigned D, unsigned C, unsigned shared_keys) {
+    unsigned D, unsigned C, unsigned shared_keys, unsigned* __restrict__ key_range) {
     pdl::wait_prior();
     const unsigned b = blockIdx.y;
     const unsigned n = live_length(lengths, b, C);
@@ -102,25 +119,11 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     __shared__ uint4 sq[kMaxChunks * kMaxHeadTiles * 32];  // query B fragments, [chunk][head tile][lane]
     __shared__ float sw[kMaxHeadTiles * 8];
     const unsigned head_tiles = H / 8, chunks = D / 32;
-    const __nv_bfloat16* qb = q + (size_t)b * H * D;
-    for (unsigned e = threadIdx.x; e < chunks * head_tiles * 32; e += kScoreThreads) {
-        const unsigned lane = e & 31, tile_id = e >> 5;  // tile_id = chunk * head_tiles + head tile
-        const unsigned h = (tile_id % head_tiles) * 8 + (lane >> 2);
-        const unsigned d = (tile_id / head_tiles) * 32 + 8 * (lane & 3);
-        sq[e] = *reinterpret_cast<const uint4*>(qb + (size_t)h * D + d);
-    }
-    // the head weights w * w_scale in fp32 (w fp32 or bf16): the scale folded in here, not by a launch
-    for (unsigned h = threadIdx.x; h < H; h += kScoreThreads) {
-        const size_t i = (size_t)b * H + h;
-        const float wh = w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i];
-        sw[h] = __fmul_rn(wh, w_scale);
-    }
-    __syncthreads();
-
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned first = tile + warp * kKeysPerWarp;
-    if (first >= n) return;  // no barrier below
 
+    // The keys first (HBM), then the query and weights (L2): their latencies overlap instead of
+    // adding up, since the keys do not wait for the block barrier of the query staging.
     // A operand: key rows first + 16 mt + 8 half + g; rows past the live length read as zero.
     const __nv_bfloat16* kb = shared_keys ? keys : keys + (size_t)b * C * D;
     uint4 a[kMaxChunks][2][2];
@@ -136,6 +139,34 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
                 a[c][mt][half] = (live && (unsigned)c < chunks) ? src[4 * c] : make_uint4(0u, 0u, 0u, 0u);
         }
     }
+
+    // all of a thread's query words loaded before any is stored: one L2 round trip, not a chain
+    constexpr int kStageEach = kMaxChunks * kMaxHeadTiles * 32 / kScoreThreads;
+    const __nv_bfloat16* qb = q + (size_t)b * H * D;
+    const unsigned staged = chunks * head_tiles * 32;
+    uint4 qv[kStageEach];
+#pragma unroll
+    for (int i = 0; i < kStageEach; ++i) {
+        const unsigned e = threadIdx.x + i * kScoreThreads;
+        const unsigned l = e & 31, tile_id = e >> 5;  // tile_id = chunk * head_tiles + head tile
+        const unsigned h = (tile_id % head_tiles) * 8 + (l >> 2);
+        const unsigned d = (tile_id / head_tiles) * 32 + 8 * (l & 3);
+        if (e < staged) qv[i] = *reinterpret_cast<const uint4*>(qb + (size_t)h * D + d);
+    }
+#pragma unroll
+    for (int i = 0; i < kStageEach; ++i) {
+        const unsigned e = threadIdx.x + i * kScoreThreads;
+        if (e < staged) sq[e] = qv[i];
+    }
+    // the head weights w * w_scale in fp32 (w fp32 or bf16): the scale folded in here, not by a launch
+    static_assert(kMaxHeadTiles * 8 <= kScoreThreads, "one head weight per thread");
+    if (threadIdx.x < H) {
+        const size_t i = (size_t)b * H + threadIdx.x;
+        const float wh = w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i];
+        sw[threadIdx.x] = __fmul_rn(wh, w_scale);
+    }
+    __syncthreads();
+    if (first >= n) return;  // no barrier below
 
     float acc[2][kMaxHeadTiles][4];
 #pragma unroll
@@ -162,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
 
     // C fragment: acc[mt][nt][0..1] = row g, heads 8nt + 2t, +1; acc[mt][nt][2..3] = row g + 8.
     float* out = scores + (size_t)b * C;
+    unsigned key_lo = 0xFFFFFFFFu, key_hi = 0u;  // this lane's live keys
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         float s_lo = 0.0f, s_hi = 0.0f;
@@ -181,23 +213,21 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
         const unsigned row = first + 16 * mt + g;
         if (t == 0 && row < n) out[row] = s_lo;
         if (t == 0 && row + 8 < n) out[row + 8] = s_hi;
+        if (t == 0 && row < n) key_lo = min(key_lo, score_key(s_lo)), key_hi = max(key_hi, score_key(s_lo));
+        if (t == 0 && row + 8 < n) key_lo = min(key_lo, score_key(s_hi)), key_hi = max(key_hi, score_key(s_hi));
+    }
+    if (key_range) {  // the row's key range for the select's first radix digit (see select_range)
+        key_lo = __reduce_min_sync(0xFFFFFFFFu, key_lo);
+        key_hi = __reduce_max_sync(0xFFFFFFFFu, key_hi);
+        if (lane == 0) {
+            atomicMax(key_range + 2 * b, ~key_lo);  // stored complemented: a zeroed range is empty
+            atomicMax(key_range + 2 * b + 1, key_hi);
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // top-k
-
-// Order-preserving map of the canonical score (NaN -> -inf; zero and subnormals -> +0, as -ftz
-// arithmetic would see them) to an unsigned key: a larger score gives a larger key.
-__device__ __forceinline__ unsigned score_key(float s) {
-    unsigned u = isnan(s) ? 0xFF800000u : __float_as_uint(s);
-    if ((u & 0x7F800000u) == 0u) u = 0u;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_score(unsigned key) {
-    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
-}
 
 // This thread's share of a row's live scores: the contiguous range [begin, begin + count), as keys.
 // Contiguous ranges make the output positions one block scan; per is a multiple of 4 so that the
@@ -302,16 +332,38 @@ __device__ __forceinline__ void write_selection(const Keys& keys, unsigned mask,
     }
 }
 
+// The row's key range from the scoring kernel (key_range [B, 2]: ~lowest key, highest key; all zero
+// means empty, and the select puts them back to zero once read): every live key lies in [lo, hi],
+// so the bits above the highest bit where lo and hi differ are the same in every key and need no
+// radix pass. Returns that bit, with the common top bits as `mask` / `bits`: 31 with an empty mask
+// when no range is known (null, or nothing was scored), -1 when every live key is equal.
+__device__ __forceinline__ int select_range(unsigned* key_range, unsigned b, unsigned& mask, unsigned& bits) {
+    mask = 0u, bits = 0u;
+    if (!key_range) return 31;
+    const unsigned lo = ~__ldcg(key_range + 2 * b), hi = __ldcg(key_range + 2 * b + 1);  // written at L2 by atomics
+    if (lo > hi) return 31;
+    if (lo == hi) {
+        mask = 0xFFFFFFFFu, bits = hi;
+        return -1;
+    }
+    const int top = 31 - __clz(lo ^ hi);
+    mask = top == 31 ? 0u : 0xFFFFFFFFu << (top + 1);
+    bits = hi & mask;
+    return top;
+}
+
 template <class Keys, int kThreads = kTopkThreads>
 __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const int* __restrict__ lengths,
                                          unsigned C, unsigned k, int vec4, int* __restrict__ indices,
-                                         float* __restrict__ values, unsigned* __restrict__ status) {
+                                         float* __restrict__ values, unsigned* __restrict__ status,
+                                         unsigned* __restrict__ key_range) {
     static_assert(kBins % kThreads == 0, "whole bins per thread");
     constexpr unsigned kBinsEach = kBins / kThreads;
     __shared__ unsigned hist[kBins];
     __shared__ unsigned scan32[32];
     __shared__ unsigned long long scan64[32];
-    __shared__ unsigned s_digit, s_need, s_count;
+    __shared__ unsigned s_digit, s_need, s_count, s_mask, s_bits;
+    __shared__ int s_top;
 
     const unsigned b = blockIdx.x, tid = threadIdx.x;
     const unsigned n = live_length(lengths, b, C);
@@ -320,18 +372,24 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
     if (tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
+        s_top = select_range(key_range, b, s_mask, s_bits);
+        if (key_range) key_range[2 * b] = 0u, key_range[2 * b + 1] = 0u;  // empty for the next call
     }
     if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);
 
     // The threshold: the key bits under resolved_mask (top bits) equal resolved_bits. Entries whose
     // top bits are larger are all taken; of those equal, the first `need` in index order. Before
     // any pass (n <= k: everything is taken) the mask is empty and every entry is "equal".
+    // Digits of up to 11 bits from the highest bit that varies (no range: 11, 11 and 10 bits).
     unsigned resolved_mask = 0u, resolved_bits = 0u, need = k;
     if (n > k) {
+        resolved_mask = s_mask, resolved_bits = s_bits;
 #pragma unroll 1
-        for (int pass = 0; pass < 3; ++pass) {
-            const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-            const unsigned digit_mask = pass == 2 ? 0x3FFu : 0x7FFu;
+        for (int high = s_top; high >= 0;) {
+            const int width = high >= 10 ? 11 : high + 1;
+            const int shift = high + 1 - width;
+            const unsigned digit_mask = (1u << width) - 1u;
+            high = shift - 1;
 #pragma unroll
             for (unsigned i = 0; i < kBinsEach; ++i) hist[tid + i * kThreads] = 0u;
             __syncthreads();
@@ -372,23 +430,26 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
 constexpr int kSmallTopkThreads = 256;
 extern "C" __global__ void __launch_bounds__(kSmallTopkThreads, 1) indexer_topk_registers_small(
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
-    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status,
+    unsigned* __restrict__ key_range) {
     pdl::wait_prior();
-    topk_row<RegisterKeys<kRegisterItems>, kSmallTopkThreads>(scores, lengths, C, k, vec4, indices, values, status);
+    topk_row<RegisterKeys<kRegisterItems>, kSmallTopkThreads>(scores, lengths, C, k, vec4, indices, values, status, key_range);
 }
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_registers(
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
-    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status,
+    unsigned* __restrict__ key_range) {
     pdl::wait_prior();
-    topk_row<RegisterKeys<kRegisterItems>>(scores, lengths, C, k, vec4, indices, values, status);
+    topk_row<RegisterKeys<kRegisterItems>>(scores, lengths, C, k, vec4, indices, values, status, key_range);
 }
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads, 1) indexer_topk_global(
     const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k, int vec4,
-    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status) {
+    int* __restrict__ indices, float* __restrict__ values, unsigned* __restrict__ status,
+    unsigned* __restrict__ key_range) {
     pdl::wait_prior();
-    topk_row<GlobalKeys>(scores, lengths, C, k, vec4, indices, values, status);
+    topk_row<GlobalKeys>(scores, lengths, C, k, vec4, indices, values, status, key_range);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -435,12 +496,13 @@ __device__ __forceinline__ unsigned long long load_cluster_u64(unsigned address)
 extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
     indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
                          int vec4, int* __restrict__ indices, float* __restrict__ values,
-                         unsigned* __restrict__ status) {
+                         unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
     pdl::wait_prior();
     __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];
     __shared__ unsigned long long scan64[32];
     __shared__ unsigned long long s_total, s_base;
-    __shared__ unsigned s_digit, s_need, s_count;
+    __shared__ unsigned s_digit, s_need, s_count, s_mask, s_bits;
+    __shared__ int s_top;
 
     const unsigned rank = cluster_rank(), b = blockIdx.x / kClusterBlocks, tid = threadIdx.x;
     const unsigned lane = tid & 31, warp = tid >> 5;
@@ -452,15 +514,22 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
     }
+    if (tid == 0) s_top = select_range(key_range, b, s_mask, s_bits);  // rank 0 empties it after a cluster barrier
     if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);
 
-    // As in topk_row: the top bits under resolved_mask equal resolved_bits at the threshold.
+    // As in topk_row: the top bits under resolved_mask equal resolved_bits at the threshold; digits
+    // of up to 8 bits from the highest bit that varies (no range: 4 passes of 8).
     unsigned resolved_mask = 0u, resolved_bits = 0u, need = k;
     if (n > k) {
+        resolved_mask = s_mask, resolved_bits = s_bits;
         const unsigned warp_items = __reduce_max_sync(0xFFFFFFFFu, keys.count);  // the warp runs converged
+        int high = s_top;
 #pragma unroll 1
-        for (int pass = 0; pass < kRadixPasses; ++pass) {
-            const int shift = 24 - 8 * pass;
+        for (int pass = 0; high >= 0; ++pass) {
+            const int width = high >= 7 ? 8 : high + 1;
+            const int shift = high + 1 - width;
+            const unsigned digit_mask = (1u << width) - 1u;
+            high = shift - 1;
             unsigned* h = hist[pass];
             // Scores bunch into few bins (the top digit is sign and exponent): lanes with the same
             // bin add their count with one atomic instead of queueing on one address.
@@ -469,7 +538,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
                 if ((unsigned)i >= warp_items) break;
                 const unsigned key = keys.key[i];
                 const bool in = (unsigned)i < keys.count && (key & resolved_mask) == resolved_bits;
-                const unsigned bin = in ? (key >> shift) & (kRadixBins - 1) : kRadixBins;
+                const unsigned bin = in ? (key >> shift) & digit_mask : kRadixBins;
                 const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
                 if (in && lane == (unsigned)__ffs(peers) - 1u) atomicAdd(&h[bin], (unsigned)__popc(peers));
             }
@@ -505,7 +574,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
             }
             __syncthreads();
             resolved_bits |= s_digit << shift;
-            resolved_mask |= (kRadixBins - 1u) << shift;
+            resolved_mask |= digit_mask << shift;
             const unsigned in_bin = s_count;
             need = s_need;
             if (in_bin == need) break;  // the threshold bin is taken whole: no tie left to resolve
@@ -515,7 +584,8 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
     if (tid == kTopkThreads - 1) s_total = inclusive;
-    cluster_sync();  // every block's (greater, equal) totals are complete
+    cluster_sync();  // every block's (greater, equal) totals are complete; every block has read the range
+    if (key_range && rank == 0 && tid == 0) key_range[2 * b] = 0u, key_range[2 * b + 1] = 0u;  // empty for the next call
     if (warp == 0) {  // the counts of the lower ranks, which hold the earlier indices
         unsigned long long x = lane < rank ? load_cluster_u64(cluster_address(&s_total, lane)) : 0ull;
 #pragma unroll

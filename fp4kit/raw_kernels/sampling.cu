@@ -4,7 +4,7 @@
 //
 // Arguments (row-major, contiguous):
 //   logits    bf16 | fp32 [B, V]   any finite, +-inf or NaN values (NaN is read as -inf)
-//   B, V, per, G                   rows; vocabulary; tokens per thread (a multiple of 4, <= kMaxPer);
+//   B, V, per, G                   rows; vocabulary; tokens per thread (a multiple of 4, <= the build's P);
 //                                  blocks per row (G * kThreads * per >= V)
 //   t_rows    fp32  [B] or null    per-row temperature; null: every row uses t_all
 //   k_rows    int32 [B] or null    per-row top_k (0: off); null: k_all
@@ -285,18 +285,19 @@ __device__ __forceinline__ unsigned smp_warp_slots(unsigned* counter, unsigned m
 
 // ---- the block's tokens
 
+template <int P>
 struct Tile {
-    float v[kMaxPer];  // canonical logits, then d
+    float v[P];  // canonical logits, then d
     unsigned first;    // id of v[0] (a multiple of 4)
     int n;             // valid tokens
 };
 
-template <typename T>
-__device__ __forceinline__ bool smp_load_tile(const T* row, unsigned V, int per, bool vec, Tile& t) {
+template <typename T, int P>
+__device__ __forceinline__ bool smp_load_tile(const T* row, unsigned V, int per, bool vec, Tile<P>& t) {
     t.n = t.first < V ? min(per, (int)(V - t.first)) : 0;
     bool odd = false;  // a NaN or +inf
 #pragma unroll
-    for (int g = 0; g < kMaxPer; g += 4) {  // beyond t.n: -inf, nothing read
+    for (int g = 0; g < P; g += 4) {  // beyond t.n: -inf, nothing read
         float q[4];
         smp_load4(row + t.first + g, t.n - g, vec, q);
 #pragma unroll
@@ -357,8 +358,8 @@ __device__ __forceinline__ void smp_flush(Smem& sm, int run, unsigned c, unsigne
 // Block-local histogram in shared memory. Level 0: every token by bin (the last bin only counted,
 // per warp); radix: the bucket's tokens by the composite's 8 bits at `shift`, top digit first.
 // Runs of equal bins within a thread are summed before the atomics (ties and clusters).
-template <bool kLevel0>
-__device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int shift, bool with_mass) {
+template <bool kLevel0, int P>
+__device__ void smp_local_hist(Smem& sm, const Tile<P>& t, const Bucket& bk, int shift, bool with_mass) {
     const int nb = kLevel0 ? kBins : kRadixBins;
     for (int i = threadIdx.x; i < nb; i += kThreads) sm.count[i] = 0u, sm.mass_hi[i] = 0u, sm.mass_lo[i] = 0u;
     __syncthreads();
@@ -366,7 +367,7 @@ __device__ void smp_local_hist(Smem& sm, const Tile& t, const Bucket& bk, int sh
     unsigned rc = 0u, tail = 0u;
     unsigned long long rm = 0ull;
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j) {
+    for (int j = 0; j < P; ++j) {
         if (j >= t.n) break;
         const float d = t.v[j];
         const int bin = smp_bin(d);
@@ -465,8 +466,8 @@ __device__ bool smp_pick(Smem& sm, const Ctx& cx, int nb, bool by_mass, unsigned
 }
 
 // One histogram pass: local histogram, merge, barrier, scan. Returns false on inconsistent data.
-template <bool kLevel0>
-__device__ bool smp_pass(Smem& sm, const Tile& t, Ctx& cx, const Bucket& bk, int shift, bool by_mass,
+template <bool kLevel0, int P>
+__device__ bool smp_pass(Smem& sm, const Tile<P>& t, Ctx& cx, const Bucket& bk, int shift, bool by_mass,
                          unsigned long long& rem, float frac) {
     const int nb = kLevel0 ? kBins : kRadixBins;
     smp_local_hist<kLevel0>(sm, t, bk, shift, cx.with_mass);
@@ -587,7 +588,8 @@ struct Narrow {
     unsigned long long rem, above;
 };
 
-__device__ bool smp_narrow(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
+template <int P>
+__device__ bool smp_narrow(Smem& sm, const Tile<P>& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
                            float frac, Narrow& nr) {
     Bucket& bk = nr.bk;
     bk = Bucket{-1, 0ull, 0ull, 0ull, ~0ull};
@@ -620,16 +622,17 @@ __device__ bool smp_narrow(Smem& sm, const Tile& t, Ctx& cx, unsigned V, bool by
 
 // The exact cut from a narrowed bucket: its tokens are collected in the row's candidate list
 // (counter `stage`), barrier, and every block ranks them.
-__device__ Cut smp_resolve(Smem& sm, const Tile& t, Ctx& cx, const Narrow& nr, bool by_mass, int stage) {
-    unsigned in[kMaxPer], mine = 0u;
+template <int P>
+__device__ Cut smp_resolve(Smem& sm, const Tile<P>& t, Ctx& cx, const Narrow& nr, bool by_mass, int stage) {
+    unsigned in[P], mine = 0u;
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j) {
+    for (int j = 0; j < P; ++j) {
         in[j] = j < t.n && smp_in_bucket(t.v[j], t.first + j, nr.bk);
         mine += in[j];
     }
     unsigned slot = smp_warp_slots(cx.rs.ncand + stage, mine);
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j) {
+    for (int j = 0; j < P; ++j) {
         if (!in[j]) continue;
         if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), 0ull);
         ++slot;
@@ -656,8 +659,8 @@ __device__ __forceinline__ unsigned long long smp_word_key(float d, unsigned id,
 // a deferred cut (`defer`), above its bucket. The bucket's tokens go to the candidate list with
 // their race keys (0 where theta or min-p drops them): the row's finisher cuts them exactly. One
 // Philox call covers a thread's 4 consecutive tokens.
-template <bool defer>  // compiled twice: a row without a deferred cut has no candidate bookkeeping
-__device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, unsigned long long theta,
+template <bool defer, int P>  // compiled twice: a row without a deferred cut has no candidate bookkeeping
+__device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx, unsigned long long theta,
                                                        float min_p, const Narrow& nr, int stage, uint4 ctr,
                                                        unsigned k0, unsigned k1) {
     unsigned long long win = 0ull;
@@ -670,7 +673,7 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
     if (defer) {         // block-uniform: one atomic per warp for all the warp's bucket tokens
         unsigned mine = 0u;
 #pragma unroll
-        for (int j = 0; j < kMaxPer; ++j) {
+        for (int j = 0; j < P; ++j) {
             if (j >= t.n || t.v[j] < bucket_d) continue;
             const unsigned long long c = smp_comp(t.v[j], t.first + j);
             mine += nr.bk.lo <= c && c <= nr.bk.hi;
@@ -678,7 +681,7 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile& t, Ctx& cx, u
         slot = smp_warp_slots(cx.rs.ncand + stage, mine);
     }
 #pragma unroll
-    for (int g = 0; g < kMaxPer; g += 4) {
+    for (int g = 0; g < P; g += 4) {
         if (g >= t.n) break;
         bool rng[4], sure[4], cand[4], any_rng = false;
 #pragma unroll
@@ -826,12 +829,12 @@ __device__ __forceinline__ void smp_take_counter(Smem& sm, Rng& rng, unsigned* a
     }
 }
 
-template <typename T>
+template <typename T, int P>
 __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, int per, bool vec, unsigned b,
                             unsigned round, unsigned next, Ctx& cx, const Params& p, Rng& rng,
                             unsigned* __restrict__ arrivals, int* __restrict__ out, unsigned* __restrict__ status) {
     const unsigned tid = threadIdx.x;
-    Tile t;
+    Tile<P> t;
     t.first = cx.chunk * (unsigned)(kThreads * per) + tid * (unsigned)per;
     const bool odd = smp_load_tile(logits + (size_t)b * V, V, per, vec, t);
     smp_take_counter(sm, rng, arrivals);  // sm.s_seed / s_offset are read after the barriers below
@@ -839,7 +842,7 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     // 1. max / argmax, ties to the lower id; NaN, +inf and invalid parameters are events.
     unsigned long long best = 0ull;
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j) {
+    for (int j = 0; j < P; ++j) {
         if (j >= t.n) break;
         const unsigned long long c = ((unsigned long long)smp_key(t.v[j]) << 32) | (unsigned)~(t.first + j);
         best = c > best ? c : best;
@@ -857,7 +860,7 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     const float inv_t = __frcp_rn(p.temp);  // T >= FLT_MIN: finite
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j)  // d = (canonical logit - l_max) * (1 / T) <= 0 (or -inf)
+    for (int j = 0; j < P; ++j)  // d = (canonical logit - l_max) * (1 / T) <= 0 (or -inf)
         if (j < t.n) t.v[j] = __fmul_rn(__fsub_rn(t.v[j], lmax), inv_t) + 0.0f;
 
     // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
@@ -899,7 +902,7 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);
 }
 
-template <typename T>
+template <typename T, int P>
 __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsigned B, unsigned V, int per, int G,
                                             int vec, const float* __restrict__ t_rows, float t_all,
                                             const int* __restrict__ k_rows, int k_all,
@@ -933,7 +936,7 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
         cx.hpass = 0u;
         const unsigned next = b + rows_per_round < B ? round + 1u : 0u;
         const Params p = smp_params(b, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all);
-        sample_unit(sm, logits, V, per, vec != 0, b, round, next, cx, p, rng, arrivals, out, status);
+        sample_unit<T, P>(sm, logits, V, per, vec != 0, b, round, next, cx, p, rng, arrivals, out, status);
     }
     if (tid == 0 && rng.ticket == gridDim.x - 1) {  // every block has read the counter
         *arrivals = 0u;
@@ -950,8 +953,14 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
 #define SMP_PASS \
     logits, B, V, per, G, vec, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all, seed, offset, arrivals, scratch, out, status
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_f32(SMP_ARGS(float)) { sample_rows<float>(SMP_PASS); }
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) sample_bf16(SMP_ARGS(__nv_bfloat16)) {
-    sample_rows<__nv_bfloat16>(SMP_PASS);
-}
+// One build per register tile: `per` <= P tokens per thread (fp4kit/ops/sampling.py picks the
+// smallest build holding the launch's `per`). The token loops are unrolled to P, so the P = 4 build
+// that a small batch over a large vocabulary runs is half the code of the P = 16 one.
+#define SMP_KERNEL(name, T, P)                                                            \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) name(SMP_ARGS(T)) { sample_rows<T, P>(SMP_PASS); }
+SMP_KERNEL(sample_f32, float, kMaxPer)
+SMP_KERNEL(sample_bf16, __nv_bfloat16, kMaxPer)
+SMP_KERNEL(sample_f32_p4, float, 4)
+SMP_KERNEL(sample_bf16_p4, __nv_bfloat16, 4)
+SMP_KERNEL(sample_f32_p8, float, 8)
+SMP_KERNEL(sample_bf16_p8, __nv_bfloat16, 8)
