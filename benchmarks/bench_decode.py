@@ -267,7 +267,12 @@ def main() -> None:
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim,
                                  mtp_ratios=(0,) if speculative else ())
     model, ckpt = runner.build(cfg, device=True, seed=0)
-    peer_w = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
+    try:
+        peer_w = None if torch is None else peer_weights(torch, model, ckpt, "cuda")
+    except torch.OutOfMemoryError:  # its dense bf16 experts beside fp4kit's model: ~80 GB at these widths
+        torch.cuda.empty_cache()
+        peer_w = None
+        print("note: the PyTorch bf16 peer does not fit in this GPU's memory beside the model; its columns stay empty")
     del ckpt
     copy = copy_bandwidth()
     projections = "concatenated" if model_module.FUSE_PROJECTIONS else "apart"

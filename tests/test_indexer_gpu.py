@@ -520,11 +520,11 @@ def test_key_range_gives_the_same_selection_and_is_left_zero(rng, select_path, k
 
 
 def test_indexer_layer_uses_its_key_range(rng):
-    """The layer's buffers carry a key_range, zero between calls; its selection equals the op's
-    without one."""
-    bsz, capacity, k = 2, 32768, 2048
+    """The layer's buffers carry a key_range (used up to `ops.KEY_RANGE_MAX_CAPACITY`), zero between
+    calls; its selection equals the op's without one."""
+    bsz, capacity, k = 2, ops.KEY_RANGE_MAX_CAPACITY, 2048
     q, w, keys = float_inputs(rng, bsz, capacity)
-    lengths = np.array([32768, 20000], np.int32)
+    lengths = np.array([capacity, capacity // 2 + 3], np.int32)
     args = [cp.asarray(a) for a in (q, w, keys, lengths)]
     layer = Indexer(k, capacity=capacity, heads=H, head_dim=D)
     got = layer.score_topk(*args).get()

@@ -339,9 +339,10 @@ def test_register_builds_draw_the_same_tokens(rng, batch, monkeypatch):
              dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05), dict(top_k=3000)]
     per = ops.geometry(batch, 129280, 264)[0]  # 2 blocks per SM on 132 SMs
     assert per == {1: 4, 2: 8, 8: 16}[batch]
+    every_build = ops.PER_BUILDS
     for params in modes:
         got = {}
-        for builds in (ops.PER_BUILDS, (ops._MAX_PER,)):
+        for builds in (every_build, (ops._MAX_PER,)):
             monkeypatch.setattr(ops, "PER_BUILDS", builds)
             gen = Generator(11, offset=5)
             got[builds] = [draw(x, gen, **params).get() for _ in range(3)]

@@ -101,7 +101,8 @@ class Indexer:
             indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale,
                                                      out_indices=buf.indices, out_scores=buf.scores,
                                                      workspace=buf.workspace,
-                                                     key_range=buf.key_range if indexer_ops.KEY_RANGE else None)
+                                                     key_range=buf.key_range
+                                                     if self.capacity <= indexer_ops.KEY_RANGE_MAX_CAPACITY else None)
         else:
             indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale)
         return (indices, scores) if return_scores else indices

@@ -61,8 +61,12 @@ CLUSTER_MAX_WAVES = 1
 #: "cluster" is refused above the capacity the cluster kernel holds in registers
 TOPK_SELECT = "auto"
 #: the `Indexer` layer passes its ``key_range`` buffer (the select's passes from the highest bit in
-#: which a row's scores differ); False: the passes over every bit, for an A/B in one process
-KEY_RANGE = True
+#: which a row's scores differ) for capacities up to this one (0: never). H200, score_topk
+#: graph-replayed, same run, without -> with: capacity 2048, 1024 live, k = 512: 12.07 -> 11.03 us at
+#: B = 1, 13.39 -> 12.68 at B = 8 (a pass fewer); capacity 32768: 1024 live 16.53 -> 15.71, 8192 live
+#: 18.56 -> 18.65, but 32768 live 19.81 -> 20.37 (k = 512) and 18.01 -> 20.63 (k = 2048): the scoring
+#: kernel's two atomics per warp (2048 on one pair of words at 32768 live) cost more than the pass
+KEY_RANGE_MAX_CAPACITY = 8192
 _U32 = np.uint32
 _I32 = np.int32
 
