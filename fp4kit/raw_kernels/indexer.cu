@@ -13,10 +13,11 @@
 //   values   fp32  [B, k]      their canonical scores (NaN -> -inf, -0 -> +0), then -inf
 //   status   uint32 [1]        FP4_STATUS_INDEXER_INPUT (2) is or-ed in when a live score is NaN or a length
 //                              lies outside [0, C]
-//   key_range uint32 [B, 2] or null  zero between calls: indexer_scores gathers each row's lowest (stored
-//                              complemented) and highest score key by atomicMax, the select reads them, starts
-//                              its radix passes at the highest bit in which they differ (select_range) and
-//                              writes the zeros back; null: the passes cover all 32 bits
+//   key_range uint32 [B, 2]    or null; zero between calls: indexer_scores gathers each row's lowest
+//                              (stored complemented) and highest score key by atomicMax, the select
+//                              reads them, starts its radix passes at the highest bit in which they
+//                              differ (select_range, next_digit) and writes the zeros back (empty_range);
+//                              null: the passes cover all 32 bits
 //
 // indexer_scores: grid (ceil(C / 128), B), 128 threads (4 warps). Block (x, b) scores keys
 //   128x .. 128x+127 of row b and returns at once when 128x >= n_b, so the grid is sized for the
@@ -42,8 +43,8 @@
 //   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
 //   r-th eighth and the output positions are a block scan plus the counts of the lower ranks.
 //   Digits of up to 8 bits (4 passes at most, fewer with a key range, stopping early as above):
-//   each block builds the histogram of its share (256 bins in shared memory, equal bins of a warp added as one atomic),
-//   a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
+//   each block builds the histogram of its share (256 bins in shared memory, equal bins of a warp
+//   added as one atomic), a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
 //   memory and finds the threshold bin; every block computes the same integer sums, so all take
 //   the same decisions without another barrier. Each pass has its own histogram (zeroed once),
 //   so a block never clears one a peer may still read. Same selection, order and values as the
@@ -86,7 +87,6 @@ __device__ __forceinline__ void idx_mma(float d[4], unsigned a0, unsigned a1, un
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// ReLU that keeps a NaN a NaN (fmaxf would drop it and hide a broken input).
 // Order-preserving map of the canonical score (NaN -> -inf; zero and subnormals -> +0, as -ftz
 // arithmetic would see them) to an unsigned key: a larger score gives a larger key.
 __device__ __forceinline__ unsigned score_key(float s) {
@@ -99,6 +99,7 @@ __device__ __forceinline__ float key_score(unsigned key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
+// ReLU that keeps a NaN a NaN (fmaxf would drop it and hide a broken input).
 __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
 
 // The MMA's k order is a permutation of the head dimension, the same for both operands, so the
@@ -352,6 +353,20 @@ __device__ __forceinline__ int select_range(unsigned* key_range, unsigned b, uns
     return top;
 }
 
+// Puts a row's key range back to empty (zero) once every block of its select has read it.
+__device__ __forceinline__ void empty_range(unsigned* key_range, unsigned b) {
+    if (key_range) key_range[2 * b] = 0u, key_range[2 * b + 1] = 0u;
+}
+
+// The next radix digit from bit `high` down: `bits` wide, or the bits left; its shift and mask,
+// with `high` moved below it (negative once every bit is resolved).
+__device__ __forceinline__ unsigned next_digit(int& high, int bits, int& shift) {
+    const int width = high + 1 < bits ? high + 1 : bits;
+    shift = high + 1 - width;
+    high = shift - 1;
+    return (1u << width) - 1u;
+}
+
 template <class Keys, int kThreads = kTopkThreads>
 __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const int* __restrict__ lengths,
                                          unsigned C, unsigned k, int vec4, int* __restrict__ indices,
@@ -373,7 +388,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
         s_top = select_range(key_range, b, s_mask, s_bits);
-        if (key_range) key_range[2 * b] = 0u, key_range[2 * b + 1] = 0u;  // empty for the next call
+        empty_range(key_range, b);  // this thread was its only reader
     }
     if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);
 
@@ -386,10 +401,8 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ scores, const
         resolved_mask = s_mask, resolved_bits = s_bits;
 #pragma unroll 1
         for (int high = s_top; high >= 0;) {
-            const int width = high >= 10 ? 11 : high + 1;
-            const int shift = high + 1 - width;
-            const unsigned digit_mask = (1u << width) - 1u;
-            high = shift - 1;
+            int shift;
+            const unsigned digit_mask = next_digit(high, 11, shift);
 #pragma unroll
             for (unsigned i = 0; i < kBinsEach; ++i) hist[tid + i * kThreads] = 0u;
             __syncthreads();
@@ -526,10 +539,8 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
         int high = s_top;
 #pragma unroll 1
         for (int pass = 0; high >= 0; ++pass) {
-            const int width = high >= 7 ? 8 : high + 1;
-            const int shift = high + 1 - width;
-            const unsigned digit_mask = (1u << width) - 1u;
-            high = shift - 1;
+            int shift;
+            const unsigned digit_mask = next_digit(high, 8, shift);
             unsigned* h = hist[pass];
             // Scores bunch into few bins (the top digit is sign and exponent): lanes with the same
             // bin add their count with one atomic instead of queueing on one address.
@@ -585,7 +596,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
     if (tid == kTopkThreads - 1) s_total = inclusive;
     cluster_sync();  // every block's (greater, equal) totals are complete; every block has read the range
-    if (key_range && rank == 0 && tid == 0) key_range[2 * b] = 0u, key_range[2 * b + 1] = 0u;  // empty for the next call
+    if (rank == 0 && tid == 0) empty_range(key_range, b);
     if (warp == 0) {  // the counts of the lower ranks, which hold the earlier indices
         unsigned long long x = lane < rank ? load_cluster_u64(cluster_address(&s_total, lane)) : 0ull;
 #pragma unroll
