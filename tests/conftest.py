@@ -110,6 +110,24 @@ def capture_stream():
     return make
 
 
+@pytest.fixture
+def swiglu_epilogue_launches(monkeypatch):
+    """``record(module)`` wraps ``module.grouped_gemm`` and returns the list that gets, for each
+    grouped GEMM launched from then on, whether it computed SwiGLU in its epilogue."""
+
+    def record(module):
+        launches, launch = [], module.grouped_gemm
+
+        def spy(*args, **kwargs):
+            launches.append(kwargs.get("swiglu") is not None)
+            return launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, "grouped_gemm", spy)
+        return launches
+
+    return record
+
+
 @pytest.fixture(autouse=True)
 def _clean_status():
     from fp4kit.runtime import status

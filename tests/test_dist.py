@@ -543,20 +543,14 @@ def test_expert_parallel_w4a16_hash_routing_and_no_shared(rng, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("routing, before", [(V4, True), (V3, False)])
-def test_expert_parallel_swiglu_in_the_gemm_epilogue(rng, monkeypatch, world, routing, before):
+def test_expert_parallel_swiglu_in_the_gemm_epilogue(rng, monkeypatch, swiglu_epilogue_launches, world, routing,
+                                                     before):
     """With GROUPED_SWIGLU_EPILOGUE a W4A16 rank's gate|up grouped GEMM writes the SwiGLU output
     itself (no h, no SwiGLU launch): the same bits as the single layer."""
     gate, w1, w3, w2 = _moe_weights(rng)
     moe = MoE.from_float(gate, w1, w3, w2, routing, limit=10.0, weight_before_down=before, mode="w4a16",
                          shared=_shared(rng, mode="w4a16"))
-    epilogues = []
-    launch = dist_kernels.grouped_gemm
-
-    def spy(*args, **kwargs):
-        epilogues.append(kwargs.get("swiglu") is not None)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(dist_kernels, "grouped_gemm", spy)
+    epilogues = swiglu_epilogue_launches(dist_kernels)
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
     _check_ep_equals_single(rng, moe, world, 5)
     # per rank (the simulated ranks run side by side): gate|up with the SwiGLU, then down

@@ -455,8 +455,8 @@ def test_three_blocks_per_sm_builds_give_the_same_bits(rng, monkeypatch, mode, p
 @pytest.mark.parametrize("routing, before, limit", [(V4, True, 10.0), (V3, False, None)])
 @pytest.mark.parametrize("pass_rows, inner", [(8, 256), (16, 80), (64, 256)])
 @pytest.mark.parametrize("blocks_per_sm", [2, 3])
-def test_swiglu_in_the_grouped_gemm_epilogue_gives_the_same_bits(rng, monkeypatch, routing, before, limit, pass_rows,
-                                                                 inner, blocks_per_sm):
+def test_swiglu_in_the_grouped_gemm_epilogue_gives_the_same_bits(rng, monkeypatch, swiglu_epilogue_launches, routing,
+                                                                 before, limit, pass_rows, inner, blocks_per_sm):
     """``moe_gemm_swiglu_bf16_*`` (GROUPED_SWIGLU_EPILOGUE): the sorted path's output bit for bit
     that of the grouped GEMM into h followed by the SwiGLU launch, with experts over one pass and
     several, a partial last block of 128 weight rows (inner 80: 160 W13 rows), with and without
@@ -468,14 +468,7 @@ def test_swiglu_in_the_grouped_gemm_epilogue_gives_the_same_bits(rng, monkeypatc
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", False)  # the SwiGLU launch first
     x = cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16))  # 18 rows per expert on average
     want = dev(x).copy()
-    epilogues = []
-    launch = moe_ops.grouped_gemm
-
-    def spy(*args, **kwargs):
-        epilogues.append(kwargs.get("swiglu") is not None)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(moe_ops, "grouped_gemm", spy)
+    epilogues = swiglu_epilogue_launches(moe_ops)
     monkeypatch.setattr(moe_layer, "GROUPED_SWIGLU_EPILOGUE", True)
     got = dev(x)
     assert epilogues == [True, False]  # gate|up with the SwiGLU, then down
