@@ -91,6 +91,33 @@ __device__ void block_argmax(const float* vals, int n, float& best_v, int& best_
     best_v = v, best_i = i;
 }
 
+// The top_k best of select[0, E) in pick order into chosen (better(): the larger value, then the
+// lower index), by one warp and no block barrier: lane l keeps the best of the experts e = l mod 32,
+// a warp argmax picks, and the winning lane marks its expert taken (-inf: still a candidate, as in
+// a block-wide argmax over the array) and rescans its experts. Warp 0 calls it.
+__device__ void warp_topk(float* select, unsigned E, unsigned top_k, int* chosen) {
+    const unsigned lane = threadIdx.x & 31;
+    float best_v = -FP4_INF;
+    int best_i = 0x7FFFFFFF;
+    auto rescan = [&]() {
+        best_v = -FP4_INF, best_i = 0x7FFFFFFF;
+        for (unsigned e = lane; e < E; e += 32)
+            if (better(select[e], (int)e, best_v, best_i)) best_v = select[e], best_i = (int)e;
+    };
+    rescan();
+    for (unsigned j = 0; j < top_k; ++j) {
+        float v = best_v;
+        int at = best_i;
+        warp_argmax(v, at);
+        if (lane == 0) chosen[j] = at;
+        if ((unsigned)at % 32u == lane) {
+            select[at] = -FP4_INF;
+            rescan();
+        }
+    }
+    __syncwarp();
+}
+
 __device__ float block_sum(float v) {
     __shared__ float ws[kRouterThreads / 32];
 #pragma unroll
@@ -204,7 +231,7 @@ __device__ void router(const float* logits, const float* bias, const int* token_
         else if (score_func == kSigmoid) s = 1.0f / (1.0f + expf(-l));
         else s = expf(l - mx) / denom;
         score[e] = s;
-        // a NaN never wins a comparison, so block_argmax would return no index: rank it last
+        // a NaN never wins a comparison, so the top-k would pick no index for it: rank it last
         const float sel = s + (bias ? bias[e] : 0.0f);
         select[e] = isnan(sel) ? -FP4_INF : sel;
     }
@@ -244,21 +271,17 @@ __device__ void router(const float* logits, const float* bias, const int* token_
                 if (!keep[e / per]) select[e] = -FP4_INF;
             __syncthreads();
         }
-        for (unsigned j = 0; j < top_k; ++j) {
-            float v;
-            int at;
-            block_argmax(select, E, v, at);
-            if (threadIdx.x == 0) chosen[j] = at, select[at] = -FP4_INF;
-            __syncthreads();
-        }
+        if (threadIdx.x < 32) warp_topk(select, E, top_k, chosen);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {  // lane j writes pick j; every lane adds the picks' scores in pick order
+        const unsigned j = threadIdx.x;
+        const int e = j < top_k ? chosen[j] : 0;
+        const float s = j < top_k ? score[e] : 0.0f;
         float sum = 0.0f;
-        for (unsigned j = 0; j < top_k; ++j) sum += score[chosen[j]];
-        for (unsigned j = 0; j < top_k; ++j) {
-            const int e = chosen[j];
-            const float w = renormalize ? score[e] / sum : score[e];
+        for (unsigned i = 0; i < top_k; ++i) sum += __shfl_sync(0xFFFFFFFFu, s, i);
+        if (j < top_k) {
+            const float w = renormalize ? s / sum : s;
             ids[(size_t)t * top_k + j] = e;
             weights[(size_t)t * top_k + j] = w * routed_scale;
         }
