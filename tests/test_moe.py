@@ -329,14 +329,16 @@ def test_grouped_pass_rows_rule(monkeypatch):
 
 
 def test_grouped_gemm_build_by_occupancy(monkeypatch):
-    """GROUPED_BLOCKS_PER_SM 3 picks the three-blocks-per-SM builds of the 8- and 16-row passes
-    (moe.cu ``moe_gemm_*_occ3``; the wider passes spill at that bound and keep theirs)."""
+    """GROUPED_BLOCKS_PER_SM 3 (the default) picks the three-blocks-per-SM builds of the 8- and
+    16-row passes (moe.cu ``moe_gemm_*_occ3``; the wider passes spill at that bound and keep theirs),
+    2 the builds of the engine's bound everywhere."""
     from fp4kit.ops import moe as moe_ops
 
-    assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [f"moe_gemm_{{}}_{t}" for t in (1, 2, 4, 8)]
-    monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", 3)
+    assert moe_ops.GROUPED_BLOCKS_PER_SM == 3
     assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [
         "moe_gemm_{}_1_occ3", "moe_gemm_{}_2_occ3", "moe_gemm_{}_4", "moe_gemm_{}_8"]
+    monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", 2)
+    assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [f"moe_gemm_{{}}_{t}" for t in (1, 2, 4, 8)]
 
 
 def test_small_gate_up_geometry_rule(monkeypatch):

@@ -87,6 +87,32 @@ def test_routing_matches_reference(rng, routing, t):
         assert int(counts.sum()) == t * routing.top_k
 
 
+@pytest.mark.parametrize("routing", [V4, V3])
+@pytest.mark.parametrize("t", [1, 64])
+def test_routing_breaks_exact_ties_toward_the_lower_expert(rng, routing, t):
+    """Experts 32..63 copy the gate rows and biases of experts 0..31, so every score is tied exactly
+    with another expert's (the same fp32 arithmetic): the top-k takes the lower id first and the
+    higher one only after it, as the reference does (V3: the tied groups g and g + 4 too)."""
+    e, h = 64, 1024
+    half = (rng.standard_normal((e // 2, h)) / np.sqrt(h)).astype(np.float32)
+    gate = np.concatenate([half, half])
+    bias = np.tile(rng.standard_normal(e // 2).astype(np.float32) * 0.1, 2)
+    x = rng.standard_normal((t, h)).astype(BF16)
+    ids = cp.empty((t, routing.top_k), cp.int32)
+    weights = cp.empty((t, routing.top_k), cp.float32)
+    counts = cp.zeros(e, cp.uint32)
+    tickets = cp.empty((t, routing.top_k), cp.uint32)
+    logits = cp.empty((t, e), cp.float32)
+    moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
+                  tickets, logits)
+    got = cp.asnumpy(ids)
+    for row in got:
+        picked = list(row)
+        for j in (j for j in picked if j >= e // 2):
+            assert j - e // 2 in picked and picked.index(j - e // 2) < picked.index(j), row
+    assert_routing_matches(got, cp.asnumpy(weights), x, gate, bias, routing)
+
+
 def assert_routing_matches(ids, weights, x, gate, bias, routing, tie=1e-6):
     """The kernel's ids equal the float64 reference's slot for slot, except where the reference's
     own selection scores of the two experts are tied within fp32 resolution (``tie``, relative to
@@ -300,11 +326,14 @@ def test_layers_share_the_sorted_paths_intermediates(rng, mode, monkeypatch):
         for layer, want in zip((a, b), alone):
             assert cp.array_equal(layer(x).view(cp.uint16), want.view(cp.uint16))
     plan_a, plan_b = a._plan(x), b._plan(x)
-    assert plan_a.h.data.ptr == plan_b.h.data.ptr and plan_a.y.data.ptr == plan_b.y.data.ptr
+    # W4A16 runs SwiGLU in the gate|up GEMM's epilogue (GROUPED_SWIGLU_EPILOGUE): no gate|up buffer h
+    held = [n for n in ("h", "h_act", "y") if getattr(plan_a, n) is not None]
+    assert "y" in held and ("h" in held) == (mode == "w4a4" or not moe_layer.GROUPED_SWIGLU_EPILOGUE)
+    assert all(getattr(plan_a, n).data.ptr == getattr(plan_b, n).data.ptr for n in held)
     assert plan_a.out.data.ptr != plan_b.out.data.ptr  # each layer's output stays its own
     big = cp.asarray(rng.standard_normal((4096, 256)).astype(BF16))
     b(big)
-    assert a._plan(x).h.data.ptr == plan_a.h.data.ptr  # the small plan's buffer kept alive
+    assert a._plan(x).y.data.ptr == plan_a.y.data.ptr  # the small plan's buffer kept alive
     assert cp.array_equal(a(x).view(cp.uint16), alone[0].view(cp.uint16))
 
 
@@ -438,13 +467,14 @@ def test_combine_kernel_matches_reference(rng, weighted, with_shared, t, k, h):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("pass_rows", [8, 16])
 def test_three_blocks_per_sm_builds_give_the_same_bits(rng, monkeypatch, mode, pass_rows):
-    """The grouped GEMM's ``_occ3`` builds (GROUPED_BLOCKS_PER_SM 3) are the same arithmetic under
-    a tighter register bound: the sorted path's output bit for bit that of the default builds, with
-    experts over one pass and over several."""
+    """The grouped GEMM's ``_occ3`` builds (GROUPED_BLOCKS_PER_SM 3, the default) are the same
+    arithmetic under a tighter register bound: the sorted path's output bit for bit that of the
+    two-blocks-per-SM builds, with experts over one pass and over several."""
     dev, _ = build(rng, 32, 512, 256, V4, limit=10.0, mode=mode)
     dev.small_max_assignments = 0  # the sorted path
     monkeypatch.setattr(moe_ops, "GROUPED_PASS_ROWS", pass_rows)
     x = cp.asarray((rng.standard_normal((96, 512)) * 2).astype(BF16))  # 18 rows per expert on average
+    monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", 2)
     want = dev(x).copy()
     monkeypatch.setattr(moe_ops, "GROUPED_BLOCKS_PER_SM", 3)
     got = dev(x)

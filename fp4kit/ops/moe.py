@@ -140,13 +140,14 @@ def grouped_pass_rows(tokens: int, top_k: int, experts: int, nvfp4_act: bool = F
     return min(rows, GROUPED_PASS_ROWS_NVFP4_MAX) if nvfp4_act else rows
 
 
-#: resident blocks per SM the grouped GEMM's 8- and 16-row passes are built for: 2 (the GEMM
-#: engine's bound of 128 registers, where they take 78-124), or 3 (moe.cu ``moe_gemm_*_occ3``: 77-80
-#: registers, no spill in the mainloop, the mainloop up to 10.5 % longer). Half again the warps per
-#: scheduler for a loop that is issue- and latency-bound (docs/gemm-engine.md): predicted faster
-#: where the W4A4 8-row pass (121 registers) and the 16-row passes run (V4-Flash W4A4 T = 64,
-#: T = 512), not yet measured, so 2 stays the default
-GROUPED_BLOCKS_PER_SM = 2
+#: resident blocks per SM the grouped GEMM's 8- and 16-row passes are built for: 3 (moe.cu
+#: ``moe_gemm_*_occ3``: 77-80 registers, no spill in the mainloop, the mainloop up to 10.5 % longer)
+#: or 2 (the GEMM engine's bound of 128 registers, where they take 78-124). Half again the warps
+#: per scheduler for a loop that is issue- and latency-bound. H200, the MoE layer on the sorted
+#: path, V4-Flash, 2 -> 3 per SM (three interleaved rounds, bit-identical): W4A4 T = 64 (8-row
+#: passes, 121 registers at 2) 966 -> 886 us, T = 512 (16-row) 1946 -> 1892; W4A16 T = 512 1849
+#: -> 1782; W4A16 T = 32 and 64 (8-row passes, 78 registers: three per SM either way) equal
+GROUPED_BLOCKS_PER_SM = 3
 
 
 def grouped_kernel_name(tiles: int, swiglu: bool = False, dense: bool = False, combine: bool = False) -> str:
