@@ -156,7 +156,7 @@ def main() -> None:
             moe_ops.ROUTER_WARPS_PER_EXPERT = int(value)
         elif key == "--whole-fetches":  # 0: the small-T builds with per-tile bounds tests (moe.py SMALL_WHOLE_FETCHES)
             moe_ops.SMALL_WHOLE_FETCHES = value != "0"
-        elif key == "--grouped-blocks-per-sm":  # 3: the sorted path's 8- and 16-row passes at 3 blocks per SM
+        elif key == "--grouped-blocks-per-sm":  # the sorted path's 8- and 16-row passes: 3 (default) or 2 blocks per SM
             moe_ops.GROUPED_BLOCKS_PER_SM = int(value)
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")

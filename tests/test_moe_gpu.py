@@ -326,9 +326,10 @@ def test_layers_share_the_sorted_paths_intermediates(rng, mode, monkeypatch):
         for layer, want in zip((a, b), alone):
             assert cp.array_equal(layer(x).view(cp.uint16), want.view(cp.uint16))
     plan_a, plan_b = a._plan(x), b._plan(x)
-    # W4A16 runs SwiGLU in the gate|up GEMM's epilogue (GROUPED_SWIGLU_EPILOGUE): no gate|up buffer h
-    held = [n for n in ("h", "h_act", "y") if getattr(plan_a, n) is not None]
-    assert "y" in held and ("h" in held) == (mode == "w4a4" or not moe_layer.GROUPED_SWIGLU_EPILOGUE)
+    # shared: the expert outputs y, the gate|up output h (none where W4A16 runs SwiGLU in the
+    # gate|up GEMM's epilogue, GROUPED_SWIGLU_EPILOGUE) and the bf16 SwiGLU output h_act (W4A16)
+    held = ["y"] + (["h"] if plan_a.h is not None else []) + (["h_act"] if mode == "w4a16" else [])
+    assert ("h" in held) == (mode == "w4a4" or not moe_layer.GROUPED_SWIGLU_EPILOGUE)
     assert all(getattr(plan_a, n).data.ptr == getattr(plan_b, n).data.ptr for n in held)
     assert plan_a.out.data.ptr != plan_b.out.data.ptr  # each layer's output stays its own
     big = cp.asarray(rng.standard_normal((4096, 256)).astype(BF16))
