@@ -76,15 +76,23 @@ def test_routing_matches_reference(rng, routing, t):
         gate = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
         bias = rng.standard_normal(e).astype(np.float32) * 0.1
         x = rng.standard_normal((t, h)).astype(BF16)
-        ids = cp.empty((t, routing.top_k), cp.int32)
-        weights = cp.empty((t, routing.top_k), cp.float32)
-        counts = cp.zeros(e, cp.uint32)
-        tickets = cp.empty((t, routing.top_k), cp.uint32)
-        logits = cp.empty((t, e), cp.float32)
-        moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
-                      tickets, logits)
-        assert_routing_matches(cp.asnumpy(ids), cp.asnumpy(weights), x, gate, bias, routing)
+        ids, weights, counts = route_on_device(x, gate, bias, routing)
+        assert_routing_matches(ids, weights, x, gate, bias, routing)
         assert int(counts.sum()) == t * routing.top_k
+
+
+def route_on_device(x, gate, bias, routing):
+    """The sorted path's router (`moe_ops.route`) on host inputs: ids, weights (host) and the
+    per-expert counts (device)."""
+    t, e = x.shape[0], gate.shape[0]
+    ids = cp.empty((t, routing.top_k), cp.int32)
+    weights = cp.empty((t, routing.top_k), cp.float32)
+    counts = cp.zeros(e, cp.uint32)
+    tickets = cp.empty((t, routing.top_k), cp.uint32)
+    logits = cp.empty((t, e), cp.float32)
+    moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
+                  tickets, logits)
+    return cp.asnumpy(ids), cp.asnumpy(weights), counts
 
 
 @pytest.mark.parametrize("routing", [V4, V3])
@@ -98,19 +106,12 @@ def test_routing_breaks_exact_ties_toward_the_lower_expert(rng, routing, t):
     gate = np.concatenate([half, half])
     bias = np.tile(rng.standard_normal(e // 2).astype(np.float32) * 0.1, 2)
     x = rng.standard_normal((t, h)).astype(BF16)
-    ids = cp.empty((t, routing.top_k), cp.int32)
-    weights = cp.empty((t, routing.top_k), cp.float32)
-    counts = cp.zeros(e, cp.uint32)
-    tickets = cp.empty((t, routing.top_k), cp.uint32)
-    logits = cp.empty((t, e), cp.float32)
-    moe_ops.route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), None, None, routing, ids, weights, counts,
-                  tickets, logits)
-    got = cp.asnumpy(ids)
+    got, weights, _ = route_on_device(x, gate, bias, routing)
     for row in got:
         picked = list(row)
         for j in (j for j in picked if j >= e // 2):
             assert j - e // 2 in picked and picked.index(j - e // 2) < picked.index(j), row
-    assert_routing_matches(got, cp.asnumpy(weights), x, gate, bias, routing)
+    assert_routing_matches(got, weights, x, gate, bias, routing)
 
 
 def assert_routing_matches(ids, weights, x, gate, bias, routing, tie=1e-6):
