@@ -6,7 +6,9 @@ in MXFP4 with a UE8M0 scale per 32, the shared expert in FP8), one shard per lay
 temporary folder, converts it with the CLI on the chosen device and reports input GB/s per shard
 and in total, next to the disk's own read rate of the same files. Target (not a test): >= 2 GB/s
 on the GPU, bounded by the disk. Each shard's log line says where its time went (read, convert and
-of that the quantization, write).
+of that the quantization, write; a job reads ahead and writes behind on threads, so these overlap),
+and the table gives their medians over the shards after each job's first, whose time includes its
+process and CUDA start.
 
     .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda] [--jobs 4]
 """
@@ -16,6 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,6 +104,33 @@ def warm_device_kernels(folder: Path) -> None:
         assert fp4kit_main(["convert", str(src), str(out), "--device", "cuda"]) == 0
 
 
+_SHARD_LINE = re.compile(r"^model-\S+: .* in ([\d.]+) s \(.*read ([\d.]+) s, convert ([\d.]+) s of which quantize "
+                         r"([\d.]+) s(?:, waited ([\d.]+) s for the CUDA start)?, write ([\d.]+) s\)", re.M)
+STAGES = ("shard", "read", "convert", "quantize", "CUDA start", "write")
+
+
+def stage_medians(log: str, jobs: int) -> dict[str, float]:
+    """Median seconds per stage over the shards of ``log`` past the first ``jobs`` to finish (each
+    job's first shard pays its start-up), or over all of them when there are no more."""
+    shards = [[float(v or 0) for v in m.groups()] for m in _SHARD_LINE.finditer(log)]
+    steady = shards[jobs:] or shards
+    return {stage: statistics.median(s[i] for s in steady) for i, stage in enumerate(STAGES)} if steady else {}
+
+
+class _Tee(io.TextIOBase):
+    """What is printed, kept as well."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -116,16 +148,20 @@ def main() -> None:
         disk = disk_read_gbps(src)
         if args.device != "cpu":
             warm_device_kernels(Path(tmp))
+        tee = _Tee(sys.stdout)
         start = time.perf_counter()
-        assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
+        with contextlib.redirect_stdout(tee):
+            assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
         seconds = time.perf_counter() - start
+    stages = stage_medians(tee.kept.getvalue(), args.jobs)
     table = Table("fp4kit convert, official DeepSeek-V4 format at V4-Flash widths",
                   ["layers", "experts per layer", "input GB", "device", "jobs", "seconds", "GB/s", "read GB/s",
-                   "target"])
+                   "target", *(f"{stage} s" for stage in STAGES)])
     gbps = size / seconds / 1e9
     table.add(**{"layers": args.layers, "experts per layer": args.experts, "input GB": size / 1e9,
                  "device": args.device, "jobs": args.jobs, "seconds": seconds, "GB/s": gbps, "read GB/s": disk,
-                 "target": ">= 2 GB/s (GPU): " + ("met" if gbps >= 2 else "MISSED")})
+                 "target": ">= 2 GB/s (GPU): " + ("met" if gbps >= 2 else "MISSED"),
+                 **{f"{stage} s": v for stage, v in stages.items()}})
     print()
     print(table.markdown())
     print("saved", table.save("bench_convert", {"layers": args.layers, "experts": args.experts}))

@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +61,8 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__, checkpoint, formats
+from .checkpoint.jobs import run_jobs
+from .checkpoint.overlap import ReadAhead
 from .formats import BLOCK_SIZE, Nvfp4Tensor
 from .ops.quant import amax, dequantize, global_scale_from_amax, quantize
 from .runtime import device as runtime_device
@@ -488,67 +493,159 @@ def _uploader(device: str):
     return cupy.asarray
 
 
-def _convert_shard(src_path: str, index: int, out: str, out_name: str, device: str) -> dict:
-    """Convert input shard ``index`` into ``out/out_name`` (written whole, then moved into place);
-    returns its record for `CONVERT_STATE` and a line for the log. Runs in a worker process with
-    ``--jobs`` above 1."""
-    import time
+#: tensors a job reads ahead of the one it converts (a V4-Flash expert is 4 MB, an FP8 linear up to 32 MB)
+CONVERT_READ_AHEAD = 4
+FP8_WARM_ROWS = 128  # the CUDA start's FP8 weight: [128, 256], two 128 x 128 blocks
+
+
+def _warm_conversion(device: str) -> None:
+    """A small FP8 weight through the conversion on ``device``: the CUDA context and every kernel
+    an FP8 conversion launches (lookup, block scaling, NaN and finite checks, quantize, error)."""
+    import ml_dtypes
 
     from .checkpoint import deepseek
 
-    src = checkpoint.CheckpointFiles(src_path)
-    f = src.files[index]
-    sources = _deepseek_sources(src)
-    consumed = {s.scale_name for s in sources.values()}
-    t0 = time.perf_counter()
-    spent = dict.fromkeys(("read", "convert", "quantize", "write"), 0.0)  # where the shard's time goes
+    codes = np.full((FP8_WARM_ROWS, 2 * FP8_WARM_ROWS), 0x38, np.uint8).view(ml_dtypes.float8_e4m3fn)  # 1.0
+    scale = np.full((1, 2), 127, np.uint8).view(ml_dtypes.float8_e8m0fnu)  # 2^0
+    src = deepseek.Source("warm-up", "fp8-ue8m0", "warm-up.scale")
+    deepseek.convert_weight(src, codes, scale, lambda where, w: _quantize_one(where, w, device, host_dequantized=False),
+                            upload=_uploader(device))
 
-    @contextlib.contextmanager
-    def timed(part: str):
+
+def _touch_pages(a: np.ndarray) -> None:
+    """Reads one byte of each 4 KiB page of ``a`` (an array over a memory map): the page faults and
+    any disk reads happen here, not in the conversion."""
+    flat = a.reshape(-1).view(np.uint8)
+    if flat.size:
+        int(flat[::4096].max())
+
+
+class _DeviceStart:
+    """A job's CUDA start-up (context, kernel loads: seconds in a fresh process) on a thread, while
+    the host work of its first shard (reading, the exact MXFP4 re-encode) runs; `wait` before the
+    first use of the device. A failure here is left to that first use to report."""
+
+    def __init__(self, device: str):
+        self._thread = None
+        if device != "cpu":
+            self._thread = threading.Thread(target=self._start, args=(device,), name="fp4kit-cuda-start", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _start(device: str) -> None:
+        with contextlib.suppress(Exception):
+            _warm_conversion(device)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+class _ConvertJob:
+    """The conversion of shards by one job (a thread, or a worker process with ``--jobs`` above 1):
+    the input's headers and quantized weights are read once per job, not once per shard. Called with
+    ``(index, out_name)``, it converts input shard ``index`` in memory (reading ahead on a thread)
+    and returns what writes it into ``out/out_name`` (whole, as ``.partial`` then renamed) and gives
+    its record for `CONVERT_STATE` and a line for the log."""
+
+    def __init__(self, src_path: str, out: str, device: str):
+        self.src = checkpoint.CheckpointFiles(src_path)
+        self.sources = _deepseek_sources(self.src)
+        self.consumed = {s.scale_name for s in self.sources.values()}
+        self.out, self.device = Path(out), device
+        self._device_start = _DeviceStart(device)
+        self._upload = None if device == "cpu" else self._upload_after_start
+
+    def _upload_after_start(self, a):
+        """``cupy.asarray(a)`` once the CUDA start has finished (its wait counted in the log)."""
         t = time.perf_counter()
-        yield
-        spent[part] += time.perf_counter() - t
+        self._device_start.wait()
+        self._spent["device start"] += time.perf_counter() - t
+        return _uploader(self.device)(a)
 
-    def quantize(where, w):  # the FP8 (or re-quantized) weights, on ``device``
-        with timed("quantize"):
-            return _quantize_one(where, w, device, host_dequantized=False)
+    def _needs_device(self, name: str) -> bool:
+        s = self.sources.get(name)
+        return s is not None and s.format != "mxfp4"
 
-    upload = _uploader(device)
-    weights, extra, rows = {}, {}, []
-    for name in f.tensors:
-        if name in consumed:
-            continue
-        if name not in sources:
+    def __call__(self, task: tuple[int, str]):
+        from .checkpoint import deepseek
+
+        index, out_name = task
+        f = self.src.files[index]
+        t0 = time.perf_counter()
+        spent = self._spent = dict.fromkeys(("read", "convert", "quantize", "device start", "write"), 0.0)
+
+        @contextlib.contextmanager
+        def timed(part: str):
+            t = time.perf_counter()
+            yield
+            spent[part] += time.perf_counter() - t
+
+        def quantize(where, w):  # the FP8 (or re-quantized) weights, on ``device``
+            with timed("quantize"):
+                return _quantize_one(where, w, self.device, host_dequantized=False)
+
+        maps = {}  # the input files' tensors over memory maps: no copy, pages read ahead by the system
+
+        def tensor(file, name):
+            if file.path not in maps:
+                maps[file.path] = file.map()
+            return maps[file.path][name]
+
+        def read(name):  # on the read-ahead thread: the pages in memory before the conversion touches them
             with timed("read"):
-                extra[name] = f.read(name)
-            continue
-        s = sources[name]
-        with timed("read"):
-            weight, scale = f.read(name), src.where[s.scale_name].read(s.scale_name)
+                s = self.sources.get(name)
+                value = tensor(f, name) if s is None else (tensor(f, name), tensor(self.src.where[s.scale_name], s.scale_name))
+                for a in value if s is not None else (value,):
+                    _touch_pages(a)
+                return value
+
+        names = [n for n in f.tensors if n not in self.consumed]
+        # the host's own work first (copies, exact MXFP4), then the FP8 weights: a job's first shard
+        # runs it while CUDA starts. The file is written in the input's order whatever this order.
+        order = sorted(names, key=self._needs_device)
+        converted, extra = {}, {}
+        with ReadAhead(order, read, depth=CONVERT_READ_AHEAD) as reader:
+            for name, value in reader:
+                if name not in self.sources:
+                    extra[name] = value
+                    continue
+                with timed("convert"):
+                    converted[name] = deepseek.convert_weight(self.sources[name], *value, quantize, upload=self._upload)
+                del value
+        done = [converted[n] for n in names if n in converted]
+        weights = {c.prefix: c.weight for c in done}
+        rows = [[n, _shape(c.weight.shape), c.source, c.method, "" if c.spread is None else str(c.spread),
+                 f"{c.rel_error:.3e}"] for n, c in zip((n for n in names if n in converted), done)]
         with timed("convert"):
-            c = deepseek.convert_weight(s, weight, scale, quantize, upload=upload)
-        weights[c.prefix] = c.weight
-        rows.append([name, _shape(c.weight.shape), c.source, c.method, "" if c.spread is None else str(c.spread),
-                     f"{c.rel_error:.3e}"])
-    target = Path(out) / out_name
-    with timed("write"):
-        tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
+            tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra={n: extra[n] for n in names if n in extra})
+        maps.clear()  # the arrays still in use (codes kept, tensors copied) hold their maps
+        quantized = sorted(c.prefix for c in done)
+        summary = f"{len(rows)} weight(s) converted, {len(names) - len(rows)} tensor(s) copied"
+        del converted, done, extra, weights
+        return functools.partial(self._write, out_name, tensors, metadata, rows, quantized, summary, f.size, t0, spent)
+
+    def _write(self, out_name, tensors, metadata, rows, quantized, summary, size, t0, spent) -> dict:
+        """On the write-behind thread."""
+        target = self.out / out_name
+        t = time.perf_counter()
         partial = target.with_name(out_name + ".partial")
         checkpoint.write_safetensors(partial, tensors, metadata)
         os.replace(partial, target)
-    seconds = time.perf_counter() - t0
-    line = (f"{out_name}: {len(weights)} weight(s) converted, {len(extra)} tensor(s) copied, {f.size / 1e9:.3f} GB "
-            f"in {seconds:.1f} s ({f.size / 1e9 / max(seconds, 1e-9):.2f} GB/s: read {spent['read']:.2f} s, "
-            f"convert {spent['convert']:.2f} s of which quantize {spent['quantize']:.2f} s, write {spent['write']:.2f} s)")
-    record = {"size": target.stat().st_size, "names": sorted(tensors), "quantized": sorted(weights), "rows": rows}
-    return {"record": record, "log": line, "bytes": f.size}
+        spent["write"] = time.perf_counter() - t
+        seconds = time.perf_counter() - t0
+        start = f", waited {spent['device start']:.2f} s for the CUDA start" if spent["device start"] >= 0.005 else ""
+        line = (f"{out_name}: {summary}, {size / 1e9:.3f} GB in {seconds:.1f} s "
+                f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s: read {spent['read']:.2f} s, convert "
+                f"{spent['convert']:.2f} s of which quantize {spent['quantize']:.2f} s{start}, "
+                f"write {spent['write']:.2f} s)")
+        record = {"size": target.stat().st_size, "names": sorted(tensors), "quantized": quantized,
+                  "rows": rows}
+        return {"record": record, "log": line, "bytes": size}
 
 
 def cmd_convert(args) -> int:
-    import multiprocessing
-    import time
-    from concurrent.futures import ProcessPoolExecutor
-
     src = checkpoint.CheckpointFiles(args.input)
     if src.layout != "plain":
         raise ValueError(f"{args.input}: already holds {src.layout} NVFP4 tensors; expected an official DeepSeek checkpoint")
@@ -570,32 +667,23 @@ def cmd_convert(args) -> int:
         else:
             todo.append((index, out_name))
 
-    def finished(out_name: str, result: dict) -> None:
-        print(result["log"], flush=True)
-        state["done"][out_name] = result["record"]
-        (out / CONVERT_STATE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")  # after each shard
-
     start, converted_bytes = time.perf_counter(), 0
-    task = (str(src.path), str(out), device)
     with tqdm(total=len(todo), unit="shard", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
-        if args.jobs == 1 or len(todo) <= 1:
-            for index, out_name in todo:
-                result = _convert_shard(task[0], index, task[1], out_name, device)
-                finished(out_name, result)
-                converted_bytes += result["bytes"]
-                bar.update(1)
-        else:
-            # spawned, not forked: a fork of a process that has touched CUDA (the device check
-            # above) cannot use it ("initialization error" in every worker)
-            with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo)),
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {pool.submit(_convert_shard, task[0], index, task[1], out_name, device): out_name
-                           for index, out_name in todo}
-                for future in futures:  # in shard order; each result is recorded as soon as it is read
-                    result = future.result()
-                    finished(futures[future], result)
-                    converted_bytes += result["bytes"]
-                    bar.update(1)
+
+        def finished(task: tuple[int, str], result: dict) -> None:
+            """A shard whose file is complete and in place (shards finish in any order with several jobs)."""
+            nonlocal converted_bytes
+            out_name = task[1]
+            print(result["log"], flush=True)
+            state["done"][out_name] = result["record"]
+            state["done"] = dict(sorted(state["done"].items()))  # the same record whatever the order
+            (out / CONVERT_STATE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")  # after each shard
+            converted_bytes += result["bytes"]
+            bar.update(1)
+
+        # one job converts on a thread of this process; several in spawned worker processes, each
+        # converting a shard while its previous one is written (at most two shards in memory per job)
+        run_jobs(todo, args.jobs, functools.partial(_ConvertJob, str(src.path), str(out), device), finished)
     if len(names) > 1:
         weight_map = {t: n for n in names for t in state["done"][n]["names"]}
         total = sum(state["done"][n]["size"] for n in names)
@@ -735,7 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("output", metavar="OUT", help="output folder (created; resumed if it holds this conversion)")
     _device_argument(c)
     c.add_argument("--jobs", type=int, default=1,
-                   help="shards converted at once, in worker processes (each holds one shard's output)")
+                   help="shards converted at once, in worker processes (each holds at most two shards' output: one "
+                        "being written while the next converts)")
     c.set_defaults(run=cmd_convert)
 
     i = sub.add_parser("inspect", help="print what an NVFP4 or plain safetensors checkpoint holds")

@@ -242,3 +242,119 @@ def test_bad_inputs_are_refused_naming_the_tensor(tmp_path, rng):
     state["inputs"] = {"other.safetensors": 1}
     (out / CONVERT_STATE).write_text(json.dumps(state))
     assert main(["convert", str(good), str(out), "--device", "cpu"]) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# the overlapped conversion (memory-mapped input, read-ahead, write-behind, jobs)
+# --------------------------------------------------------------------------------------------
+
+
+def test_mxfp4_block_scales_with_blocks_of_zero_codes(rng):
+    """Blocks of zero codes get block scale 0 and do not count towards the spread; the others get
+    2^(e - e_max + 8) on both of their 16-element halves."""
+    codes, scale = mxfp4_weight(rng, 64, 512, 12)
+    blocks = codes.view(np.uint8).reshape(64, 16, 16)
+    dead = rng.random((64, 16)) < 0.3
+    blocks[dead] = 0
+    q, spread = deepseek.mxfp4_to_nvfp4(codes, scale, "w")
+    e = scale.view(np.uint8).astype(np.int32) - 127
+    assert spread == e[~dead].max() - e[~dead].min()
+    want = np.where(dead, 0.0, 2.0 ** (e - e[~dead].max() + 8))
+    assert np.array_equal(E4M3_VALUES[q.block_scales], np.repeat(want, 2, axis=1))
+    assert np.array_equal(qref.dequantize(q), deepseek.mxfp4_dequantize(codes, scale, "w"))
+
+
+def test_mapped_tensors_equal_read_ones_and_a_truncated_file_is_refused(tmp_path, rng):
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": rng.standard_normal((3, 5)).astype(BF16), "b": np.arange(7, dtype=np.uint8),
+               "c": np.array(1.5, np.float32), "d": np.zeros((0, 4), np.float32)}
+    tensors["e"], tensors["e.scale"] = fp8_weight(rng, 130, 128)
+    checkpoint.write_safetensors(path, tensors)
+    f = checkpoint.SafetensorsFile(path)
+    mapped = f.map()
+    assert list(mapped) == list(tensors)
+    for name, t in tensors.items():
+        assert mapped[name].dtype == t.dtype and mapped[name].shape == t.shape, name
+        assert np.array_equal(mapped[name].reshape(-1).view(np.uint8), t.reshape(-1).view(np.uint8)), name
+    mapped["b"][0] = 9  # a private copy of the page: the file keeps its bytes
+    assert checkpoint.SafetensorsFile(path).read("b")[0] == 0
+    with open(path, "r+b") as h:
+        h.truncate(path.stat().st_size - 1)
+    with pytest.raises(ValueError, match="truncated"):
+        f.map()
+
+
+def sequential_conversion(src, out_name, index):
+    """One output shard the plain way: every tensor read (no map) and converted in file order,
+    written once; what the overlapped conversion must reproduce byte for byte."""
+    files = checkpoint.CheckpointFiles(src)
+    sources = deepseek.find_sources({n: (f.tensors[n].dtype, f.tensors[n].shape) for n, f in files.where.items()})
+    consumed = {s.scale_name for s in sources.values()}
+    f = files.files[index]
+    weights, extra = {}, {}
+    for name in f.tensors:
+        if name in consumed:
+            continue
+        if name not in sources:
+            extra[name] = f.read(name)
+            continue
+        s = sources[name]
+        c = deepseek.convert_weight(s, f.read(name), files.where[s.scale_name].read(s.scale_name),
+                                    lambda where, w: (qref.quantize(w), qref.dequantize(qref.quantize(w))))
+        weights[c.prefix] = c.weight
+    tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
+    path = src.parent / f"expected-{out_name}"
+    checkpoint.write_safetensors(path, tensors, metadata)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("jobs", ["1", "3"])
+def test_overlapped_conversion_writes_the_plain_conversions_bytes(tmp_path, rng, jobs):
+    src = tmp_path / "v4"
+    write_v4(src, rng)
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--device", "cpu", "--jobs", jobs]) == 0
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for index, name in enumerate(names):
+        assert (out / name).read_bytes() == sequential_conversion(src, name, index), name
+    assert not list(out.glob("*.partial*")) and not list(out.glob("*.tmp"))
+    state = json.loads((out / CONVERT_STATE).read_text())
+    assert list(state["done"]) == names
+
+
+def _poke_scale(src, name, value):
+    """Overwrites the first byte of tensor ``name`` in the input shard that holds it (same size)."""
+    files = checkpoint.CheckpointFiles(src)
+    info = files.where[name].tensors[name]
+    with open(files.where[name].path, "r+b") as h:
+        h.seek(info.begin)
+        h.write(bytes([value]))
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_run_that_fails_on_a_later_shard_records_the_earlier_one_and_resumes(tmp_path, rng, capsys, jobs):
+    """A shard written before (or while) another fails is still recorded; the failed one leaves no
+    file; once the input is fixed, a second run keeps the first shard and converts the other to
+    the bytes of an uninterrupted run."""
+    src = tmp_path / "v4"
+    write_v4(src, rng)
+    bad = "layers.1.ffn.experts.0.w2.scale"  # in the second shard
+    original = checkpoint.CheckpointFiles(src).where[bad].read(bad).view(np.uint8)[0, 0]
+    _poke_scale(src, bad, 0xFF)  # the UE8M0 NaN byte
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--device", "cpu", "--jobs", jobs]) == 1
+    assert "0xFF" in capsys.readouterr().err
+    state = json.loads((out / CONVERT_STATE).read_text())
+    assert list(state["done"]) == ["model-00001-of-00002.safetensors"]
+    assert not (out / "model-00002-of-00002.safetensors").exists()
+    assert not list(out.glob("*.partial*"))
+    first = (out / "model-00001-of-00002.safetensors").read_bytes()
+    _poke_scale(src, bad, int(original))
+    assert main(["convert", str(src), str(out), "--device", "cpu", "--jobs", jobs]) == 0
+    log = capsys.readouterr().out
+    assert "model-00001-of-00002.safetensors: converted by an earlier run, kept" in log
+    assert (out / "model-00001-of-00002.safetensors").read_bytes() == first
+    (tmp_path / "again").mkdir()
+    again = convert(tmp_path / "again", src)  # uninterrupted
+    for p in again.glob("*.safetensors"):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name

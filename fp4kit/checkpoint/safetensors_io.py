@@ -20,6 +20,7 @@ writer to check that fp4kit's files are ordinary safetensors files.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,29 @@ class SafetensorsFile:
                 "the file is truncated (it changed after its header was read?)"
             )
         return out
+
+
+    def map(self) -> dict[str, np.ndarray]:
+        """Every tensor as an array over one private memory map of the file, in header order: nothing
+        is copied at this point, pages are read on first use (the whole file is announced to the
+        system for reading ahead), and a write to an array copies only its own pages, never into the
+        file. A file shorter than its header says is refused as `read` refuses it; one that shrinks
+        while the arrays are in use stops the process (SIGBUS), so use it on input that is not
+        being rewritten."""
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            end = max((info.end for info in self.tensors.values()), default=0)
+            if size < end:
+                raise ValueError(f"{self.path}: expected at least {end} bytes, the file has {size}: the file is "
+                                 "truncated (it changed after its header was read?)")
+            if not size:
+                return {}
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            m.madvise(mmap.MADV_WILLNEED)
+        data = np.frombuffer(m, np.uint8)  # keeps the map alive as long as any view
+        return {name: data[info.begin:info.end].view(DTYPES[info.dtype]).reshape(info.shape)
+                for name, info in self.tensors.items()}
 
 
 def _read_header(f, path: Path, size: int) -> tuple[dict, int]:
