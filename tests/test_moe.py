@@ -292,8 +292,26 @@ def test_w4a4_quantizes_in_the_small_launches_by_the_measured_rule(monkeypatch, 
     assert layer._folds_shared(1) == folds
     assert layer._quantizes_in_blocks(1) == (folds or not with_shared)
     assert not layer._quantizes_in_blocks(limit + 1)
+    # at one token, once in the last block of the launch before (QUANTIZE_IN_LAST_BLOCK)
+    assert layer._quantizes_in_last_block(1) == layer._quantizes_in_blocks(1)
+    assert not layer._quantizes_in_last_block(2)
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_LAST_BLOCK", False)
+    assert not layer._quantizes_in_last_block(1)
     layer.mode = "w4a16"
     assert not layer._quantizes_in_blocks(1)
+
+
+def test_router_quantizes_one_token_row_only():
+    """`route_small`'s ``x_act`` (the router's last block quantizes x): one token, a width of 16s up
+    to ROUTER_QUANTIZE_MAX_HIDDEN; refused before any launch otherwise, naming the argument."""
+    from fp4kit.ops import moe as moe_ops
+
+    cfg = RoutingConfig(top_k=2)
+    for shape in ((2, 64), (1, moe_ops.ROUTER_QUANTIZE_MAX_HIDDEN + 16), (1, 40)):
+        x = np.zeros(shape, np.float32)
+        with pytest.raises(ValueError, match="x_act"):
+            moe_ops.route_small(x, np.zeros((4, shape[1]), np.float32), None, None, None, cfg, None, None, None,
+                                None, None, x_act=object())
 
 
 def test_small_pairs_per_block_rule():

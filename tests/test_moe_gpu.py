@@ -213,6 +213,7 @@ def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_
     shared expert up to the tokens it is folded for; past them none (one run apart turns the
     in-block quantization off)."""
     monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_LAST_BLOCK", False)  # the in-block path at T = 1 too
     ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((256, 512), (256, 512), (512, 256))]
     shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0)
     folded = t <= moe_layer.FOLD_SHARED_MAX_TOKENS
@@ -226,6 +227,45 @@ def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_
     dev.quantize_in_blocks_max_tokens = 0
     launches = dev(x)
     assert cp.array_equal(in_blocks.view(cp.uint16), launches.view(cp.uint16))
+
+
+@pytest.mark.parametrize("x_dtype", [BF16, np.float32])
+@pytest.mark.parametrize("h, with_shared", [(512, True), (512, False), (7168, True)])
+def test_last_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_dtype, h, with_shared):
+    """W4A4 at T = 1: the router's last block quantizes the input and the gate|up launch's last
+    block the SwiGLU output (the routed rows and a folded shared expert's, each with its own global
+    scale), then NVFP4-activation GEMV launches read them: the codes, scales and global scales of
+    the quantize launches, so the layer's output is bit for bit that path's, and again on a second
+    call (the arrival counter is back at zero). 7168 columns: two 16-value blocks per router thread."""
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_LAST_BLOCK", True)
+    i = 256
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((i, h), (i, h), (h, i))]
+    shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0) if with_shared else None
+    dev, _ = build(rng, 32, h, i, V4, limit=10.0, shared=shared)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    x[0, 5] = 300.0  # the global scale comes from this one value
+    x = cp.asarray(x.astype(x_dtype))
+    assert dev._quantizes_in_last_block(1) and dev._folds_shared(1) == with_shared
+    first = dev(x).copy()
+    plan = dev._plan(x)
+    assert int(plan.h_done[0]) == 0
+    codes = [cp.asnumpy(a).copy() for a in (plan.x_act.packed, plan.x_act.block_scales, plan.h_act.packed,
+                                             plan.h_act.block_scales)]
+    again = dev(x).copy()
+    dev.quantize_in_blocks_max_tokens = 0
+    assert not dev._quantizes_in_last_block(1)
+    launches = dev(x)
+    ref = dev._plan(x)
+    assert np.array_equal(codes[0], cp.asnumpy(ref.x_act.packed)) and np.array_equal(codes[1], cp.asnumpy(ref.x_act.block_scales))
+    assert np.array_equal(codes[2], cp.asnumpy(ref.h_act.packed)) and np.array_equal(codes[3], cp.asnumpy(ref.h_act.block_scales))
+    assert float(plan.x_act.global_scale) == float(ref.x_act.global_scale)
+    assert float(plan.h_act.global_scale) == float(ref.h_act.global_scale)
+    if with_shared:
+        assert cp.array_equal(plan.hs_act.packed, ref.hs_act.packed)
+        assert float(plan.hs_act.global_scale) == float(ref.hs_act.global_scale)
+    assert float(cp.abs(first.astype(cp.float32)).max()) > 0
+    assert cp.array_equal(first.view(cp.uint16), launches.view(cp.uint16))
+    assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
 def test_routed_ids_are_those_of_the_last_call(rng, path):

@@ -79,6 +79,14 @@ FOLD_SHARED_MAX_TOKENS = 8
 #: T = 4 166 -> 175 (the blocks repeat the quantization of the input rows they read). Not with a
 #: shared expert run apart (V3, top-8: 147 us in-block, 131-138 with the launches in the run before)
 QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
+#: where those three launches quantize at T = 1: True, once each in the last block to finish of
+#: the launch before (the router's quantizes x, the gate|up launch's its SwiGLU output: the
+#: quantize launches' output bit for bit), read by NVFP4-activation GEMV launches; False, in every
+#: block of the launch that reads them. H100, V4-Flash W4A4 T = 1, same run, bit-identical: the
+#: layer 64.58 -> 63.68 us (three interleaved rounds; quantize launches apart 65.88); by kernel
+#: (traced) router 10.6 -> 8.6, down 23.7 -> 18.6, but gate|up 30.7 -> 36.2: its last block
+#: encodes the 7 rows (896 blocks of 16) with 128 threads, one L2 round trip per block of 16 each
+QUANTIZE_IN_LAST_BLOCK = True
 #: W4A16 on the expert-sorted path with a fused W13: SwiGLU (+ clamp, + routing weight) computed in
 #: the gate|up grouped GEMM's epilogue (moe.cu ``moe_gemm_swiglu_bf16_*``, bit for bit the GEMM's
 #: bf16 output through the SwiGLU kernel) instead of writing ``h [pairs, 2I]`` and a SwiGLU launch:
@@ -259,6 +267,7 @@ class _Plan:
     done: object = None  # the small-T router's per-token block counters (zero between calls)
     x_amax: object = None  # W4A4 quantized in the blocks: per-token max |x| (fp32 bits)
     h_amax: object = None  # ... and per first-launch block max |SwiGLU output|
+    h_done: object = None  # W4A4 quantized by last blocks: the gate|up launch's arrival counter
     arrivals: object = None  # the sorted path's combine in the down GEMM: arrivals per (token, column group)
 
 
@@ -445,8 +454,8 @@ class MoE:
 
     def _plan_key(self, t: int) -> tuple:
         small = self._small(t)
-        return (t, small, self._folds_shared(t), self._quantizes_in_blocks(t), self._swiglu_in_gemm(t),
-                GROUPED_COMBINE_IN_GEMM and not small)
+        return (t, small, self._folds_shared(t), self._quantizes_in_blocks(t), self._quantizes_in_last_block(t),
+                self._swiglu_in_gemm(t), GROUPED_COMBINE_IN_GEMM and not small)
 
     def routed_ids(self, tokens: int):
         """The device expert ids ``[tokens, top_k]`` written by the last device call over ``tokens``
@@ -478,18 +487,21 @@ class MoE:
         small = self._small(t)
         fold = self._folds_shared(t)
         rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
-        in_blocks = self._quantizes_in_blocks(t)
+        # the in-block quantization reads the raw rows; quantized by a last block, they are NVFP4 tensors
+        in_blocks = self._quantizes_in_blocks(t) and not self._quantizes_in_last_block(t)
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
                       weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 and not in_blocks else None,
                       h_act=None if in_blocks else nvfp4(pairs, i) if w4a4 else
                       cupy.empty((rows if small else pairs, i), arrays.BF16),
                       out=cupy.empty((t, h), arrays.BF16))
         if small:
+            amax_words = self._quantizes_in_blocks(t)
             return _Plan(**common, h_f32=cupy.empty((rows, i), np.float32) if w4a4 else None,
                          hs_act=nvfp4(t, i) if w4a4 and fold and not in_blocks else None, fold=fold,
                          done=zeros_outside_capture(t, np.uint32),
                          x_amax=cupy.empty(t, np.uint32) if in_blocks else None,
-                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if in_blocks else None)
+                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if amax_words else None,
+                         h_done=zeros_outside_capture(1, np.uint32) if self._quantizes_in_last_block(t) else None)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         if not w4a4:  # the bf16 SwiGLU output, written and read within the call: shared too
@@ -586,6 +598,13 @@ class MoE:
         return (self.mode == "w4a4" and self._small(t) and t <= self.quantize_in_blocks_max_tokens
                 and (self.shared is None or self._folds_shared(t)))
 
+    def _quantizes_in_last_block(self, t: int) -> bool:
+        """Whether the in-block quantization for ``t`` tokens (`_quantizes_in_blocks`) runs once in
+        the last block of the launch before instead (`QUANTIZE_IN_LAST_BLOCK`: one token, a hidden
+        width the router's block quantizes)."""
+        return (QUANTIZE_IN_LAST_BLOCK and t == 1 and self._quantizes_in_blocks(t)
+                and self.hidden <= moe_ops.ROUTER_QUANTIZE_MAX_HIDDEN and self.hidden % 16 == 0)
+
     def _folds_shared(self, t: int) -> bool:
         """Whether the launches for ``t`` tokens run the shared expert as one more expert: on the
         small-T path where `fold_shared_pays` for ``t`` and top-k (`FOLD_SHARED`), on the sorted
@@ -609,10 +628,12 @@ class MoE:
         """The router in one launch, then two GEMV launches over the (token, slot) assignments:
         gate|up + SwiGLU, then down + weighted combine + the shared expert, which rides along as
         one more expert (`_folds_shared`) or runs on its own. W4A4 quantizes the input and the
-        SwiGLU output inside the GEMV launches (`_quantizes_in_blocks`, from the previous launch's
-        maxima) or with launches of their own."""
+        SwiGLU output in the last block to finish of the launch before the one that reads them
+        (`_quantizes_in_last_block`), inside the GEMV launches (`_quantizes_in_blocks`, from the
+        previous launch's maxima) or with launches of their own."""
+        last_block = plan.h_done is not None
         moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
-                            plan.weights, plan.logits, plan.done, plan.x_amax)
+                            plan.weights, plan.logits, plan.done, plan.x_amax, plan.x_act if last_block else None)
         if self.fused:
             gate, up = (self.w13, 2, 0), (self.w13, 2, 1)
         else:
@@ -621,6 +642,13 @@ class MoE:
         fold, sh, routed = plan.fold, self.shared, plan.ids.size
         first = (sh.gate_up.weight, sh.gate_up.row_decode, sh.limit) if fold else None
         weighted = not self.weight_before_down
+        if last_block:  # W4A4 at T = 1: x and the SwiGLU output quantized by the launches' last blocks
+            s_act = plan.hs_act if fold else None
+            moe_ops.small_gate_up(plan.x_act, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
+                                  quantize_out=(plan.h_amax, plan.h_done, plan.h_act, s_act))
+            second = (sh.down.weight, sh.down.row_decode, s_act) if fold else None
+            moe_ops.small_down(plan.h_act, self.w2, plan.ids, plan.weights, weighted, None, plan.out, shared=second)
+            return plan.out
         if plan.x_amax is not None:  # W4A4, quantized in the blocks
             gx, gy = moe_ops.small_gate_up(x, gate, up, plan.ids, row_scale, self.limit, plan.h_f32, shared=first,
                                            x_amax=plan.x_amax, h_amax=plan.h_amax)

@@ -81,12 +81,17 @@ def _dispatch_args(dispatch_into, pairs: int) -> tuple:
             plan.row_weight)
 
 
-def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax) -> None:
+def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax, x_act=None) -> None:
     """The small-T path's router in one launch (`moe_route_*`): the logits, then the last block of
     each token runs the router for it (``done [T]`` uint32, zero on entry and left zero) and, with
     ``x_amax [T]`` (uint32, W4A4), writes the token's max |x| for the next launch's in-block
-    quantization. No tickets: the small-T path reads the ids directly."""
+    quantization, or with ``x_act`` (an `Nvfp4Tensor` [1, H], W4A4 at T = 1, H <= 8192) writes x
+    quantized to NVFP4 as `fp4kit.ops.quant.quantize` would. No tickets: the small-T path reads the
+    ids directly."""
     t, h = x.shape
+    if x_act is not None and (t != 1 or h > ROUTER_QUANTIZE_MAX_HIDDEN or h % 16):
+        raise ValueError(f"x_act: the router quantizes one token of at most {ROUTER_QUANTIZE_MAX_HIDDEN} values "
+                         f"(a multiple of 16), got x of shape {tuple(x.shape)}")
     e = gate_weight.shape[0]
     for name, a in (("x", x), ("gate_weight", gate_weight)):
         if a.dtype not in (arrays.BF16, np.dtype(np.float32)):
@@ -94,10 +99,21 @@ def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, log
     kernel = loader.get_kernel(_MODULE, f"moe_route_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}")
     wpe = router_warps_per_expert(h, e, t, loader.current_sm_count())
     kernel.launch((-(-e // (8 // wpe)), t), 256, (
-        x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits, done, _opt(x_amax), _opt(bias), _opt(token_ids), _opt(tid2eid),
+        x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits, done, _opt(x_amax), *_nvfp4_out(x_act), _opt(bias),
+        _opt(token_ids), _opt(tid2eid),
         _U32(0 if tid2eid is None else tid2eid.shape[0]), status.device_word(), _U32(cfg.top_k),
         _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group), _I32(cfg.renormalize),
         np.float32(cfg.routed_scale), ids, weights))
+
+
+#: the widest row the router's last block quantizes (moe.cu block_quantize_row: two 16-value blocks
+#: a thread, 256 threads)
+ROUTER_QUANTIZE_MAX_HIDDEN = 8192
+
+
+def _nvfp4_out(t) -> tuple:
+    """Kernel arguments of an NVFP4 tensor a launch writes (moe.cu ``Nvfp4Out``), or nulls."""
+    return (0, 0, 0) if t is None else (t.packed, t.block_scales, t.global_scale)
 
 
 def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
@@ -340,7 +356,8 @@ def _weight_rows(w, step: int = 1, first: int = 0) -> tuple:
     return (w.packed, w.block_scales, w.decode, 0, _opt(w.row_decode), _U32(w.shape[1]), _U32(step), _U32(first))
 
 
-def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_amax=None, h_amax=None) -> tuple:
+def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_amax=None, h_amax=None,
+                  quantize_out=None) -> tuple:
     """The small-T path's first launch: for every (token, slot) assignment ``a`` of ``ids [T, top_k]``,
     ``out[a] = swiglu(gate_e(x_t), up_e(x_t))`` (bf16-rounded GEMM outputs, optional clamp ``limit``
     and row factor ``row_scale [T * top_k]``) with ``e = ids[a]``; fp32 ``out`` for the W4A4 quantize
@@ -356,7 +373,11 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     ``x_amax`` (W4A4 in three launches): ``act`` is the raw layer input (bf16 or fp32), quantized
     in the blocks with the global amax of `route_small`'s per-token maxima; each block writes the
     max |SwiGLU output| it produced to ``h_amax`` (uint32, one per block: grid x * y words) for
-    `small_down`. Returns the grid ``(x, y)``."""
+    `small_down`. ``quantize_out = (h_amax, done, h_act, s_act)`` (W4A4 at T = 1, ``act`` NVFP4):
+    the launch's last block to finish (``done``: uint32 [1], zero on entry and left zero) quantizes
+    the fp32 ``out`` into ``h_act`` (the routed rows) and ``s_act`` (a folded shared expert's rows,
+    or None), as two `fp4kit.ops.quant.quantize` launches would; ``h_amax`` holds a word per block.
+    Returns the grid ``(x, y)``."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
     h = gs.shape[2]
     inner = out.shape[1]
@@ -386,7 +407,13 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
     else:
-        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common)
+        if quantize_out is not None and not isinstance(act, Nvfp4Tensor):
+            raise ValueError("quantize_out: the last block's quantization runs in the NVFP4-activation launch")
+        q_amax, q_done, h_act, s_act = (None,) * 4 if quantize_out is None else quantize_out
+        if quantize_out is not None and out.dtype != np.float32:
+            raise TypeError(f"out: the last block quantizes fp32 SwiGLU outputs, got {out.dtype}")
+        extra = (_opt(q_amax), _opt(q_done), *_nvfp4_out(h_act), *_nvfp4_out(s_act), status.device_word())
+        kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common, nvfp4_extra=extra)
     # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     kernel.launch(grid, 32 * warps, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
     return grid

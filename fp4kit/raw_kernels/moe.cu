@@ -143,6 +143,57 @@ __device__ unsigned block_max_bits(unsigned m) {
     return m;
 }
 
+// An NVFP4 activation written by a launch for the next one (linear layout: 8 code bytes and one
+// E4M3 scale byte per 16 elements, and the encode scale S), as the quantize launch writes it.
+struct Nvfp4Out {
+    unsigned char* packed;
+    unsigned char* scales;
+    float* global;
+};
+
+// The encode scale S of a maximum |v| (fp32 bits), exactly as the quantize launch derives it: a
+// subnormal maximum flushes to zero; a non-finite one is recorded in `status` by thread 0.
+__device__ __forceinline__ float encode_scale_of_amax(unsigned amax_bits, unsigned* status) {
+    if (threadIdx.x == 0 && amax_bits >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
+    return fp4_global_scale_from_amax(__uint_as_float(amax_bits < 0x00800000u ? 0u : amax_bits));
+}
+
+__device__ __forceinline__ void store_nvfp4_block(const Nvfp4Out& o, unsigned b, const float v[FP4_BLOCK],
+                                                  unsigned vmax_bits, float s) {
+    uint2 q;
+    const unsigned sf = fp4_encode_block(v, vmax_bits, s, q);
+    reinterpret_cast<uint2*>(o.packed)[b] = q;
+    o.scales[b] = (unsigned char)sf;
+}
+
+// One row of K = 16 nb values (nb <= 2 * blockDim.x) quantized to NVFP4 by the whole block with
+// the encode scale of its own max |x| (the quantize launch's arithmetic on a one-row tensor): each
+// thread's blocks are loaded once, kept in registers for the block-wide max, then encoded.
+template <typename T>
+__device__ void block_quantize_row(const T* x, unsigned nb, const Nvfp4Out& o, unsigned* status) {
+    Fp4Raw16<T> r[2];
+    unsigned m = 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const unsigned b = threadIdx.x + i * blockDim.x;
+        if (b < nb) {
+            r[i] = fp4_fetch16(x + (size_t)b * FP4_BLOCK);
+            m = max(m, fp4_raw_abs_max_bits(r[i]));
+        }
+    }
+    const float s = encode_scale_of_amax(block_max_bits(m), status);
+    if (threadIdx.x == 0) *o.global = s;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const unsigned b = threadIdx.x + i * blockDim.x;
+        if (b < nb) {
+            float v[FP4_BLOCK];
+            fp4_expand16(r[i], v);
+            store_nvfp4_block(o, b, v, fp4_raw_abs_max_bits(r[i]), s);
+        }
+    }
+}
+
 // logits[t, e] = x[t] . gate_w[e] in fp32: grid (ceil(E / (8 / wpe)), T), `wpe` warps per expert
 // (1, 2, 4 or 8: moe.py `router_warps_per_expert`), each over one contiguous
 // H / wpe slice, a fixed-order warp reduction, then the slices added in order. Spread over many
@@ -370,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
 // x_amax[t] (the W4A4 input's amax, reduced over the tokens by the next launch).
 template <typename XT, typename WT>
 __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done,
-                            unsigned* x_amax, const float* bias, const int* token_ids, const int* tid2eid,
+                            unsigned* x_amax, Nvfp4Out x_q, const float* bias, const int* token_ids, const int* tid2eid,
                             unsigned vocab, unsigned* status, unsigned top_k, int score_func, unsigned n_group,
                             unsigned topk_group, int renormalize, float routed_scale, int* ids, float* weights) {
     __shared__ unsigned last;
@@ -390,16 +441,19 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
         m = block_max_bits(m);
         if (threadIdx.x == 0) x_amax[t] = m;
     }
+    // W4A4 at T = 1 (the host's rule; H <= 32 * blockDim.x): this block is the grid's last, and
+    // quantizes the layer input for the gate|up launch
+    if (x_q.packed) block_quantize_row(x + (size_t)t * H, H / FP4_BLOCK, x_q, status);
     if (threadIdx.x == 0) done[t] = 0u;  // every block of this token has counted
 }
 
 #define FP4_DEFINE_ROUTE(SUFFIX, XT, WT)                                                                  \
     extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_route_##SUFFIX(                      \
         const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done, unsigned* x_amax, \
-        const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
+        unsigned char* xq_packed, unsigned char* xq_scales, float* xq_global, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
         int* ids, float* weights) {                                                                       \
-        route_fused<XT, WT>(x, gate_w, E, H, wpe, logits, done, x_amax, bias, token_ids, tid2eid, vocab, status, top_k, \
+        route_fused<XT, WT>(x, gate_w, E, H, wpe, logits, done, x_amax, Nvfp4Out{xq_packed, xq_scales, xq_global}, bias, token_ids, tid2eid, vocab, status, top_k, \
                             score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
     }
 
@@ -925,12 +979,49 @@ constexpr unsigned kSharedTokens = 8;
 // distinct banks (a multiple of 128 bytes apart, they would all hit the same ones).
 __device__ __forceinline__ unsigned staged_ld(unsigned kp) { return kp + 8; }
 
+// W4A4 at T = 1: the gate|up launch's last block to finish quantizes the fp32 SwiGLU output for
+// the down launch, as two quantize launches would (the routed rows with the encode scale of their
+// blocks' maxima, the shared expert's rows with that of its own): once, instead of in every block
+// of the down launch. `done` counts the blocks (zero between launches; the last one resets it).
+struct LastQuantize {
+    unsigned* done;
+    Nvfp4Out routed, shared;
+    unsigned* status;
+};
+
+// max of `count` per-block maxima (fp32 bits of |v|), written by other blocks of this launch
+__device__ __forceinline__ unsigned block_max_of_words(const unsigned* words, unsigned count) {
+    unsigned m = 0;
+    for (unsigned i = threadIdx.x; i < count; i += blockDim.x) m = max(m, __ldcg(words + i));
+    return block_max_bits(m);
+}
+
+// Blocks [0, nb) of an fp32 matrix (16 values each, written by other blocks of this launch, so read
+// past L1) quantized with encode scale s; the next block's loads are in flight while one is encoded.
+__device__ void quantize_f32_blocks(const float* src, unsigned nb, float s, const Nvfp4Out& o) {
+    auto fetch = [&](unsigned b) {
+        Fp4Raw16<float> r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.q[j] = __ldcg(reinterpret_cast<const uint4*>(src + (size_t)b * FP4_BLOCK) + j);
+        return r;
+    };
+    Fp4Raw16<float> next;
+    if (threadIdx.x < nb) next = fetch(threadIdx.x);
+    for (unsigned b = threadIdx.x; b < nb; b += blockDim.x) {
+        const Fp4Raw16<float> cur = next;
+        if (b + blockDim.x < nb) next = fetch(b + blockDim.x);
+        float v[FP4_BLOCK];
+        fp4_expand16(cur, v);
+        store_nvfp4_block(o, b, v, fp4_raw_abs_max_bits(cur), s);
+    }
+}
+
 // Blocks (p, a) with a < routed take the routed assignment a (expert ids[a], token a / top_k, the
 // routing weight as row factor); a >= routed the shared expert (one more always-selected expert,
 // its own weights and clamp) for tokens 8 (a - routed) .. + 7 (those below T = routed / top_k),
 // one per MMA column. Rows of `out`: the routed assignments, then the shared expert's tokens.
 template <int D, int C, bool kWhole, int kBlockWarps, class Stage>
-__device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, StackRows r_up, StackRows s_gate,
+__device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
                         int out_f32) {
@@ -1013,10 +1104,31 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, StackRows r_gate, Stack
             v_bits = max(v_bits, fp4_abs_bits(v));
         }
     }
-    if (out_amax) {  // W4A4 with the quantization in the next launch: one max per block, plain stores
+    if (out_amax) {  // W4A4: one max per block, plain stores
         v_bits = block_max_bits(v_bits);
         if (threadIdx.x == 0) out_amax[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = v_bits;
     }
+    if (!lq.done) return;
+    __shared__ unsigned last;
+    __threadfence();  // this block's rows of out and its maximum before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(lq.done, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;  // block-uniform
+    __threadfence();
+    const float* h = static_cast<const float*>(out);
+    const unsigned routed_blocks = gridDim.x * routed, blocks = gridDim.x * gridDim.y, kb = I / 16;
+    const float s = encode_scale_of_amax(block_max_of_words(out_amax, routed_blocks), lq.status);
+    const float s2 = blocks > routed_blocks
+                         ? encode_scale_of_amax(block_max_of_words(out_amax + routed_blocks, blocks - routed_blocks), lq.status)
+                         : 1.0f;
+    if (threadIdx.x == 0) {
+        *lq.routed.global = s;
+        if (blocks > routed_blocks) *lq.shared.global = s2;
+    }
+    quantize_f32_blocks(h, routed * kb, s, lq.routed);
+    if (blocks > routed_blocks) quantize_f32_blocks(h + (size_t)routed * I, routed / top_k * kb, s2, lq.shared);
+    if (threadIdx.x == 0) *lq.done = 0u;  // every block has arrived
 }
 
 // Block (r, t): slots j < top_k are token t's routed assignments (activation row t * top_k + j);
@@ -1212,8 +1324,8 @@ struct StageQuantizeRows {
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
         int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
-#define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX)                                              \
-    small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
+#define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX, LQ)                                          \
+    small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, LQ, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
                          H, I, pairs_per_block, out, out_f32)
 
@@ -1226,27 +1338,34 @@ struct StageQuantizeRows {
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B), no per-tile bounds tests (W), warps per block of the first launch (N).
-// Activations: bf16 (W4A16); NVFP4 quantized by their own launches; or
-// (quant_<x>) quantized in the blocks from the raw values and the per-token / per-block maxima of
-// the previous launch (W4A4 in three launches: moe_route_*, gate_up, down).
+// Activations: bf16 (W4A16); NVFP4 quantized by their own launches or, at T = 1, by the last block
+// of the launch before (the route launch's, and with h_done the gate_up nvfp4 launch's own last
+// block quantizes its fp32 output for the down launch); or (quant_<x>) quantized in the blocks
+// from the raw values and the per-token / per-block maxima of the previous launch (W4A4 in three
+// launches: moe_route_*, gate_up, down).
 #define FP4_DEFINE_SMALL_GATE_UP(VARIANT, D, C, B, W, N)                                                        \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_bf16_##VARIANT(                \
         const __nv_bfloat16* x, FP4_SMALL_GATE_UP_ARGS) {                                                 \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageBf16{x, H}), nullptr);                                 \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageBf16{x, H}), nullptr, (small::LastQuantize{}));                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_nvfp4_##VARIANT(               \
-        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, FP4_SMALL_GATE_UP_ARGS) { \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageNvfp4{x_packed, x_scales, x_global, H}), nullptr);     \
+        const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, unsigned* h_amax, \
+        unsigned* h_done, unsigned char* hq_packed, unsigned char* hq_scales, float* hq_global,              \
+        unsigned char* sq_packed, unsigned char* sq_scales, float* sq_global, unsigned* status,               \
+        FP4_SMALL_GATE_UP_ARGS) {                                                                         \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageNvfp4{x_packed, x_scales, x_global, H}), h_amax,       \
+                               (small::LastQuantize{h_done, {hq_packed, hq_scales, hq_global},                \
+                                                    {sq_packed, sq_scales, sq_global}, status}));          \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
         const __nv_bfloat16* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax, \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<__nv_bfloat16>{x, H, x_amax, tokens, status}), h_amax, (small::LastQuantize{})); \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_quant_f32_##VARIANT(           \
         const float* x, const unsigned* x_amax, unsigned tokens, unsigned* status, unsigned* h_amax,      \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
-        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax); \
+        FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageQuantize<float>{x, H, x_amax, tokens, status}), h_amax, (small::LastQuantize{})); \
     }
 #define FP4_DEFINE_SMALL_DOWN(VARIANT, D, C, B, W)                                                           \
     extern "C" __global__ void __launch_bounds__(256, B) moe_small_down_bf16_##VARIANT(                   \
