@@ -44,10 +44,12 @@ def run_twice(dev, xd, want, label):
     return got
 
 
-@pytest.fixture(params=["in-blocks", "launches"])
+@pytest.fixture(params=["last-block", "in-blocks", "launches"])
 def quantize_where(request, monkeypatch):
-    """W4A4's quantization inside the GEMV blocks or by launches of their own (W4A16 ignores it)."""
-    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 1 << 30 if request.param == "in-blocks" else 0)
+    """W4A4's quantization at T = 1 in the last block of the launch before (other T: inside the
+    GEMV blocks), inside the GEMV blocks at every T, or by launches of their own (W4A16 ignores it)."""
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_BLOCKS_MAX_TOKENS", 0 if request.param == "launches" else 1 << 30)
+    monkeypatch.setattr(moe_layer, "QUANTIZE_IN_LAST_BLOCK", request.param == "last-block")
     return request.param
 
 
