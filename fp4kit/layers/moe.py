@@ -488,20 +488,21 @@ class MoE:
         fold = self._folds_shared(t)
         rows = pairs + (t if fold else 0)  # the folded shared expert's rows follow the routed ones
         # the in-block quantization reads the raw rows; quantized by a last block, they are NVFP4 tensors
-        in_blocks = self._quantizes_in_blocks(t) and not self._quantizes_in_last_block(t)
+        last_block = self._quantizes_in_last_block(t)
+        in_blocks = self._quantizes_in_blocks(t) and not last_block
         common = dict(logits=cupy.empty((t, e), np.float32), ids=cupy.empty((t, k), np.int32),
                       weights=cupy.empty((t, k), np.float32), x_act=nvfp4(t, h) if w4a4 and not in_blocks else None,
                       h_act=None if in_blocks else nvfp4(pairs, i) if w4a4 else
                       cupy.empty((rows if small else pairs, i), arrays.BF16),
                       out=cupy.empty((t, h), arrays.BF16))
         if small:
-            amax_words = self._quantizes_in_blocks(t)
             return _Plan(**common, h_f32=cupy.empty((rows, i), np.float32) if w4a4 else None,
                          hs_act=nvfp4(t, i) if w4a4 and fold and not in_blocks else None, fold=fold,
                          done=zeros_outside_capture(t, np.uint32),
                          x_amax=cupy.empty(t, np.uint32) if in_blocks else None,
-                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if amax_words else None,
-                         h_done=zeros_outside_capture(1, np.uint32) if self._quantizes_in_last_block(t) else None)
+                         # a word per gate|up block: its max |SwiGLU output|, for either quantization
+                         h_amax=cupy.empty(-(-i // 16) * rows, np.uint32) if in_blocks or last_block else None,
+                         h_done=zeros_outside_capture(1, np.uint32) if last_block else None)
         if self._counts is None:
             self._counts = zeros_outside_capture(self.num_experts, np.uint32)
         if not w4a4:  # the bf16 SwiGLU output, written and read within the call: shared too

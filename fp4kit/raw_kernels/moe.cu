@@ -151,11 +151,24 @@ struct Nvfp4Out {
     float* global;
 };
 
-// The encode scale S of a maximum |v| (fp32 bits), exactly as the quantize launch derives it: a
-// subnormal maximum flushes to zero; a non-finite one is recorded in `status` by thread 0.
+// max of `count` per-block maxima (fp32 bits of |v|), which other blocks of this launch may have
+// written (read past L1), by the whole block; every thread gets it
+__device__ __forceinline__ unsigned block_max_of_words(const unsigned* words, unsigned count) {
+    unsigned m = 0;
+    for (unsigned i = threadIdx.x; i < count; i += blockDim.x) m = max(m, __ldcg(words + i));
+    return block_max_bits(m);
+}
+
+// A maximum |v| (fp32 bits) as the quantize launch takes it: a subnormal one flushes to zero, a
+// non-finite one is recorded in `status` (by thread 0 where `records`: one block of a launch).
+__device__ __forceinline__ unsigned quantize_amax_bits(unsigned m, unsigned* status, bool records) {
+    if (records && threadIdx.x == 0 && m >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
+    return m < 0x00800000u ? 0u : m;
+}
+
+// The encode scale S of a maximum this block found, as the quantize launch derives it.
 __device__ __forceinline__ float encode_scale_of_amax(unsigned amax_bits, unsigned* status) {
-    if (threadIdx.x == 0 && amax_bits >= 0x7F800000u) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
-    return fp4_global_scale_from_amax(__uint_as_float(amax_bits < 0x00800000u ? 0u : amax_bits));
+    return fp4_global_scale_from_amax(__uint_as_float(quantize_amax_bits(amax_bits, status, true)));
 }
 
 __device__ __forceinline__ void store_nvfp4_block(const Nvfp4Out& o, unsigned b, const float v[FP4_BLOCK],
@@ -989,13 +1002,6 @@ struct LastQuantize {
     unsigned* status;
 };
 
-// max of `count` per-block maxima (fp32 bits of |v|), written by other blocks of this launch
-__device__ __forceinline__ unsigned block_max_of_words(const unsigned* words, unsigned count) {
-    unsigned m = 0;
-    for (unsigned i = threadIdx.x; i < count; i += blockDim.x) m = max(m, __ldcg(words + i));
-    return block_max_bits(m);
-}
-
 // Blocks [0, nb) of an fp32 matrix (16 values each, written by other blocks of this launch, so read
 // past L1) quantized with encode scale s; the next block's loads are in flight while one is encoded.
 __device__ void quantize_f32_blocks(const float* src, unsigned nb, float s, const Nvfp4Out& o) {
@@ -1243,11 +1249,7 @@ struct StageNvfp4 {
 // max of `count` amax words (fp32 bits of |v|) by the whole block; a subnormal maximum flushes to
 // zero and a non-finite one is recorded, as the quantize launch does. Every thread gets the result.
 __device__ __forceinline__ unsigned block_amax(const unsigned* words, unsigned count, unsigned* status) {
-    unsigned m = 0;
-    for (unsigned i = threadIdx.x; i < count; i += blockDim.x) m = max(m, __ldcg(words + i));
-    m = block_max_bits(m);
-    if (m >= 0x7F800000u && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicOr(status, FP4_STATUS_NONFINITE_INPUT);
-    return m < 0x00800000u ? 0u : m;
+    return quantize_amax_bits(block_max_of_words(words, count), status, blockIdx.x == 0 && blockIdx.y == 0);
 }
 
 // A row of T (16-byte aligned) quantized with encode scale s exactly as the quantize kernels do
