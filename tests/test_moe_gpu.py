@@ -312,13 +312,19 @@ def test_adversarial_routing(rng, path):
                                               (48, 4, dict(score_func="sigmoid", n_group=4, topk_group=2))])
 def test_odd_shapes_match_reference(rng, path, t, e, k, routing_kw):
     """Expert counts that are not powers of two, top-1, and token counts around the kernels' tile
-    edges (63/64/65) up to 4096: the same layer on both backends."""
-    dev, host = build(rng, e, 128, 64, RoutingConfig(top_k=k, **routing_kw))
+    edges (63/64/65) up to 4096: the same layer on both backends. Routing as the other routing
+    tests check it: slot for slot but for pairs tied within fp32 resolution (seen at T = 4096:
+    scores 0.80464011 and 0.80464013 in float64 came out swapped); the outputs on the rows routed
+    to the same experts (a tie at the k-th place routes a row elsewhere, checked by its gap)."""
+    routing = RoutingConfig(top_k=k, **routing_kw)
+    dev, host = build(rng, e, 128, 64, routing)
     x = rng.standard_normal((t, 128)).astype(BF16)
-    ids, _ = dev.route(cp.asarray(x))
-    assert np.array_equal(cp.asnumpy(ids), host.route(x)[0])
+    ids, weights = (cp.asnumpy(a) for a in dev.route(cp.asarray(x)))
+    assert_routing_matches(ids, weights, x, host.gate_weight, np.zeros(e, np.float32), routing)
+    same_experts = (np.sort(ids, -1) == np.sort(host.route(x)[0], -1)).all(-1)
+    assert same_experts.sum() >= t - max(1, t // 100)
     y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
-    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+    assert gref.calc_diff(y[same_experts], host(x).astype(np.float32)[same_experts]) < BOUND
 
 
 def test_all_tokens_to_one_expert_and_repeat_runs_bitwise(rng, path):
