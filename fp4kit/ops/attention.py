@@ -16,10 +16,11 @@ Launch plan. Blocks own 16 query heads and a contiguous split of the ``W + N`` c
 the batch alone does not fill the GPU (e.g. batch 1: 4 blocks of 16 heads for 64 heads), the
 candidates are cut into ``num_splits`` splits whose partial results (fp32, in ``workspace``) a
 second step merges with the sink; with one split the first kernel writes the output itself. With
-`FUSED_COMBINE` (the default) that merge is done by the last block of each (row, head group) to
-finish, inside the attention kernel, counting arrivals in a per-stream counter buffer that is
-zeroed once when it is made and that the merging block puts back to zero; otherwise a second
-kernel (``sparse_decode_combine``) merges. Both paths give the same bits. `default_num_splits` picks the count from the shapes and the SM count. Results are
+`FUSED_COMBINE` (the default) that merge is done inside the attention kernel, counting arrivals
+in a per-stream counter buffer that is zeroed once when it is made and back at zero after every
+launch: when the grid has at most one block per SM (`SPREAD_MERGE`), the splits of each (row, head
+group) wait for each other and each merges a share of the outputs; otherwise the last split to
+finish merges them all. Without it a second kernel (``sparse_decode_combine``) merges. Both paths give the same bits. `default_num_splits` picks the count from the shapes and the SM count. Results are
 deterministic for a given count; different counts differ by rounding only (fp32 sums, bf16
 probabilities).
 """
@@ -59,6 +60,15 @@ FUSED_COMBINE = True
 #: arrival counters per stream, one per (query row, head group); a call needing more uses the
 #: separate combine kernel
 MAX_FUSED_GROUPS = 1 << 16
+#: in the fused merge, every split block merges a 1/S share of its (row, head group)'s outputs
+#: after waiting for the others at the arrival counter, instead of the last block to arrive merging
+#: them all (the same bits). Waiting blocks need the whole grid resident at once, so it is used only
+#: for grids of at most one block per SM (the kernel fits two), and from `SPREAD_MIN_SPLITS` splits
+#: (H100, batch 1 and 2 at 10 splits: 14.6 -> 12.5 µs, batch 4 at 8: 16.6 -> 15.3; batch 8 at 4
+#: splits slower, 20.3 -> 21.8: the last block reads only 4 partials, and every split would wait for
+#: the slowest). Read at each launch.
+SPREAD_MERGE = True
+SPREAD_MIN_SPLITS = 8
 _I32 = np.int32
 _F32 = np.float32
 OUT_DTYPES = (arrays.BF16, np.dtype(np.float32))
@@ -320,11 +330,14 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
     fused = splits > 1 and FUSED_COMBINE and batch * grid[1] <= MAX_FUSED_GROUPS
     counters = _arrival_counters() if fused else 0
+    spread = (fused and SPREAD_MERGE and splits >= SPREAD_MIN_SPLITS
+              and grid[0] * grid[1] * grid[2] <= loader.sm_count(arrays.device_id(q)))
     kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len,
                                    0 if indices is None else indices, sink, out, part_o,
                                    part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
                                    _I32(selected), _I32(chunk), scale_log2, out_f32, status.device_word(),
-                                   0 if start is None else start, _I32(kv_rows), counters), shared_mem=shared)
+                                   0 if start is None else start, _I32(kv_rows), counters, _I32(spread)),
+                  shared_mem=shared)
     if splits > 1 and not fused:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS)
         combine.launch((heads, batch), _COMBINE_THREADS, (part_o, part_ml, sink, out, _I32(heads), _I32(head_dim),

@@ -21,6 +21,8 @@
 //                                sequence; swa is then its K = V rows [kv_rows, D] and each query's window
 //                                the rows of the W tokens ending at it; comp [C, D] is that sequence's
 //                                compressed cache, comp_len and indices are per query (its visible entries)
+//   spread    int                with counters: 1 = every split merges a share (the whole grid must be
+//                                resident at once), 0 = the last split to arrive merges everything
 // Positions, lengths and indices are read on the device only; the grid is sized from shapes.
 //
 // Launch geometry of sparse_decode_attention: grid (S, ceil(Hq / 16), B), 256 threads (8 warps;
@@ -44,10 +46,13 @@
 //   5. Values: each warp accumulates o[16 heads x its D columns] += P[16 x 32] V[32 x cols], V
 //      fragments by ldmatrix.trans from the same tile.
 //   S == 1: the block folds the sink in (M = max(m, sink), L = l e^(m-M) + e^(sink-M)) and writes
-//   o e^(m-M) / L; no valid row gives 0. S > 1: it writes (o, m, l); with counters the last block
-//   of its (row, head group) to arrive merges the S splits and the sink in split order (the same
-//   arithmetic as sparse_decode_combine, so the same bits) and puts the counter back to zero;
-//   without, sparse_decode_combine, grid (Hq, B), 128 threads, does that merge.
+//   o e^(m-M) / L; no valid row gives 0. S > 1: it writes (o, m, l); with counters the S splits
+//   of its (row, head group) and the sink are merged in split order (the same arithmetic as
+//   sparse_decode_combine, so the same bits) inside this launch: spread, the S blocks wait for each
+//   other at the counter and each merges 1/S of the 16 heads x D outputs (one block reading all S
+//   partials, 32 KB each at D = 512, took ~40 % of the launch at batch 1); otherwise the last block
+//   to arrive merges them all. Either way the counter is back at zero after the launch. Without
+//   counters, sparse_decode_combine, grid (Hq, B), 128 threads, does that merge.
 #include <cuda_bf16.h>
 
 #include "common/status.cuh"
@@ -146,18 +151,38 @@ struct SplitMerge {
     float M, inv;  // the overall max (log2 domain, sink included) and 1 / the normaliser
 };
 
+// The (m, l) pairs of kStatsBatch splits at a time are loaded before any is used: one L2 round trip
+// per batch, not one per split (a rolled loop waited for each load before issuing the next).
+constexpr int kStatsBatch = 16;
+
+__device__ __forceinline__ void load_stats(const float* part_ml, size_t first, size_t stride, int s0, int splits,
+                                           float2 ml[kStatsBatch]) {
+#pragma unroll
+    for (int j = 0; j < kStatsBatch; ++j)
+        ml[j] = s0 + j < splits ? __ldcg(reinterpret_cast<const float2*>(part_ml + (first + (s0 + j) * stride) * 2))
+                                : make_float2(ATTN_NEG_INF, 0.0f);
+}
+
 __device__ __forceinline__ SplitMerge merge_stats(const float* part_ml, size_t first, size_t stride, int splits,
                                                   float sink) {
     const float s2 = sink * kLog2e;
+    float2 ml[kStatsBatch];
     float M = ATTN_NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(part_ml + (first + s * stride) * 2));
+    for (int s0 = 0; s0 < splits; s0 += kStatsBatch) {
+        load_stats(part_ml, first, stride, s0, splits, ml);
+#pragma unroll
+        for (int j = 0; j < kStatsBatch; ++j)
+            if (s0 + j < splits) M = fmaxf(M, ml[j].x);
+    }
     M = s2 > M ? s2 : M;
     float inv = 0.0f;  // no valid row anywhere and no sink: the output is 0
     if (M != ATTN_NEG_INF) {
         float L = exp2f(s2 - M);
-        for (int s = 0; s < splits; ++s) {
-            const float* ml = part_ml + (first + s * stride) * 2;
-            L += __ldcg(ml + 1) * exp2f(__ldcg(ml) - M);
+        for (int s0 = 0; s0 < splits; s0 += kStatsBatch) {
+            if (splits > kStatsBatch) load_stats(part_ml, first, stride, s0, splits, ml);  // else still loaded
+#pragma unroll
+            for (int j = 0; j < kStatsBatch; ++j)
+                if (s0 + j < splits) L += ml[j].y * exp2f(ml[j].x - M);
         }
         inv = 1.0f / L;
     }
@@ -205,6 +230,45 @@ __device__ __forceinline__ void merge_columns(const float* part_o, const float* 
     }
 }
 
+// Columns d .. d + 3 of the merged output of one (row, head): merge_columns for one column
+// quad, with kQuadBatch splits' loads issued before any is used (one L2 round trip per batch).
+constexpr int kQuadBatch = 8;
+
+__device__ __forceinline__ void merge_quad(const float* part_o, const float* part_ml, size_t first, size_t stride,
+                                           int splits, int D, int d, SplitMerge st, void* out, size_t out_row,
+                                           int out_f32) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = 0; s0 < splits; s0 += kQuadBatch) {
+        float m[kQuadBatch];
+        float4 v[kQuadBatch];
+#pragma unroll
+        for (int j = 0; j < kQuadBatch; ++j) {
+            const size_t row = first + (s0 + j) * stride;
+            m[j] = s0 + j < splits ? __ldcg(part_ml + row * 2) : 0.0f;
+            v[j] = s0 + j < splits ? __ldcg(reinterpret_cast<const float4*>(part_o + row * D + d))
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        if (st.M == ATTN_NEG_INF) continue;
+#pragma unroll
+        for (int j = 0; j < kQuadBatch; ++j) {
+            if (s0 + j >= splits) break;
+            const float w = exp2f(m[j] - st.M) * st.inv;
+            acc.x += w * v[j].x;
+            acc.y += w * v[j].y;
+            acc.z += w * v[j].z;
+            acc.w += w * v[j].w;
+        }
+    }
+    store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
+    store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+}
+
+__device__ __forceinline__ unsigned attn_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
 sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ swa,
                         const int* __restrict__ pos, const __nv_bfloat16* __restrict__ comp,
@@ -212,7 +276,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ part_o,
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
                         float scale_log2, int out_f32, unsigned* __restrict__ status,
-                        const int* __restrict__ start, int kv_rows, unsigned* __restrict__ counters) {
+                        const int* __restrict__ start, int kv_rows, unsigned* __restrict__ counters,
+                        int spread) {
     pdl::wait_prior();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
@@ -450,11 +515,37 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     }
     if (splits == 1 || !counters) return;
 
-    // ---- fused combine: the last split of this (row, head group) to arrive merges all of them
-    __shared__ unsigned last_block;
+    // ---- fused combine
     unsigned* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
     __threadfence();  // this block's partials are visible device-wide before it is counted
     __syncthreads();
+    if (spread) {
+        // every split of this (row, head group) waits for all of them, then merges its 1/S share of
+        // the (head, column quad) outputs; the host asks for this only when the whole grid is
+        // resident at once (ops/attention.py SPREAD_MERGE). The counter counts arrivals, then
+        // departures: the block taking it to 2S puts it back to zero for the next launch.
+        if (tid == 0) {
+            atomicAdd(counter, 1u);
+            while (attn_ld_acquire(counter) < (unsigned)splits) {
+            }
+            __threadfence();  // the other splits' partials are read after their arrivals
+        }
+        __syncthreads();
+        const int quads = D / 4, items = kHeads * quads, share = (items + splits - 1) / splits;
+        const int i_end = min(items, (split + 1) * share);
+        for (int i = split * share + tid; i < i_end; i += kThreads) {
+            const int head = h0 + i / quads;
+            if (head >= Hq) break;  // the group's heads past Hq come last
+            const size_t first = (size_t)b * splits * Hq + head;
+            const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[head]);
+            merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, (i % quads) * 4, st, out, (size_t)b * Hq + head,
+                       out_f32);
+        }
+        if (tid == 0 && atomicAdd(counter, 1u) == 2u * (unsigned)splits - 1u) *counter = 0u;
+        return;
+    }
+    // the last split of this (row, head group) to arrive merges all of them
+    __shared__ unsigned last_block;
     if (tid == 0) last_block = atomicAdd(counter, 1u) == (unsigned)splits - 1;
     __syncthreads();
     if (!last_block) return;
