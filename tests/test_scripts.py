@@ -128,6 +128,38 @@ def test_attention_splits_builds_the_step_s_candidate_lists():
     assert script.inputs(np, rng, 1, 64, 32, None)[5] is None  # ratio 128: every live entry
 
 
+def test_attention_phases_marks_every_phase_of_the_kernel():
+    """scripts/attention_phases.py finds each of its marks once in attention.cu (a kernel change
+    that moves one fails here, not on the GPU), the marked source compiles for sm_90a, and the
+    summary reads cycle counts per phase and the blocks' finish times."""
+    import attention_phases as script
+
+    from fp4kit.runtime import loader
+
+    source = script.instrumented_source(loader.kernel_source("attention"))
+    marks = sum(marked.count("PHASE(") for _, marked in script.MARKS)
+    assert source.count("PHASE(") == marks + 1  # every mark and the macro's definition
+    assert all(f"PHASE({i});" in source for i in range(8))
+    with pytest.raises(ValueError, match="expected the text"):
+        script.instrumented_source(loader.kernel_source("attention").replace("    if (!last_block) return;", ""))
+    clock = np.zeros((script.MAX_BLOCKS, 8), np.int64)
+    time_ns = np.zeros_like(clock)
+    clock[:2, :6] = np.cumsum([[100, 10, 20, 30, 40, 50]] * 2, axis=1)
+    time_ns[:2, :6] = [[1000, 1100, 1200, 1300, 1400, 3000], [1000, 1100, 1200, 1300, 1400, 2000]]
+    lines = script.summary(clock, time_ns, 2)
+    assert lines[0] == "  entry -> wait: median 10 cycles, max 10 (2 blocks)"
+    assert lines[-1] == "  blocks finished: first 1.00 us, median 2.00, last 2.00"
+    pytest.importorskip("cupy")
+    import cupy.cuda.compiler  # noqa: F401  (the offline compile needs CuPy's NVRTC)
+
+    original = loader.kernel_source
+    try:
+        loader.kernel_source = lambda name: source if name == "attention" else original(name)
+        assert len(loader.compile_offline("attention", "sm_90a")) > 0
+    finally:
+        loader.kernel_source = original
+
+
 def test_memory_trace_counts_live_bytes_by_site():
     """scripts/memory_trace.py's bookkeeping: the peak of the live bytes, the sites live at that
     peak (a freed block no longer counts; a free of an untracked pointer is ignored), and the site of
