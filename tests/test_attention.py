@@ -15,6 +15,7 @@ from fp4kit.ops.attention import sparse_decode_attention
 from fp4kit.reference import attention as ref
 from fp4kit.reference import kv_cache as kvref
 from fp4kit.reference.gemm import calc_diff
+from fp4kit.runtime import loader
 
 BF16 = ml_dtypes.bfloat16
 NEG_INF = np.float32(-np.inf)
@@ -329,6 +330,21 @@ def test_launch_plan():
     # two blocks per SM fit the H200's 228 KB of shared memory at D = 512; the largest split fits one
     assert 2 * (ops.smem_bytes(512, 640) + 1024) <= 228 * 1024
     assert ops.smem_bytes(512, ops.MAX_CANDIDATES_PER_SPLIT) <= 227 * 1024
+
+
+def test_spread_merge_rule(monkeypatch):
+    """Every split merges a share from SPREAD_MIN_SPLITS splits on grids of at most one block per
+    SM (waiting blocks need the whole grid resident; the kernel fits two per SM)."""
+    assert ops.spreads_merge((10, 4, 1), 132)  # batch 1 of the decode step: 40 blocks
+    assert ops.spreads_merge((8, 4, 4), 132)  # 128 blocks
+    assert not ops.spreads_merge((4, 4, 8), 132)  # 4 splits: the last block reads only four partials
+    assert not ops.spreads_merge((10, 4, 4), 132)  # 160 blocks: more than one per SM
+    assert not ops.spreads_merge((10, 4, 1), 32)
+    monkeypatch.setattr(ops, "SPREAD_MERGE", False)
+    assert not ops.spreads_merge((10, 4, 1), 132)
+    # two blocks per SM at the largest split and head dimension: registers (launch bounds) and shared memory
+    assert "__launch_bounds__(kThreads, 2)\nsparse_decode_attention" in loader.kernel_source("attention")
+    assert 2 * (ops.smem_bytes(ops.MAX_HEAD_DIM, ops.MAX_CANDIDATES_PER_SPLIT) + 1040) <= 228 * 1024
 
 
 def test_shared_memory_formula_matches_the_kernel_source():

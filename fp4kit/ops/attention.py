@@ -63,7 +63,9 @@ MAX_FUSED_GROUPS = 1 << 16
 #: in the fused merge, every split block merges a 1/S share of its (row, head group)'s outputs
 #: after waiting for the others at the arrival counter, instead of the last block to arrive merging
 #: them all (the same bits). Waiting blocks need the whole grid resident at once, so it is used only
-#: for grids of at most one block per SM (the kernel fits two), and from `SPREAD_MIN_SPLITS` splits
+#: for grids of at most one block per SM of the device (the kernel fits two, so a process that gets
+#: half the SMs, e.g. an MPS client limited to 50 %, still holds the grid; with less, turn it off),
+#: and from `SPREAD_MIN_SPLITS` splits
 #: (H100, batch 1 and 2 at 10 splits: 14.6 -> 12.5 µs, batch 4 at 8: 16.6 -> 15.3; batch 8 at 4
 #: splits slower, 20.3 -> 21.8: the last block reads only 4 partials, and every split would wait for
 #: the slowest). Read at each launch.
@@ -102,6 +104,13 @@ def default_num_splits(batch: int, heads: int, candidates: int, sm_count: int) -
         return low
     tiles = -(-candidates // MIN_CANDIDATES_PER_SPLIT)
     return max(low, min(tiles, MAX_DEFAULT_SPLITS, max(1, sm_count // blocks)))
+
+
+def spreads_merge(grid: tuple[int, int, int], sm_count: int) -> bool:
+    """Whether a fused launch of ``grid = (splits, head groups, rows)`` merges its splits in every
+    split block (`SPREAD_MERGE`): from `SPREAD_MIN_SPLITS` splits, at most one block per SM."""
+    splits, groups, rows = grid
+    return SPREAD_MERGE and splits >= SPREAD_MIN_SPLITS and splits * groups * rows <= sm_count
 
 
 def workspace_size(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
@@ -330,8 +339,7 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
     grid = (splits, -(-heads // HEADS_PER_BLOCK), batch)
     fused = splits > 1 and FUSED_COMBINE and batch * grid[1] <= MAX_FUSED_GROUPS
     counters = _arrival_counters() if fused else 0
-    spread = (fused and SPREAD_MERGE and splits >= SPREAD_MIN_SPLITS
-              and grid[0] * grid[1] * grid[2] <= loader.sm_count(arrays.device_id(q)))
+    spread = fused and spreads_merge(grid, loader.sm_count(arrays.device_id(q)))
     kernel.launch(grid, _THREADS, (q, swa, 0 if pos is None else pos, comp, comp_len,
                                    0 if indices is None else indices, sink, out, part_o,
                                    part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
