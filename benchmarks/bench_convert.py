@@ -4,7 +4,8 @@ Writes a synthetic checkpoint in the official DeepSeek-V4 format at V4-Flash lay
 layer: the attention projections in FP8 with UE8M0 128 x 128 scales, ``--experts`` routed experts
 in MXFP4 with a UE8M0 scale per 32, the shared expert in FP8), one shard per layer, into a
 temporary folder, converts it with the CLI on the chosen device and reports input GB/s per shard
-and in total, next to the disk's own read rate of the same files. Target (not a test): >= 2 GB/s
+and in total, next to the disk's own rates: reading the same files, and writing the converted
+output's bytes with as many writers as jobs (the floor the write stage stands on). Target (not a test): >= 2 GB/s
 on the GPU, bounded by the disk. Each shard's log line says where its time went (read, convert and
 of that the quantization, write; a job reads ahead and writes behind on threads, so these overlap),
 and the table gives their medians over the shards after each job's first, whose time includes its
@@ -82,6 +83,30 @@ def disk_read_gbps(folder: Path) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def disk_write_gbps(folder: Path, nbytes: int, files: int) -> float:
+    """The disk's own write rate for ``nbytes`` in ``files`` files written at once (one thread each,
+    64 MB writes, closed but not synced, as the converter's jobs write their shards), in GB/s; the
+    files are removed after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = memoryview(bytes(64 << 20))
+    each = -(-nbytes // files)
+
+    def write(i: int) -> None:
+        left = each
+        with open(folder / f"write-probe-{i}", "wb") as f:
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(files) as pool:
+        list(pool.map(write, range(files)))
+    seconds = time.perf_counter() - start
+    for i in range(files):
+        (folder / f"write-probe-{i}").unlink()
+    return each * files / seconds / 1e9
+
+
 def warm_device_kernels(folder: Path) -> None:
     """Compile (or load from CuPy's on-disk cache) every kernel a CUDA conversion launches, so the
     timing is the conversion's and not a first run's compile (a warm cache, as after any earlier
@@ -153,13 +178,17 @@ def main() -> None:
         with contextlib.redirect_stdout(tee):
             assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
         seconds = time.perf_counter() - start
+        out_size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        # the same bytes written by as many writers as the run had jobs, on the same file system
+        disk_write = disk_write_gbps(Path(tmp), out_size, min(args.jobs, args.layers))
     stages = stage_medians(tee.kept.getvalue(), args.jobs)
     table = Table("fp4kit convert, official DeepSeek-V4 format at V4-Flash widths",
-                  ["layers", "experts per layer", "input GB", "device", "jobs", "seconds", "GB/s", "read GB/s",
-                   "target", *(f"{stage} s" for stage in STAGES)])
+                  ["layers", "experts per layer", "input GB", "output GB", "device", "jobs", "seconds", "GB/s",
+                   "read GB/s", "write GB/s", "target", *(f"{stage} s" for stage in STAGES)])
     gbps = size / seconds / 1e9
     table.add(**{"layers": args.layers, "experts per layer": args.experts, "input GB": size / 1e9,
-                 "device": args.device, "jobs": args.jobs, "seconds": seconds, "GB/s": gbps, "read GB/s": disk,
+                 "output GB": out_size / 1e9, "device": args.device, "jobs": args.jobs, "seconds": seconds,
+                 "GB/s": gbps, "read GB/s": disk, "write GB/s": disk_write,
                  "target": ">= 2 GB/s (GPU): " + ("met" if gbps >= 2 else "MISSED"),
                  **{f"{stage} s": v for stage, v in stages.items()}})
     print()

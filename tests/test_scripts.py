@@ -160,6 +160,22 @@ def test_attention_phases_marks_every_phase_of_the_kernel():
         loader.kernel_source = original
 
 
+def test_bench_convert_measures_the_disk_and_reads_the_shard_lines(tmp_path):
+    """benchmarks/bench_convert.py: the write-rate probe writes the bytes asked for with one writer
+    per file and leaves nothing behind; the stage medians come from the converter's shard lines,
+    past each job's first shard."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_convert
+
+    assert bench_convert.disk_write_gbps(tmp_path, 3 << 20, 2) > 0
+    assert list(tmp_path.iterdir()) == []
+    line = "model-{0}-of-00003.safetensors: 1 tensors in {1} s (0.5 GB/s; read {2} s, convert 0.4 s of which quantize 0.1 s, write {3} s)"
+    log = "\n".join(line.format(*v) for v in (("00001", 9.0, 5.0, 3.0), ("00002", 2.0, 0.5, 0.25), ("00003", 4.0, 1.5, 0.75)))
+    medians = bench_convert.stage_medians(log, jobs=1)
+    assert medians["shard"] == 3.0 and medians["read"] == 1.0 and medians["write"] == 0.5
+    assert medians["CUDA start"] == 0.0 and medians["quantize"] == 0.1
+
+
 def test_memory_trace_counts_live_bytes_by_site():
     """scripts/memory_trace.py's bookkeeping: the peak of the live bytes, the sites live at that
     peak (a freed block no longer counts; a free of an untracked pointer is ignored), and the site of
