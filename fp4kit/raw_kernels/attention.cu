@@ -55,8 +55,9 @@
 //   counters, sparse_decode_combine, grid (Hq, B), 128 threads, does that merge.
 #include <cuda_bf16.h>
 
-#include "common/status.cuh"
+#include "common/gpu_sync.cuh"
 #include "common/pdl.cuh"
+#include "common/status.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -261,12 +262,6 @@ __device__ __forceinline__ void merge_quad(const float* part_o, const float* par
     }
     store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
     store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
-}
-
-__device__ __forceinline__ unsigned attn_ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
@@ -526,7 +521,7 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         // departures: the block taking it to 2S puts it back to zero for the next launch.
         if (tid == 0) {
             atomicAdd(counter, 1u);
-            while (attn_ld_acquire(counter) < (unsigned)splits) {
+            while (gpu_sync::ld_acquire(counter) < (unsigned)splits) {
             }
             __threadfence();  // the other splits' partials are read after their arrivals
         }

@@ -54,6 +54,7 @@
 // arrive advances the offset at its end.
 #include <cuda_bf16.h>
 
+#include "common/gpu_sync.cuh"
 #include "common/philox.cuh"
 #include "common/status.cuh"
 
@@ -242,27 +243,16 @@ __device__ __forceinline__ unsigned long long smp_block_scan(unsigned c, unsigne
     return total;
 }
 
-// Release / acquire at GPU scope (all that the blocks' message passing needs; cheaper than the
-// sequentially consistent __threadfence). Writes of the other threads of the block are ordered
-// before it by the __syncthreads that precedes it.
-__device__ __forceinline__ void smp_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
-__device__ __forceinline__ unsigned smp_ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // The G blocks of a row wait for each other; the n-th barrier of a launch waits for n * G arrivals.
 // Everything a block wrote (stores, atomics) before it is visible to every block of the row after.
 __device__ __forceinline__ void smp_row_barrier(unsigned* arrive, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        smp_fence();
+        gpu_sync::fence_acq_rel();
         atomicAdd(arrive, 1u);
-        while (smp_ld_acquire(arrive) < target) {
+        while (gpu_sync::ld_acquire(arrive) < target) {
         }
-        smp_fence();
+        gpu_sync::fence_acq_rel();
     }
     __syncthreads();
 }
@@ -830,10 +820,10 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
                            const Narrow& nr, bool by_mass, int* out, unsigned* status) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        smp_fence();
+        gpu_sync::fence_acq_rel();
         const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
         sm.last = last;
-        if (last) smp_fence();
+        if (last) gpu_sync::fence_acq_rel();
     }
     __syncthreads();
     if (sm.last) {  // block-uniform
@@ -868,7 +858,7 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
         if (next != round) {  // the next round's blocks wait for `next`; a single round leaves 0 in place
             __syncthreads();
             if (threadIdx.x == 0) {
-                smp_fence();
+                gpu_sync::fence_acq_rel();
                 atomicExch(cx.rs.round, next);
             }
         }
@@ -891,7 +881,7 @@ __device__ __forceinline__ void smp_take_counter(Smem& sm, Rng& rng, unsigned* a
     if (threadIdx.x == 0) {
         sm.s_seed = rng.key;
         sm.s_offset = rng.ctr;
-        smp_fence();  // the read of offset happens before the arrival
+        gpu_sync::fence_acq_rel();  // the read of offset happens before the arrival
         rng.ticket = atomicAdd(arrivals, 1u);
     }
 }
@@ -993,9 +983,9 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
     for (unsigned b = group; b < B; b += rows_per_round, ++round) {
         if (round) {  // wait for the previous round's finisher to clear the scratch
             if (tid == 0) {
-                while (smp_ld_acquire(cx.rs.round) != round) {
+                while (gpu_sync::ld_acquire(cx.rs.round) != round) {
                 }
-                smp_fence();
+                gpu_sync::fence_acq_rel();
             }
             __syncthreads();
         }
