@@ -264,6 +264,66 @@ __device__ __forceinline__ void merge_quad(const float* part_o, const float* par
     store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
 }
 
+// merge_stats and merge_quad in one L2 round trip for up to kItemBatch splits: every split's
+// (m, l) and column quad loaded before any is used (the two apart took three dependent round
+// trips). The same arithmetic in the same order, so the same bits.
+constexpr int kItemBatch = 16;
+
+__device__ __forceinline__ void merge_item(const float* part_o, const float* part_ml, size_t first, size_t stride,
+                                           int splits, int D, int d, float sink, void* out, size_t out_row,
+                                           int out_f32) {
+    if (splits > kItemBatch) {
+        const SplitMerge st = merge_stats(part_ml, first, stride, splits, sink);
+        merge_quad(part_o, part_ml, first, stride, splits, D, d, st, out, out_row, out_f32);
+        return;
+    }
+    float2 ml[kItemBatch];
+    float4 v[kItemBatch];
+    // volatile loads, the quads first: left to itself the compiler issued the quads only after the
+    // (m, l) maxima, a second round trip
+#pragma unroll
+    for (int j = 0; j < kItemBatch; ++j) {
+        v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (j < splits)
+            asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w)
+                         : "l"(part_o + (first + j * stride) * D + d));
+    }
+#pragma unroll
+    for (int j = 0; j < kItemBatch; ++j) {
+        ml[j] = make_float2(ATTN_NEG_INF, 0.0f);
+        if (j < splits)
+            asm volatile("ld.volatile.global.v2.f32 {%0, %1}, [%2];"
+                         : "=f"(ml[j].x), "=f"(ml[j].y)
+                         : "l"(part_ml + (first + j * stride) * 2));
+    }
+    const float s2 = sink * kLog2e;
+    float M = ATTN_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < kItemBatch; ++j)
+        if (j < splits) M = fmaxf(M, ml[j].x);
+    M = s2 > M ? s2 : M;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (M != ATTN_NEG_INF) {
+        float L = exp2f(s2 - M);
+#pragma unroll
+        for (int j = 0; j < kItemBatch; ++j)
+            if (j < splits) L += ml[j].y * exp2f(ml[j].x - M);
+        const float inv = 1.0f / L;
+#pragma unroll
+        for (int j = 0; j < kItemBatch; ++j) {
+            if (j >= splits) break;
+            const float w = exp2f(ml[j].x - M) * inv;
+            acc.x += w * v[j].x;
+            acc.y += w * v[j].y;
+            acc.z += w * v[j].z;
+            acc.w += w * v[j].w;
+        }
+    }
+    store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
+    store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
 sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ swa,
                         const int* __restrict__ pos, const __nv_bfloat16* __restrict__ comp,
@@ -511,8 +571,10 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     if (splits == 1 || !counters) return;
 
     // ---- fused combine
+    // Thread 0 counts the block's arrival behind a release fence; the block barrier before it
+    // orders the other threads' partial stores ahead of that fence (an acquire-release fence at GPU
+    // scope by one thread, where every thread's sequentially consistent __threadfence cost more).
     unsigned* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
-    __threadfence();  // this block's partials are visible device-wide before it is counted
     __syncthreads();
     if (spread) {
         // every split of this (row, head group) waits for all of them, then merges its 1/S share of
@@ -520,10 +582,11 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         // resident at once (ops/attention.py SPREAD_MERGE). The counter counts arrivals, then
         // departures: the block taking it to 2S puts it back to zero for the next launch.
         if (tid == 0) {
+            gpu_sync::fence_acq_rel();
             atomicAdd(counter, 1u);
             while (gpu_sync::ld_acquire(counter) < (unsigned)splits) {
             }
-            __threadfence();  // the other splits' partials are read after their arrivals
+            gpu_sync::fence_acq_rel();  // the other splits' partials are read after their arrivals
         }
         __syncthreads();
         const int quads = D / 4, items = kHeads * quads, share = (items + splits - 1) / splits;
@@ -531,20 +594,21 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         for (int i = split * share + tid; i < i_end; i += kThreads) {
             const int head = h0 + i / quads;
             if (head >= Hq) break;  // the group's heads past Hq come last
-            const size_t first = (size_t)b * splits * Hq + head;
-            const SplitMerge st = merge_stats(part_ml, first, (size_t)Hq, splits, sink[head]);
-            merge_quad(part_o, part_ml, first, (size_t)Hq, splits, D, (i % quads) * 4, st, out, (size_t)b * Hq + head,
-                       out_f32);
+            merge_item(part_o, part_ml, (size_t)b * splits * Hq + head, (size_t)Hq, splits, D, (i % quads) * 4,
+                       sink[head], out, (size_t)b * Hq + head, out_f32);
         }
         if (tid == 0 && atomicAdd(counter, 1u) == 2u * (unsigned)splits - 1u) *counter = 0u;
         return;
     }
     // the last split of this (row, head group) to arrive merges all of them
     __shared__ unsigned last_block;
-    if (tid == 0) last_block = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+    if (tid == 0) {
+        gpu_sync::fence_acq_rel();
+        last_block = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+        if (last_block) gpu_sync::fence_acq_rel();  // the other splits' partials are read after their arrivals
+    }
     __syncthreads();
     if (!last_block) return;
-    __threadfence();  // the other splits' partials are read after their arrivals
     // 16 threads per head, each 8 float4 columns 64 apart, as many heads as the group holds
     const int head = h0 + sh;
     if (head < Hq) {
