@@ -3,7 +3,9 @@
 ratio-0, ratio-4 and ratio-128 layers' candidate lists) for every split count, graph-replayed, in
 interleaved rounds (the median is printed), beside the count `default_num_splits` picks. Needs a GPU.
 
-    PYTHONPATH=. python3 scripts/attention_splits.py [--batches=1,8] [--rounds=2]
+    PYTHONPATH=. python3 scripts/attention_splits.py [--batches=1,8] [--rounds=2] [--entries=32,256]
+
+``--entries``: more cases of the ratio-128 kind (the window and every one of C live entries).
 """
 
 from __future__ import annotations
@@ -45,15 +47,17 @@ def main() -> None:
     from benchmarks.common import graph_us
     from fp4kit.ops import attention as at
 
-    batches, rounds = (1, 8), 2
+    batches, rounds, layers = (1, 8), 2, LAYERS
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
         if key == "--batches":
             batches = tuple(int(v) for v in value.split(","))
         elif key == "--rounds":
             rounds = int(value)
+        elif key == "--entries":
+            layers += tuple((f"{c} entries", c, c, None) for c in (int(v) for v in value.split(",")))
     rng = np.random.default_rng(0)
-    cases = [(b, name, inputs(cp, rng, b, capacity, live, n)) for b in batches for name, capacity, live, n in LAYERS]
+    cases = [(b, name, inputs(cp, rng, b, capacity, live, n)) for b in batches for name, capacity, live, n in layers]
     times: dict = {}
     for _ in range(rounds):
         for b, name, (q, swa, pos, comp, comp_len, idx, sink) in cases:

@@ -315,14 +315,22 @@ def test_empty_inputs_are_valid():
 # ---- the launch plan
 
 
-def test_launch_plan():
+def test_launch_plan(monkeypatch):
     # V4-Flash decode on an H200 (132 SMs): 64 heads, 128 window slots + 512 selected entries
     assert ops.default_num_splits(32, 64, 640, 132) == 1  # 128 blocks already fill the GPU
-    assert ops.default_num_splits(1, 64, 640, 132) == 10  # 20 tiles, at most MAX_DEFAULT_SPLITS splits
-    assert ops.default_num_splits(3, 64, 640, 132) == 10  # one wave would be 11 splits
+    assert ops.default_num_splits(1, 64, 640, 132) == 12  # 20 tiles, at most MAX_DEFAULT_SPLITS splits
+    assert ops.default_num_splits(3, 64, 640, 132) == 11  # one wave of 12 blocks per split
     assert ops.default_num_splits(8, 64, 640, 132) == 4  # one wave of 32 blocks
-    assert ops.default_num_splits(1, 64, 129, 132) == 5  # one 32-row tile per split
+    assert ops.default_num_splits(1, 64, 384, 132) == 12  # one 32-row tile per split
+    # 5 and 6 tiles: raised to the spread merge's 8 splits, while one wave holds them
+    assert ops.default_num_splits(1, 64, 129, 132) == 8
+    assert ops.default_num_splits(4, 64, 192, 132) == 8
+    assert ops.default_num_splits(8, 64, 192, 132) == 4  # 8 splits of 32 blocks: more than one wave
+    assert ops.default_num_splits(1, 64, 127, 132) == 4  # fewer than 16 rows per split: not raised
+    monkeypatch.setattr(ops, "RAISE_TO_SPREAD", False)
+    assert ops.default_num_splits(1, 64, 129, 132) == 5
     assert ops.default_num_splits(1, 64, 192, 132) == 6
+    monkeypatch.undo()
     assert ops.default_num_splits(1, 64, 31, 132) == 1
     assert ops.default_num_splits(1, 64, 0, 132) == 1
     assert ops.default_num_splits(64, 64, 128 + 8192, 132) == 5  # a block compacts at most 2048 candidates

@@ -51,7 +51,7 @@ MAX_CANDIDATES_PER_SPLIT = 2048
 #: the smallest split `default_num_splits` makes (one 32-row tile)
 MIN_CANDIDATES_PER_SPLIT = 32
 #: the most splits `default_num_splits` makes
-MAX_DEFAULT_SPLITS = 10
+MAX_DEFAULT_SPLITS = 12
 _MAX_BATCH = 65535  # gridDim.z
 _I32_MAX = 2**31 - 1
 #: merge the splits inside the attention kernel (one launch) instead of in sparse_decode_combine
@@ -68,9 +68,14 @@ MAX_FUSED_GROUPS = 1 << 16
 #: and from `SPREAD_MIN_SPLITS` splits
 #: (H100, batch 1 and 2 at 10 splits: 14.6 -> 12.5 µs, batch 4 at 8: 16.6 -> 15.3; batch 8 at 4
 #: splits slower, 20.3 -> 21.8: the last block reads only 4 partials, and every split would wait for
-#: the slowest). Read at each launch.
+#: the slowest; with the merge item in one round trip, H200: batch 1 12.3 -> 10.6). Read at each launch.
 SPREAD_MERGE = True
 SPREAD_MIN_SPLITS = 8
+#: `default_num_splits` raises a smaller count to `SPREAD_MIN_SPLITS` where that grid would spread
+#: its merge and every split keeps at least `SPREAD_MIN_ROWS` candidates (the window-only and
+#: ratio-128 layers' 129-192 candidates: 5-6 splits merged by the last block before)
+RAISE_TO_SPREAD = True
+SPREAD_MIN_ROWS = 16
 _I32 = np.int32
 _F32 = np.float32
 OUT_DTYPES = (arrays.BF16, np.dtype(np.float32))
@@ -92,18 +97,24 @@ def default_num_splits(batch: int, heads: int, candidates: int, sm_count: int) -
 
     One split when ``batch x ceil(heads / 16)`` blocks already fill three quarters of the SMs
     (e.g. batch 32 with 64 heads on 132 SMs); otherwise one split per 32-row tile of candidates,
-    at most as many as one wave holds and at most `MAX_DEFAULT_SPLITS` (the block that merges the
-    splits reads every split's partial output: batch 1, 640 candidates, 10 splits of two tiles).
-    H200, 64 heads of 512, window 128, every split count in one run (`scripts/attention_splits.py`):
-    batch 1 with 129 candidates 9.7 µs in 5 splits (10.4 in 4), 192 candidates 10.6 in 6 (10.9 in
-    4), 640 candidates 14.1 in 10 (15.6 in 16, 15.7 in 20); batch 8 10.9, 11.2 and 19.0 µs in 4.
+    at most as many as one wave holds and at most `MAX_DEFAULT_SPLITS`, and raised to
+    `SPREAD_MIN_SPLITS` where that grid spreads its merge (`RAISE_TO_SPREAD`).
+    H100, 64 heads of 512, window 128, every split count in one run (`scripts/attention_splits.py
+    --batches=1,2,4 --entries=32,128,256`), batch 1: 129-256 candidates 8.5-8.6 µs in 8-16 splits
+    against 9.8-11.7 in 4-6 (the last block merging); 384 candidates 8.6 in 12 splits (one tile
+    each), 10.1 in 10; 640 candidates 10.4 in 12, 10.6 in 10, 10.3 in 16 (but 11.2 at batch 2,
+    10.8 in 10-11), 12.3 in 20 (past 16 splits the merge takes three round trips); batch 4 at 8.
     """
     low = min_num_splits(candidates)
     blocks = max(1, batch * -(-heads // HEADS_PER_BLOCK))
     if candidates == 0 or 4 * blocks >= 3 * sm_count:
         return low
     tiles = -(-candidates // MIN_CANDIDATES_PER_SPLIT)
-    return max(low, min(tiles, MAX_DEFAULT_SPLITS, max(1, sm_count // blocks)))
+    splits = max(low, min(tiles, MAX_DEFAULT_SPLITS, max(1, sm_count // blocks)))
+    if (RAISE_TO_SPREAD and SPREAD_MERGE and splits < SPREAD_MIN_SPLITS
+            and candidates >= SPREAD_MIN_SPLITS * SPREAD_MIN_ROWS and SPREAD_MIN_SPLITS * blocks <= sm_count):
+        return SPREAD_MIN_SPLITS
+    return splits
 
 
 def spreads_merge(grid: tuple[int, int, int], sm_count: int) -> bool:
