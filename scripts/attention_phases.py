@@ -15,7 +15,6 @@ the block that ran it in the last launch replayed, so its "merge" statistics mix
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,9 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phase_probe  # noqa: E402
+
+MAX_BLOCKS = phase_probe.MAX_BLOCKS
 
 BF16 = ml_dtypes.bfloat16
-MAX_BLOCKS = 256
 PHASES = ("entry", "wait", "compacted", "first tile", "tiles", "stored", "arrived", "merged")
 # (text in the kernel, the text with a mark before or after it); each text occurs exactly once
 MARKS = (
@@ -41,45 +44,18 @@ MARKS = (
     ("    if (!last_block) return;", "    PHASE(6);\n    if (!last_block) return;"),
     ("    if (tid == 0) *counter = 0u;", "    PHASE(7);\n    if (tid == 0) *counter = 0u;"),
 )
-RECORDER = f"""
-__device__ unsigned long long attn_phase_clock[{MAX_BLOCKS}][8];
-__device__ unsigned long long attn_phase_time[{MAX_BLOCKS}][8];
-__device__ unsigned attn_phase_sm[{MAX_BLOCKS}];
-#define PHASE(i) do {{ if (threadIdx.x == 0) {{                                                   \\
-    unsigned long long t_; unsigned sm_;                                                        \\
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \\
-    asm("mov.u32 %0, %%smid;" : "=r"(sm_));                                                     \\
-    const unsigned b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \\
-    if (b_ < {MAX_BLOCKS}) {{ attn_phase_clock[b_][i] = clock64(); attn_phase_time[b_][i] = t_; attn_phase_sm[b_] = sm_; }} \\
-}} }} while (0)
-"""
+KERNEL = 'extern "C" __global__ void __launch_bounds__(kThreads, 2)\nsparse_decode_attention('
 
 
 def instrumented_source(source: str) -> str:
     """``source`` (attention.cu with its headers) with the recorder and every phase mark; raises
     ValueError naming a mark whose text is not found exactly once (the kernel changed)."""
-    for text, marked in MARKS:
-        if source.count(text) != 1:
-            raise ValueError(f"attention.cu: expected the text {text.strip()!r} once, found it {source.count(text)} times")
-        source = source.replace(text, marked)
-    kernel = source.index('extern "C" __global__ void __launch_bounds__(kThreads, 2)\nsparse_decode_attention(')
-    return source[:kernel] + RECORDER + source[kernel:]
+    return phase_probe.instrument(source, MARKS, KERNEL, "attention.cu")
 
 
 def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int) -> list[str]:
-    """Per phase the median and largest cycle count from the phase before, over the blocks that
-    recorded both, and when the blocks finished (µs after the first block's entry)."""
-    lines = []
-    for i in range(1, len(PHASES)):
-        both = [int(clock[b, i] - clock[b, i - 1]) for b in range(blocks) if clock[b, i] and clock[b, i - 1]]
-        both = [c for c in both if c >= 0]  # a stamp left by an earlier launch precedes this one's
-        if both:
-            lines.append(f"  {PHASES[i - 1]} -> {PHASES[i]}: median {statistics.median(both):.0f} cycles, "
-                         f"max {max(both)} ({len(both)} blocks)")
-    start = time_ns[:blocks, 0].min()
-    ends = sorted(float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3 for b in range(blocks))
-    lines.append(f"  blocks finished: first {ends[0]:.2f} us, median {ends[len(ends) // 2]:.2f}, last {ends[-1]:.2f}")
-    return lines
+    """Per phase the median and largest cycle count, and when the blocks finished."""
+    return phase_probe.summary(clock, time_ns, blocks, PHASES)
 
 
 def main(argv: list[str]) -> int:
@@ -91,7 +67,6 @@ def main(argv: list[str]) -> int:
     from fp4kit.runtime import loader
 
     source = instrumented_source(loader.kernel_source("attention"))
-    library_source = loader.kernel_source
     rng = np.random.default_rng(0)
     heads, dim, window, selected = 64, 512, 128, 512
     for capacity, live, spread in ((4096, 4096, True), (4096, 4096, False), (2048, 1024, True)):
@@ -105,21 +80,11 @@ def main(argv: list[str]) -> int:
         idx = cp.asarray(rng.choice(live, selected, replace=False)[None].astype(np.int32))
         call = lambda i: att(q, swa, pos, comp, comp_len, idx)  # noqa: E731
         library_us = graph_us(call)
-        loader.kernel_source = lambda name: source if name == "attention" else library_source(name)
-        loader._kernels = type(loader._kernels)()  # the next launch builds the instrumented copy
-        try:
-            module = loader.get_module("attention")
-            arrays = {name: cp.ndarray(shape, dtype, module.get_global(name)) for name, shape, dtype in (
-                ("attn_phase_clock", (MAX_BLOCKS, 8), cp.uint64), ("attn_phase_time", (MAX_BLOCKS, 8), cp.uint64),
-                ("attn_phase_sm", (MAX_BLOCKS,), cp.uint32))}
-            for a in arrays.values():
-                a.fill(0)
+        with phase_probe.instrumented("attention", source) as probe:
+            call(0)  # builds the instrumented module
+            probe.reset()
             probed_us = graph_us(call)
-            clock, time_ns, sm = (arrays[n].get().astype(np.int64) for n in
-                                  ("attn_phase_clock", "attn_phase_time", "attn_phase_sm"))
-        finally:
-            loader.kernel_source = library_source
-            loader._kernels = type(loader._kernels)()
+            clock, time_ns, sm = probe.read()
         blocks = int((clock[:, 0] > 0).sum())
         print(f"capacity {capacity}, {live} live, spread merge {spread}: {library_us:.2f} us a launch "
               f"({probed_us:.2f} instrumented), {blocks} blocks on {len(set(sm[:blocks].tolist()))} SMs")

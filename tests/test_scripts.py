@@ -160,6 +160,32 @@ def test_attention_phases_marks_every_phase_of_the_kernel():
         loader.kernel_source = original
 
 
+def test_sampler_phases_marks_every_phase_of_the_kernel():
+    """scripts/sampler_phases.py finds each of its marks once in sampling.cu, the recorder lands
+    before the first function that stamps, and the marked (cooperative) source compiles for sm_90a."""
+    import phase_probe
+    import sampler_phases as script
+
+    from fp4kit.runtime import loader
+
+    source = script.instrumented_source(loader.kernel_source("sampling"))
+    assert all(f"PHASE({i});" in source for i in range(len(script.PHASES)))
+    assert source.index("#define PHASE(i)") < source.index("PHASE(3);") < source.index("PHASE(0);")
+    with pytest.raises(ValueError, match="sampling.cu: expected the text"):
+        script.instrumented_source(loader.kernel_source("sampling").replace("    smp_merge(sm, cx, nb);\n", ""))
+    with pytest.raises(ValueError, match="expected the text"):
+        phase_probe.instrument("no anchor here", (), "// One histogram pass", "x.cu")
+    pytest.importorskip("cupy")
+    import cupy.cuda.compiler  # noqa: F401  (the offline compile needs CuPy's NVRTC)
+
+    original = loader.kernel_source
+    try:
+        loader.kernel_source = lambda name: source if name == "sampling" else original(name)
+        assert len(loader.compile_offline("sampling", "sm_90a")) > 0
+    finally:
+        loader.kernel_source = original
+
+
 def test_bench_convert_measures_the_disk_and_reads_the_shard_lines(tmp_path):
     """benchmarks/bench_convert.py: the write-rate probe writes the bytes asked for with one writer
     per file and leaves nothing behind; the stage medians come from the converter's shard lines,

@@ -1,0 +1,107 @@
+"""Shared by the phase probes (`attention_phases.py`, `sampler_phases.py`): an instrumented copy of
+a kernel module in which thread 0 of each block records ``clock64``, ``%globaltimer`` and its SM at
+marked points (``PHASE(i)``) into ``__device__`` arrays, built in place of the library's module for
+the launches inside `instrumented`, and a summary of the stamps per phase."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+
+import numpy as np
+
+MAX_BLOCKS = 256
+PHASE_SLOTS = 8
+
+
+def recorder() -> str:
+    """The stamp arrays and the ``PHASE(i)`` macro (thread 0 of each of the first `MAX_BLOCKS`
+    blocks, by linear block index)."""
+    return f"""
+__device__ unsigned long long phase_clock[{MAX_BLOCKS}][{PHASE_SLOTS}];
+__device__ unsigned long long phase_time[{MAX_BLOCKS}][{PHASE_SLOTS}];
+__device__ unsigned phase_sm[{MAX_BLOCKS}];
+#define PHASE(i) do {{ if (threadIdx.x == 0) {{                                                   \\
+    unsigned long long t_; unsigned sm_;                                                        \\
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \\
+    asm("mov.u32 %0, %%smid;" : "=r"(sm_));                                                     \\
+    const unsigned b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \\
+    if (b_ < {MAX_BLOCKS}) {{ phase_clock[b_][i] = clock64(); phase_time[b_][i] = t_; phase_sm[b_] = sm_; }} \\
+}} }} while (0)
+"""
+
+
+def instrument(source: str, marks, anchor: str, file: str) -> str:
+    """``source`` with each ``(text, marked)`` of ``marks`` replaced and the recorder inserted
+    before ``anchor`` (the first text that uses a mark); raises ValueError naming a text not found
+    exactly once (the kernel changed)."""
+    for text, marked in marks:
+        if source.count(text) != 1:
+            raise ValueError(f"{file}: expected the text {text.strip()!r} once, found it {source.count(text)} times")
+        source = source.replace(text, marked)
+    if source.count(anchor) != 1:
+        raise ValueError(f"{file}: expected the text {anchor.strip()!r} once, found it {source.count(anchor)} times")
+    at = source.index(anchor)
+    return source[:at] + recorder() + source[at:]
+
+
+def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list[str]:
+    """Per phase the median and largest cycle count from the phase before, over the blocks that
+    recorded both, and when the blocks finished (µs after the first block's first stamp)."""
+    lines = []
+    for i in range(1, len(phases)):
+        both = [int(clock[b, i] - clock[b, i - 1]) for b in range(blocks) if clock[b, i] and clock[b, i - 1]]
+        both = [c for c in both if c >= 0]  # a stamp left by an earlier launch precedes this one's
+        if both:
+            lines.append(f"  {phases[i - 1]} -> {phases[i]}: median {statistics.median(both):.0f} cycles, "
+                         f"max {max(both)} ({len(both)} blocks)")
+    start = time_ns[:blocks, 0].min()
+    ends = sorted(float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3 for b in range(blocks))
+    lines.append(f"  blocks finished: first {ends[0]:.2f} us, median {ends[len(ends) // 2]:.2f}, last {ends[-1]:.2f}")
+    return lines
+
+
+@contextlib.contextmanager
+def instrumented(module: str, source: str):
+    """Inside the block, kernels of ``module`` are built from ``source``; yields ``read()``, which
+    zeroes nothing and returns the stamps ``(clock, time_ns, sm)`` as int64 arrays, and ``reset()``.
+    Call ``reset()`` after the first launch (which builds the module) and before the probed ones."""
+    import cupy as cp
+
+    from fp4kit.runtime import loader
+
+    library_source = loader.kernel_source
+    loader.kernel_source = lambda name: source if name == module else library_source(name)
+    loader._kernels = type(loader._kernels)()  # the next launch builds the instrumented copy
+    arrays: dict = {}
+
+    def stamps():
+        if not arrays:
+            mod = loader.get_module(module, cooperative=_cooperative(module))
+            for name, shape, dtype in (("phase_clock", (MAX_BLOCKS, PHASE_SLOTS), cp.uint64),
+                                       ("phase_time", (MAX_BLOCKS, PHASE_SLOTS), cp.uint64),
+                                       ("phase_sm", (MAX_BLOCKS,), cp.uint32)):
+                arrays[name] = cp.ndarray(shape, dtype, mod.get_global(name))
+        return arrays
+
+    class Probe:
+        @staticmethod
+        def reset() -> None:
+            for a in stamps().values():
+                a.fill(0)
+
+        @staticmethod
+        def read():
+            a = stamps()
+            return tuple(a[n].get().astype(np.int64) for n in ("phase_clock", "phase_time", "phase_sm"))
+
+    try:
+        yield Probe
+    finally:
+        loader.kernel_source = library_source
+        loader._kernels = type(loader._kernels)()
+
+
+def _cooperative(module: str) -> bool:
+    """Whether the library loads ``module``'s kernels as a cooperative module (the sampler)."""
+    return module == "sampling"
