@@ -2,13 +2,15 @@
 """Where a sampler launch's time goes, block by block: an instrumented copy of
 ``raw_kernels/sampling.cu`` (`phase_probe`) in which thread 0 of each block stamps the phases of
 its row (the tokens' load and block maximum, the first row barrier, the histogram pass's local
-histogram and merge, the narrowed cut after its barrier(s), the race, the finish), graph-replayed on
-`benchmarks/bench_sampling.py`'s logits; the library's kernel is timed beside it. Needs a GPU.
+histogram, its merge and the row barrier after it, the narrowed cut, the race, the finish),
+graph-replayed on `benchmarks/bench_sampling.py`'s logits; the library's kernel is timed beside
+it. Needs a GPU.
 
     PYTHONPATH=. python3 scripts/sampler_phases.py [--batches=1,8]
 
-The histogram stamp is the last histogram pass's (a cut that needs radix passes overwrites it),
-and the finish stamp of the row's last block includes the finisher's work.
+The histogram and merge stamps are the last histogram pass's (a cut with radix passes, or top-k
+then top-p, overwrites the first's), and the finish stamp of the row's last block includes the
+finisher's work.
 """
 
 from __future__ import annotations
@@ -29,20 +31,21 @@ BF16 = ml_dtypes.bfloat16
 VOCAB = 129280
 MODES = {"temperature 1.0": dict(temperature=1.0), "top-k 50": dict(top_k=50), "top-p 0.9": dict(top_p=0.9),
          "top-k 50, top-p 0.9": dict(top_k=50, top_p=0.9)}
-PHASES = ("entry", "max", "barrier", "histogram", "narrowed", "raced", "finished")
+PHASES = ("entry", "max", "barrier", "histogram", "merged", "narrowed", "raced", "finished")
 # (text in the kernel, the text with a mark before or after it); each text occurs exactly once
+MERGE = "    smp_merge(sm, cx, nb, kLevel0 ? smp_merge_bound(sm, limit, rem) : nb - 1);\n"
 MARKS = (
     ("    const bool odd = smp_load_tile(", "    PHASE(0);\n    const bool odd = smp_load_tile("),
     ("    best = smp_block_max(best, sm);\n", "    best = smp_block_max(best, sm);\n    PHASE(1);\n"),
     ("    smp_barrier(cx);\n    const float lmax", "    smp_barrier(cx);\n    PHASE(2);\n    const float lmax"),
-    ("    smp_merge(sm, cx, nb);\n    smp_barrier(cx);", "    smp_merge(sm, cx, nb);\n    PHASE(3);\n    smp_barrier(cx);"),
-    ("    // 3. the race over the kept tokens", "    PHASE(4);\n    // 3. the race over the kept tokens"),
+    (MERGE + "    smp_barrier(cx);\n", "    PHASE(3);\n" + MERGE + "    smp_barrier(cx);\n    PHASE(4);\n"),
+    ("    // 3. the race over the kept tokens", "    PHASE(5);\n    // 3. the race over the kept tokens"),
     ("    if (tid == 0 && win) atomicMax(cx.rs.race, win);\n",
-     "    PHASE(5);\n    if (tid == 0 && win) atomicMax(cx.rs.race, win);\n"),
+     "    PHASE(6);\n    if (tid == 0 && win) atomicMax(cx.rs.race, win);\n"),
     ("    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n}",
-     "    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n    PHASE(6);\n}"),
+     "    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n    PHASE(7);\n}"),
 )
-ANCHOR = "// One histogram pass: local histogram, merge, barrier, scan."
+ANCHOR = "// One histogram pass: local histogram, merge"
 
 
 def instrumented_source(source: str) -> str:

@@ -183,6 +183,7 @@ struct Smem {
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
+    int bound;  // the last level-0 bin a block merges (smp_merge_bound)
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -389,13 +390,44 @@ __device__ void smp_local_hist(Smem& sm, const Tile<P>& t, const Bucket& bk, int
     __syncthreads();
 }
 
-// Adds the block's histogram into the row's buffer `buf`, and zeroes this block's share of the
-// buffer the pass after next will use (last read two passes ago, before the previous barrier).
-__device__ void smp_merge(const Smem& sm, const Ctx& cx, int nb) {
+// The last level-0 bin a block must merge for a cut by count `want` (kMergeByCount) or at a
+// known bin (`limit` >= 0). By count: the bin holding the block's own want-th token (the last bin
+// if it has fewer). The row's cut lies in a bin no later than every block's: a block whose want-th
+// token is in bin j holds `want` tokens in bins <= j, so the row's want-th token is in a bin <= j.
+// Every bin up to the row's cut is then merged by every block, exactly, and the bins after it are
+// never read by the scan, which stops at the cut. (A top-k of 50 over 1024 tokens per block merges
+// ~50 of ~600 busy bins: the merge's reductions, which all blocks aim at the same 1024 words, are
+// what the row barrier after them waits for.)
+constexpr int kMergeAll = kBins - 1;
+constexpr int kMergeByCount = -1;
+
+__device__ int smp_merge_bound(Smem& sm, int limit, unsigned long long want) {
+    if (limit != kMergeByCount) return limit;
+    constexpr int kEach = kBins / kThreads;
+    unsigned c[kEach], csum = 0u;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) c[e] = sm.count[threadIdx.x * kEach + e], csum += c[e];
+    if (threadIdx.x == 0) sm.bound = kMergeAll;
+    unsigned before;
+    unsigned long long mass_before;
+    smp_block_scan(csum, 0ull, before, mass_before, sm);  // orders the default first
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (before < want && want <= (unsigned long long)before + c[e]) sm.bound = threadIdx.x * kEach + e;
+        before += c[e];
+    }
+    __syncthreads();
+    return sm.bound;
+}
+
+// Adds the block's histogram, bins 0..bound, into the row's buffer `buf`, and zeroes this block's
+// share of the buffer the pass after next will use (last read two passes ago, before the previous
+// barrier).
+__device__ void smp_merge(const Smem& sm, const Ctx& cx, int nb, int bound) {
     const unsigned buf = cx.hpass % 3u, next = (cx.hpass + 1u) % 3u;
     unsigned* gc = cx.rs.count + buf * kBins;
     unsigned long long* gm = cx.rs.mass + buf * kBins;
-    for (int i = threadIdx.x; i < nb; i += kThreads) {
+    for (int i = threadIdx.x; i <= bound && i < nb; i += kThreads) {
         const unsigned c = sm.count[i];
         const unsigned long long m = ((unsigned long long)sm.mass_hi[i] << kMassSplit) + sm.mass_lo[i];
         if (c) smp_red_add(gc + i, c);
@@ -455,13 +487,14 @@ __device__ bool smp_pick(Smem& sm, const Ctx& cx, int nb, bool by_mass, unsigned
     return sm.found != 0u;
 }
 
-// One histogram pass: local histogram, merge, barrier, scan. Returns false on inconsistent data.
+// One histogram pass: local histogram, merge (level 0: bins up to smp_merge_bound(limit)),
+// barrier, scan. Returns false on inconsistent data.
 template <bool kLevel0, int P>
 __device__ bool smp_pass(Smem& sm, const Tile<P>& t, Ctx& cx, const Bucket& bk, int shift, bool by_mass,
-                         unsigned long long& rem, float frac) {
+                         unsigned long long& rem, float frac, int limit) {
     const int nb = kLevel0 ? kBins : kRadixBins;
     smp_local_hist<kLevel0>(sm, t, bk, shift, cx.with_mass);
-    smp_merge(sm, cx, nb);
+    smp_merge(sm, cx, nb, kLevel0 ? smp_merge_bound(sm, limit, rem) : nb - 1);
     smp_barrier(cx);
     const bool ok = smp_pick(sm, cx, nb, by_mass, rem, frac);
     ++cx.hpass;
@@ -578,13 +611,14 @@ struct Narrow {
     unsigned long long rem, above;
 };
 
+// `limit`: the level-0 merge's bound (smp_merge_bound).
 template <int P>
 __device__ bool smp_narrow(Smem& sm, const Tile<P>& t, Ctx& cx, unsigned V, bool by_mass, unsigned long long want,
-                           float frac, Narrow& nr) {
+                           float frac, int limit, Narrow& nr) {
     Bucket& bk = nr.bk;
     bk = Bucket{-1, 0ull, 0ull, 0ull, ~0ull};
     nr.rem = want, nr.above = 0ull;
-    if (!smp_pass<true>(sm, t, cx, bk, 0, by_mass, nr.rem, frac)) return false;
+    if (!smp_pass<true>(sm, t, cx, bk, 0, by_mass, nr.rem, frac, limit)) return false;
     bk.bin = (int)sm.pick_idx;
     nr.rem -= by_mass ? sm.pick_mass_above : sm.pick_count_above;
     nr.above += sm.pick_mass_above;
@@ -595,7 +629,7 @@ __device__ bool smp_narrow(Smem& sm, const Tile<P>& t, Ctx& cx, unsigned V, bool
     while (nr.n > (unsigned)kCap && bk.lo < bk.hi) {
         const int high = 63 - __clzll((long long)(bk.lo ^ bk.hi));
         const int shift = high > 7 ? high - 7 : 0;
-        if (!smp_pass<false>(sm, t, cx, bk, shift, by_mass, nr.rem, 0.0f)) return false;
+        if (!smp_pass<false>(sm, t, cx, bk, shift, by_mass, nr.rem, 0.0f, kMergeAll)) return false;
         const unsigned long long upper = shift + 8 >= 64 ? 0ull : ~0ull << (shift + 8);
         const unsigned long long low = (1ull << shift) - 1ull;
         bk.mask = ~0ull << shift;
@@ -936,8 +970,11 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         const unsigned long long want =
             by_mass ? (use_k ? smp_target(p.top_p, ck.mass) : 0ull) : (unsigned long long)p.top_k;
         const float frac = by_mass && !use_k ? p.top_p : 0.0f;  // the target comes from the histogram
+        // the merge's bound: top-k by count; top-p after top-k at the top-k cut's bin (no kept
+        // token lies past it, and the scan stops before the top-k mass is passed)
+        const int limit = !by_mass ? kMergeByCount : use_k ? smp_bin(smp_unkey((unsigned)(ck.theta >> 32))) : kMergeAll;
         Cut cut{0ull, ~0ull};  // inconsistent data: keep everything
-        if (smp_narrow(sm, t, cx, V, by_mass, want, frac, nr)) {
+        if (smp_narrow(sm, t, cx, V, by_mass, want, frac, limit, nr)) {
             if (by_mass || !use_p) {
                 defer = true, defer_by_mass = by_mass, defer_stage = stage;
                 break;
