@@ -46,15 +46,18 @@ def instrument(source: str, marks, anchor: str, file: str) -> str:
 
 
 def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list[str]:
-    """Per phase the median and largest cycle count from the phase before, over the blocks that
-    recorded both, and when the blocks finished (µs after the first block's first stamp)."""
-    lines = []
-    for i in range(1, len(phases)):
-        both = [int(clock[b, i] - clock[b, i - 1]) for b in range(blocks) if clock[b, i] and clock[b, i - 1]]
-        both = [c for c in both if c >= 0]  # a stamp left by an earlier launch precedes this one's
-        if both:
-            lines.append(f"  {phases[i - 1]} -> {phases[i]}: median {statistics.median(both):.0f} cycles, "
-                         f"max {max(both)} ({len(both)} blocks)")
+    """Per pair of consecutive stamps a block recorded (a path that skips a phase goes from the
+    stamp before it to the one after), the median and largest cycle count over the blocks that
+    recorded the pair, and when the blocks finished (µs after the first block's first stamp)."""
+    steps: dict = {}
+    for b in range(blocks):
+        marked = [i for i in range(len(phases)) if clock[b, i]]
+        for j, i in zip(marked, marked[1:]):
+            cycles = int(clock[b, i] - clock[b, j])
+            if cycles >= 0:  # a stamp left by an earlier launch precedes this one's
+                steps.setdefault((j, i), []).append(cycles)
+    lines = [f"  {phases[j]} -> {phases[i]}: median {statistics.median(v):.0f} cycles, max {max(v)} ({len(v)} blocks)"
+             for (j, i), v in sorted(steps.items(), key=lambda kv: kv[0][::-1])]
     start = time_ns[:blocks, 0].min()
     ends = sorted(float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3 for b in range(blocks))
     lines.append(f"  blocks finished: first {ends[0]:.2f} us, median {ends[len(ends) // 2]:.2f}, last {ends[-1]:.2f}")

@@ -44,6 +44,9 @@ MARKS = (
      "    PHASE(6);\n    if (tid == 0 && win) atomicMax(cx.rs.race, win);\n"),
     ("    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n}",
      "    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n    PHASE(7);\n}"),
+    # the gathered top-k: its own cut (as narrowed) and finish
+    ("        smp_gather(sm, t, cx, (unsigned)p.top_k);\n", "        smp_gather(sm, t, cx, (unsigned)p.top_k);\n        PHASE(5);\n"),
+    ("p.min_p, ctr, k0, k1});\n        return;", "p.min_p, ctr, k0, k1});\n        PHASE(7);\n        return;"),
 )
 ANCHOR = "// One histogram pass: local histogram, merge"
 

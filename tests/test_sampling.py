@@ -274,6 +274,9 @@ def test_scratch_size_matches_the_kernel():
     const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
     hdr, bins, cap = const["kHdrWords"], const["kBins"], const["kCap"]
     assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 4 * cap
+    assert const["kGatherSlots"] == ops.GATHER_SLOTS and const["kGatherMaxK"] == ops.GATHER_MAX_K
+    assert [ops.gather_slots(g) for g in (1, 2, 32, 127, 256)] == [256, 512, 8192, 8192, 8192]
+    assert ops.row_words(127) == ops.ROW_WORDS + 2 * 8192 and ops.ROW_WORDS % 2 == 0  # 8-byte slots
     assert const["kThreads"] == ops._THREADS and const["kMaxPer"] == ops._MAX_PER
 
 
@@ -326,7 +329,8 @@ def test_geometry_indices_stay_in_bounds(batch, vocab, elem):
     max_blocks = 264
     per, g, grid = ops.geometry(batch, vocab, max_blocks)
     rows = grid // g
-    words = rows * ops.ROW_WORDS  # what sample() asks the generator for
+    stride = ops.row_words(g)
+    words = rows * stride  # what sample() asks the generator for
     vec = vocab % 4 == 0  # and a 16-byte aligned base pointer
     seen = np.zeros(vocab, np.int64)
     for chunk in range(g):
@@ -347,10 +351,13 @@ def test_geometry_indices_stay_in_bounds(batch, vocab, elem):
     handled = sorted(b for r in range(rows) for b in range(r, batch, rows))
     assert handled == list(range(batch))
     for block in range(grid):
-        base = (block // g) * ops.ROW_WORDS
-        assert base + ops.ROW_WORDS <= words
+        base = (block // g) * stride
+        assert base + stride <= words
         cand = base + ops.ROW_WORDS - 4 * 512
-        assert (base * 4) % 8 == 0 and (cand * 4) % 16 == 0
+        gather = base + ops.ROW_WORDS  # block c's k slots from gather + 2 * c * k: inside the row's
+        assert (base * 4) % 8 == 0 and (cand * 4) % 16 == 0 and (gather * 4) % 8 == 0
+        k = ops.gather_slots(g) // g  # the largest k the row gathers
+        assert gather + 2 * (block % g + 1) * k <= base + stride
 
 
 def _function_body(src: str, name: str) -> str:
@@ -382,7 +389,7 @@ def test_the_finisher_clears_every_scratch_field_the_kernel_writes():
         if re.search(rf"(?:atomic\w+|smp_red_add)\(\s*{alias}\b|\b{alias}\s*\[[^\]]*\]\s*=[^=]", src):
             written.add(field)
     # the patterns must see every field the kernel writes; a field they miss is a field never checked
-    assert fields == {"best", "race", "arrive", "done", "ncand", "round", "count", "mass", "cand"}
+    assert fields == {"best", "race", "arrive", "done", "ncand", "round", "count", "mass", "cand", "gather"}
     assert written == fields, f"fields written but not found by the patterns: {fields - written}"
     finish = _function_body(src, "__device__ void smp_finish")
     for field in written:

@@ -39,8 +39,24 @@ _MIN_PER = 4
 #: which a cold SM fetches at every launch. ``(16,)``: every launch on the P = 16 build (the same
 #: tokens bit for bit: the builds differ only in unrolling).
 PER_BUILDS = (4, 8, 16)
-#: uint32 words of scratch per row in flight; equals kRowWords in raw_kernels/sampling.cu
+#: uint32 words of scratch per row in flight before its gather slots; equals kRowWords in
+#: raw_kernels/sampling.cu
 ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512
+#: a row's gather slots (kGatherSlots, kGatherMaxK in raw_kernels/sampling.cu): a row with top-k
+#: then top-p and ``top_k * blocks_per_row`` up to `gather_slots` takes the gathered cut (each block
+#: sends its own k best tokens, the row's last block cuts them), with one row barrier instead of three
+GATHER_SLOTS = 8192
+GATHER_MAX_K = 256
+
+
+def gather_slots(blocks_per_row: int) -> int:
+    """The gather slots (2 words each) of a row split over ``blocks_per_row`` blocks."""
+    return min(GATHER_SLOTS, blocks_per_row * GATHER_MAX_K)
+
+
+def row_words(blocks_per_row: int) -> int:
+    """uint32 words of scratch per row in flight."""
+    return ROW_WORDS + 2 * gather_slots(blocks_per_row)
 _U32 = np.uint32
 _I32 = np.int32
 _F32 = np.float32
@@ -220,7 +236,7 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator,
         small = loader.get_kernel(_MODULE, f"{name}_p{build}", cooperative=True, block=_THREADS)
         if grid <= small.max_blocks:  # all blocks co-resident (the builds' register limits are equal)
             kernel = small
-    scratch = generator.scratch(grid // blocks_per_row * ROW_WORDS)  # one row's worth per group of blocks
+    scratch = generator.scratch(grid // blocks_per_row * row_words(blocks_per_row))  # one row per group of blocks
     kernel(grid, _THREADS, (logits, _U32(bsz), _U32(vocab), _I32(per), _I32(blocks_per_row), _I32(vec), *pairs,
                             seed, offset, arrivals, scratch, out, status.device_word()))
     return out

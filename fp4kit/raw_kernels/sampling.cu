@@ -14,9 +14,10 @@
 //   offset    uint64 [1]           Philox counter words 2 and 3; advanced by one per launch, on the
 //                                  device, by the last block to arrive
 //   arrivals  uint32 [1]           0 between launches: counts the blocks that have read `offset`
-//   scratch   uint32 [R * kRowWords]  0 between launches: the counters, histograms and candidates
-//                                  of the row each group of G blocks is working on; the last block
-//                                  of a row to finish puts them back to 0
+//   scratch   uint32 [R * (kRowWords + 2 * smp_gather_slots(G))]  0 between launches: the counters,
+//                                  histograms, candidates and gather slots of the row each group
+//                                  of G blocks is working on; the last block of a row to finish
+//                                  puts them back to 0
 //   out       int32 [B]            the drawn token ids, always in [0, V)
 //   status    uint32 [1]           FP4_STATUS_SAMPLER_INPUT (8) is or-ed in for a NaN or +inf logit, a row
 //                                  with no finite logit, or an invalid per-row parameter
@@ -42,6 +43,10 @@
 //      on the bits that vary among them, then one warp ranks the last <= 32): top-p's target
 //      needs the top-k mass. The last filter's cut is
 //      deferred to step 3 instead, saving a barrier.
+//      A row with top-k and then top-p whose k * G gathered candidates fit its gather slots (k <= 64
+//      at G = 127, the batch-1 split of a 129280-token vocabulary) skips this step and step 3
+//      (smp_gather): each block finds its own k best tokens exactly and sends their composites; the
+//      row's finisher cuts them (top-k, then top-p over the survivors) and races the survivors.
 //   3. race: each kept token's exp(d_i) / -log(u_i) (the exponential race; its log is the
 //      reference's d_i - log(-log u_i); u from Philox, min-p checked as exp(d) >= m),
 //      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
@@ -82,7 +87,15 @@ constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
 constexpr int kRowWords = kCandOff + 4 * kCap;
-static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0, "64-bit fields need even word offsets");
+// Then the row's gather slots (smp_gather): composites, min(kGatherSlots, G * kGatherMaxK) of
+// them, so a row's scratch is kRowWords + 2 * smp_gather_slots(G) words.
+constexpr int kGatherSlots = 8192;
+constexpr int kGatherMaxK = 256;
+static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0 && kRowWords % 4 == 0, "64-bit fields need even word offsets");
+
+__device__ __forceinline__ unsigned smp_gather_slots(unsigned G) {
+    return G * kGatherMaxK < (unsigned)kGatherSlots ? G * kGatherMaxK : (unsigned)kGatherSlots;
+}
 static_assert(kBins % kThreads == 0 && kRadixBins == kThreads && kCap % kThreads == 0, "per thread");
 
 struct RowScratch {
@@ -92,6 +105,7 @@ struct RowScratch {
     unsigned* count;                  // [3][kBins]
     unsigned long long* mass;         // [3][kBins]
     ulonglong2* cand;                 // [kCap] (composite, race key or 0)
+    unsigned long long* gather;       // [smp_gather_slots(G)] composites (or 0)
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -105,6 +119,7 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
     s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
+    s.gather = reinterpret_cast<unsigned long long*>(base + kRowWords);
     return s;
 }
 
@@ -183,7 +198,7 @@ struct Smem {
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
-    int bound;  // the last level-0 bin a block merges (smp_merge_bound)
+    unsigned ngather;  // a block's gathered candidates (smp_gather)
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -401,23 +416,43 @@ __device__ void smp_local_hist(Smem& sm, const Tile<P>& t, const Bucket& bk, int
 constexpr int kMergeAll = kBins - 1;
 constexpr int kMergeByCount = -1;
 
-__device__ int smp_merge_bound(Smem& sm, int limit, unsigned long long want) {
-    if (limit != kMergeByCount) return limit;
+// Scans the block's own level-0 histogram (sm.count, and sm.mass_hi / mass_lo when by_mass) from
+// the top bin for the bin where the count or the mass reaches `want`: sm.pick_idx,
+// pick_count_above, pick_count_in, pick_mass_above. Returns false (block-uniform) when the block
+// holds less than `want`.
+__device__ bool smp_local_pick(Smem& sm, bool by_mass, unsigned long long want) {
     constexpr int kEach = kBins / kThreads;
     unsigned c[kEach], csum = 0u;
-#pragma unroll
-    for (int e = 0; e < kEach; ++e) c[e] = sm.count[threadIdx.x * kEach + e], csum += c[e];
-    if (threadIdx.x == 0) sm.bound = kMergeAll;
-    unsigned before;
-    unsigned long long mass_before;
-    smp_block_scan(csum, 0ull, before, mass_before, sm);  // orders the default first
+    unsigned long long m[kEach], msum = 0ull;
 #pragma unroll
     for (int e = 0; e < kEach; ++e) {
-        if (before < want && want <= (unsigned long long)before + c[e]) sm.bound = threadIdx.x * kEach + e;
-        before += c[e];
+        const int i = threadIdx.x * kEach + e;
+        c[e] = sm.count[i];
+        m[e] = by_mass ? ((unsigned long long)sm.mass_hi[i] << kMassSplit) + sm.mass_lo[i] : 0ull;
+        csum += c[e], msum += m[e];
+    }
+    if (threadIdx.x == 0) sm.found = 0u;
+    unsigned ca;
+    unsigned long long ma;
+    smp_block_scan(csum, msum, ca, ma, sm);  // orders found = 0 first
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (by_mass ? (ma < want && want <= ma + m[e]) : (ca < want && want <= (unsigned long long)ca + c[e])) {
+            sm.pick_idx = threadIdx.x * kEach + e;
+            sm.pick_count_above = ca, sm.pick_count_in = c[e], sm.pick_mass_above = ma;
+            sm.found = 1u;
+        }
+        ca += c[e], ma += m[e];
     }
     __syncthreads();
-    return sm.bound;
+    return sm.found != 0u;
+}
+
+__device__ int smp_merge_bound(Smem& sm, int limit, unsigned long long want) {
+    if (limit != kMergeByCount) return limit;
+    const int bound = smp_local_pick(sm, false, want) ? (int)sm.pick_idx : kMergeAll;
+    __syncthreads();  // every thread has read the pick before it is written again
+    return bound;
 }
 
 // Adds the block's histogram, bins 0..bound, into the row's buffer `buf`, and zeroes this block's
@@ -510,47 +545,48 @@ __device__ __forceinline__ bool smp_in_bucket(float d, unsigned id, const Bucket
     return smp_bin(d) == bk.bin && (smp_comp(d, id) & bk.mask) == bk.bits;
 }
 
-// The exact boundary among the bucket's n <= kCap tokens, collected in the row's candidate list
-// (distinct composites), found in shared memory: 8-bit radix passes over the composite, each at
-// the highest bit that still varies among the remaining candidates (ties in d leave only id bits),
-// narrow them to at most 32, which one warp ranks exactly. Every block that calls it finds the same boundary whatever the order of the
-// list. Leaves the candidates' composites and race keys, in list order, in sm.cand_comp / cand_key.
-__device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem) {
+// The composite mass of a candidate (0: none).
+__device__ __forceinline__ unsigned long long smp_comp_mass(unsigned long long c) {
+    return c ? smp_mass(smp_unkey((unsigned)(c >> 32))) : 0ull;
+}
+
+// The exact boundary among the candidates held in registers, kEach a thread (the distinct nonzero
+// composites of c in [lo, hi]; 0 for none; n of them in all): the candidate where the count (by_mass false) or the
+// mass (by_mass true) from the top reaches `rem`, in sm.theta, with the mass of it and those ranked
+// above it in sm.prefix. 8-bit radix passes over the composite, each at the highest bit that still
+// varies among the remaining candidates (ties in d leave only id bits), narrow them to at most 32,
+// which one warp ranks exactly. Every block that calls it with the same candidates finds the same
+// boundary whatever their order. Returns false on inconsistent data.
+template <int kEach, int kUnroll = kEach>
+__device__ __forceinline__ bool smp_exact_in(Smem& sm, const unsigned long long (&c)[kEach], unsigned n, bool by_mass,
+                             unsigned long long rem, unsigned long long lo = 1ull, unsigned long long hi = ~0ull) {
     const unsigned tid = threadIdx.x, lane = tid & 31;
-    unsigned long long c[kCapEach], m[kCapEach];
-#pragma unroll
-    for (int e = 0; e < kCapEach; ++e) {
-        const unsigned i = tid + e * kThreads;
-        c[e] = 0ull, m[e] = 0ull;  // 0: not a candidate (every composite is nonzero)
-        if (i < n) {
-            const ulonglong2 v = __ldcg(&cx.rs.cand[i]);
-            c[e] = sm.cand_comp[i] = v.x;
-            sm.cand_key[i] = v.y;
-            m[e] = smp_mass(smp_unkey((unsigned)(v.x >> 32)));
-        }
-    }
-    if (tid == 0) sm.found = 0u, sm.nlast = 0u;
     // Narrow: the candidates (c & mask) == bits; `above` is the mass of those ranked above them.
     unsigned long long mask = 0ull, bits = 0ull, above = 0ull;
     unsigned cnt = n;
+    if (tid == 0) sm.found = 0u, sm.nlast = 0u;
+    __syncthreads();
     while (cnt > 32u) {
         unsigned long long all_or = 0ull, all_and = ~0ull;  // over the remaining candidates
-#pragma unroll
-        for (int e = 0; e < kCapEach; ++e)
-            if (c[e] && (c[e] & mask) == bits) all_or |= c[e], all_and &= c[e];
+#pragma unroll kUnroll
+        for (int e = 0; e < kEach; ++e)
+            if (c[e] >= lo && c[e] <= hi && (c[e] & mask) == bits) all_or |= c[e], all_and &= c[e];
         smp_block_or_and(all_or, all_and, sm);
         const unsigned long long varying = all_or ^ all_and;
         if (!varying) return false;  // block-uniform: cnt > 1 equal composites, an inconsistent list
         const int shift = max(63 - __clzll((long long)varying) - 7, 0);
         sm.count[tid] = 0u, sm.mass_hi[tid] = 0u, sm.mass_lo[tid] = 0u;  // kRadixBins == kThreads
         __syncthreads();
-#pragma unroll
-        for (int e = 0; e < kCapEach; ++e) {
-            if (!c[e] || (c[e] & mask) != bits) continue;
+#pragma unroll kUnroll
+        for (int e = 0; e < kEach; ++e) {
+            if (c[e] < lo || c[e] > hi || (c[e] & mask) != bits) continue;
             const int idx = kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull);  // top digit first
             atomicAdd(&sm.count[idx], 1u);
-            atomicAdd(&sm.mass_hi[idx], (unsigned)(m[e] >> kMassSplit));
-            atomicAdd(&sm.mass_lo[idx], (unsigned)m[e] & ((1u << kMassSplit) - 1u));
+            if (by_mass) {
+                const unsigned long long m = smp_comp_mass(c[e]);
+                atomicAdd(&sm.mass_hi[idx], (unsigned)(m >> kMassSplit));
+                atomicAdd(&sm.mass_lo[idx], (unsigned)m & ((1u << kMassSplit) - 1u));
+            }
         }
         __syncthreads();
         const unsigned bc = sm.count[tid];
@@ -574,9 +610,9 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
         if (tid == 0) sm.found = 0u;
     }
     // The last <= 32 candidates: compacted into sm.sorted, ranked by warp 0 (each lane one).
-#pragma unroll
-    for (int e = 0; e < kCapEach; ++e) {
-        if (c[e] && (c[e] & mask) == bits) {
+#pragma unroll kUnroll
+    for (int e = 0; e < kEach; ++e) {
+        if (c[e] >= lo && c[e] <= hi && (c[e] & mask) == bits) {
             const unsigned slot = atomicAdd(&sm.nlast, 1u);
             if (slot < 32u) sm.sorted[slot] = c[e];
         }
@@ -585,7 +621,7 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
     if (tid < 32u) {
         const unsigned k = min(sm.nlast, 32u);
         const unsigned long long ci = lane < k ? sm.sorted[lane] : 0ull;
-        const unsigned long long mi = ci ? smp_mass(smp_unkey((unsigned)(ci >> 32))) : 0ull;
+        const unsigned long long mi = smp_comp_mass(ci);
         unsigned rank = 0u;
         unsigned long long mass_above = 0ull;
         for (unsigned j = 0; j < k; ++j) {
@@ -598,6 +634,23 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
     }
     __syncthreads();
     return sm.found != 0u;
+}
+
+// smp_exact_in over the bucket's n <= kCap tokens collected in the row's candidate list. Leaves the
+// candidates' composites and race keys, in list order, in sm.cand_comp / cand_key.
+__device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem) {
+    unsigned long long c[kCapEach];
+#pragma unroll
+    for (int e = 0; e < kCapEach; ++e) {
+        const unsigned i = threadIdx.x + e * kThreads;
+        c[e] = 0ull;  // 0: not a candidate (every composite is nonzero)
+        if (i < n) {
+            const ulonglong2 v = __ldcg(&cx.rs.cand[i]);
+            c[e] = sm.cand_comp[i] = v.x;
+            sm.cand_key[i] = v.y;
+        }
+    }
+    return smp_exact_in<kCapEach>(sm, c, n, by_mass, rem);
 }
 
 // The boundary of the shortest prefix of the token order holding `want` tokens (by_mass false)
@@ -808,6 +861,132 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
     return win;
 }
 
+// ---- top-k by gathering
+//
+// A row with top-k then top-p whose top_k * G fits its gather slots skips the histogram passes:
+// each block finds its own k best tokens exactly (the row's k best are among the blocks' k best)
+// and sends their composites to the row's slots (block c's at c * k), then the row's finisher cuts
+// the gathered candidates exactly (top-k, then top-p over the survivors) and races the survivors.
+// One row barrier (the maximum's) instead of three, and no race in the blocks; but the finisher
+// alone reads and cuts G * k candidates (H100, batch 1, G = 127, k = 50: ~9.5 us from its arrival,
+// of which ~3.7 us the loads, ~3.7 us the select), so a top-k row without top-p, which the
+// histogram path cuts in two barriers, keeps that path (13.3 us there, 16.1 gathered; top-k 50 +
+// top-p 0.9: 22.4 us on the histogram path, 18.0 gathered; at batch 8 30.0 and 22.5).
+
+// The candidate where the count (by_mass false) or the mass from the top reaches `want`, among
+// the distinct nonzero composites c held kEach a thread: a level-0 histogram of the candidates'
+// d in shared memory, then smp_exact_in over the bucket. 0 when they hold less than `want` (all
+// kept) or the data is inconsistent.
+template <int kEach, int kUnroll = kEach>
+__device__ __forceinline__ unsigned long long smp_select(Smem& sm, const unsigned long long (&c)[kEach], bool by_mass,
+                                         unsigned long long want) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) sm.count[i] = 0u, sm.mass_hi[i] = 0u, sm.mass_lo[i] = 0u;
+    __syncthreads();
+#pragma unroll kUnroll
+    for (int e = 0; e < kEach; ++e) {
+        if (!c[e]) continue;
+        const int bin = smp_bin(smp_unkey((unsigned)(c[e] >> 32)));
+        atomicAdd(&sm.count[bin], 1u);
+        if (by_mass) {
+            const unsigned long long m = smp_comp_mass(c[e]);
+            atomicAdd(&sm.mass_hi[bin], (unsigned)(m >> kMassSplit));
+            atomicAdd(&sm.mass_lo[bin], (unsigned)m & ((1u << kMassSplit) - 1u));
+        }
+    }
+    __syncthreads();
+    if (!smp_local_pick(sm, by_mass, want)) return 0ull;
+    Bucket bk;
+    smp_bin_range((int)sm.pick_idx, 0u, bk);  // any id: V - 1 = ~0u
+    const unsigned n = sm.pick_count_in;
+    const unsigned long long rem = want - (by_mass ? sm.pick_mass_above : sm.pick_count_above);
+    __syncthreads();  // every thread has read the pick before smp_exact_in writes it
+    return smp_exact_in<kEach, kUnroll>(sm, c, n, by_mass, rem, bk.lo, bk.hi) ? sm.theta : 0ull;
+}
+
+// The race key of token `id` (its Philox word: counter (id / 4, row, offset), word id % 4), 0 when
+// it cannot win (d < kNeverWins) or min-p drops it.
+__device__ __forceinline__ unsigned long long smp_token_key(float d, unsigned id, float min_p, uint4 ctr, unsigned k0,
+                                                            unsigned k1) {
+    if (d < kNeverWins || (min_p > 0.0f && !(expf(d) >= min_p))) return 0ull;
+    ctr.x = id >> 2;
+    const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
+    const unsigned r = id & 3u;
+    return smp_word_key(d, id, r == 0u ? x.x : r == 1u ? x.y : r == 2u ? x.z : x.w);
+}
+
+// A block's part: the composites of its min(k, tokens) best tokens (>= its own k-th) into the
+// row's slots c * k onwards, in any order.
+template <int P>
+__device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k) {
+    unsigned long long c[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) c[j] = j < t.n ? smp_comp(t.v[j], t.first + j) : 0ull;
+    const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0: the block holds <= k tokens
+    if (threadIdx.x == 0) sm.ngather = 0u;
+    __syncthreads();
+    unsigned long long* slots = cx.rs.gather + (size_t)cx.chunk * k;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (!c[j] || c[j] < theta) continue;
+        const unsigned slot = atomicAdd(&sm.ngather, 1u);
+        if (slot < k) slots[slot] = c[j];
+    }
+}
+
+// The finisher's cut of a gathered row: k (and top_p) of the row, the tokens per block, and the
+// race's parameters.
+struct GatherCut {
+    unsigned k, chunk_tokens;
+    float top_p, min_p;
+    uint4 ctr;
+    unsigned k0, k1;
+};
+
+// The finisher's part: the gathered candidates (block i's min(k, its tokens) at slots i * k
+// onwards, kGatherEach a thread, all loads in flight at once), the top-k among them, then top-p
+// over the survivors (target ceil(p * their mass)), then the race of the survivors (one a thread:
+// k <= kThreads). The select's loops are not unrolled: this code runs once a launch, on one SM,
+// fetched cold (fully unrolled it took ~13 us at batch 1). Every slot it reads is put back to zero.
+constexpr int kGatherEach = kGatherSlots / kThreads;
+static_assert(kGatherMaxK <= kThreads && kGatherMaxK <= kCap && kGatherMaxK <= kThreads * 4,
+              "one survivor a thread, in the candidate array; a block's k slots full");
+
+__device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, unsigned G, unsigned V,
+                                             GatherCut g) {
+    const unsigned tid = threadIdx.x, k = g.k;
+    // every block but the last holds chunk_tokens >= kThreads * 4 >= k tokens, so its k slots are full
+    const unsigned filled = (G - 1u) * k + min(k, V - (G - 1u) * g.chunk_tokens);
+    unsigned long long c[kGatherEach];
+#pragma unroll
+    for (int e = 0; e < kGatherEach; ++e) {
+        const unsigned i = tid + e * kThreads;
+        c[e] = 0ull;
+        if (i < filled) {
+            c[e] = __ldcg(&slots[i]);
+            slots[i] = 0ull;
+        }
+    }
+    const unsigned long long theta = smp_select<kGatherEach, 4>(sm, c, false, k);  // k <= the candidates
+    if (tid == 0) sm.ngather = 0u;
+    __syncthreads();
+#pragma unroll 4
+    for (int e = 0; e < kGatherEach; ++e)
+        if (c[e] && c[e] >= theta) sm.cand_comp[atomicAdd(&sm.ngather, 1u)] = c[e];
+    __syncthreads();
+    unsigned long long mine[1] = {tid < sm.ngather ? sm.cand_comp[tid] : 0ull};
+    unsigned long long theta_p = 0ull;
+    if (g.top_p < 1.0f) {
+        unsigned cb;
+        unsigned long long mb;
+        const unsigned long long total = smp_block_scan(0u, smp_comp_mass(mine[0]), cb, mb, sm);
+        theta_p = smp_select<1>(sm, mine, true, smp_target(g.top_p, total));
+    }
+    unsigned long long key = 0ull;
+    if (mine[0] && mine[0] >= theta_p)
+        key = smp_token_key(smp_unkey((unsigned)(mine[0] >> 32)), ~(unsigned)mine[0], g.min_p, g.ctr, g.k0, g.k1);
+    return smp_block_max(key, sm);
+}
+
 // ---- one (row, block) unit
 
 struct Params {
@@ -850,8 +1029,9 @@ __device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const 
 // cut's candidates when `defer`; the argmax when no race ran), puts the scratch back to zero,
 // then hands it to the group's next round (`next`; 0 after the last round, `round` is this one).
 // No block of the row touches the scratch after arriving here.
+// `gather.k` > 0: the row took the gathered top-k (smp_gather); the finisher makes its cut here.
 __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next, bool defer,
-                           const Narrow& nr, bool by_mass, int* out, unsigned* status) {
+                           const Narrow& nr, bool by_mass, int* out, unsigned* status, GatherCut gather = GatherCut()) {
     __syncthreads();
     if (threadIdx.x == 0) {
         gpu_sync::fence_acq_rel();
@@ -869,7 +1049,9 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             n0 = __ldcg(cx.rs.ncand);
             n1 = __ldcg(cx.rs.ncand + 1);
         }
-        const unsigned long long from_cands = defer ? smp_cut_candidates(sm, cx, nr, by_mass) : 0ull;
+        const unsigned long long from_cands =
+            defer ? smp_cut_candidates(sm, cx, nr, by_mass)
+            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.G, V, gather) : 0ull;
         if (threadIdx.x == 0) {
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
@@ -954,14 +1136,23 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     for (int j = 0; j < P; ++j)  // d = (canonical logit - l_max) * (1 / T) <= 0 (or -inf)
         if (j < t.n) t.v[j] = __fmul_rn(__fsub_rn(t.v[j], lmax), inv_t) + 0.0f;
 
+    const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
+    const unsigned k0 = (unsigned)sm.s_seed, k1 = (unsigned)(sm.s_seed >> 32);
+    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
+    const bool use_p = p.top_p < 1.0f;
+    if (use_k && use_p && (unsigned long long)p.top_k * cx.G <= smp_gather_slots(cx.G)) {  // row-uniform: the gathered cut
+        smp_gather(sm, t, cx, (unsigned)p.top_k);
+        smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status,
+                   GatherCut{(unsigned)p.top_k, (unsigned)(kThreads * per), p.top_p, p.min_p, ctr, k0, k1});
+        return;
+    }
+
     // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
     //    filter's exact cut is left to the finisher (its bucket's tokens race as candidates).
     Cut ck{0ull, 0ull};
     unsigned long long theta = 0ull;
     bool defer = false, defer_by_mass = false;
     int defer_stage = 0;
-    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
-    const bool use_p = p.top_p < 1.0f;
     cx.with_mass = use_p;
 #pragma unroll 1
     for (int stage = 0; stage < 2; ++stage) {  // one copy of the descent's code for both filters
@@ -986,8 +1177,6 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     }
 
     // 3. the race over the kept tokens; the row's last block writes the winner.
-    const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
-    const unsigned k0 = (unsigned)sm.s_seed, k1 = (unsigned)(sm.s_seed >> 32);
     const unsigned long long win =
         smp_block_max(defer ? smp_race<true>(t, cx, theta, p.min_p, nr, defer_stage, ctr, k0, k1)
                             : smp_race<false>(t, cx, theta, p.min_p, nr, defer_stage, ctr, k0, k1),
@@ -1015,7 +1204,7 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
     Ctx cx;
     cx.G = (unsigned)G;
     cx.chunk = blockIdx.x % (unsigned)G;
-    cx.rs = smp_row_scratch(scratch + (size_t)group * kRowWords);
+    cx.rs = smp_row_scratch(scratch + (size_t)group * (kRowWords + 2u * smp_gather_slots(cx.G)));
     unsigned round = 0u;
     for (unsigned b = group; b < B; b += rows_per_round, ++round) {
         if (round) {  // wait for the previous round's finisher to clear the scratch
