@@ -79,13 +79,7 @@ def main(argv: list[str]) -> int:
         comp_len = cp.full(1, live, cp.int32)
         idx = cp.asarray(rng.choice(live, selected, replace=False)[None].astype(np.int32))
         call = lambda i: att(q, swa, pos, comp, comp_len, idx)  # noqa: E731
-        library_us = graph_us(call)
-        with phase_probe.instrumented("attention", source) as probe:
-            call(0)  # builds the instrumented module
-            probe.reset()
-            probed_us = graph_us(call)
-            clock, time_ns, sm = probe.read()
-        blocks = int((clock[:, 0] > 0).sum())
+        library_us, probed_us, clock, time_ns, sm, blocks = phase_probe.measure("attention", source, call, graph_us)
         print(f"capacity {capacity}, {live} live, spread merge {spread}: {library_us:.2f} us a launch "
               f"({probed_us:.2f} instrumented), {blocks} blocks on {len(set(sm[:blocks].tolist()))} SMs")
         print("\n".join(summary(clock, time_ns, blocks)))

@@ -105,6 +105,19 @@ def instrumented(module: str, source: str):
         loader._kernels = type(loader._kernels)()
 
 
+def measure(module: str, source: str, call, timer) -> tuple:
+    """``call(i)`` timed by ``timer`` (`benchmarks.common.graph_us`) with the library's kernels, then
+    with ``source`` built in place of ``module``: ``(library µs, instrumented µs, clock, time_ns,
+    sm, blocks)``, the stamps of the last launch and the number of blocks that stamped phase 0."""
+    library_us = timer(call)
+    with instrumented(module, source) as probe:
+        call(0)  # builds the instrumented module
+        probe.reset()
+        probed_us = timer(call)
+        clock, time_ns, sm = probe.read()
+    return library_us, probed_us, clock, time_ns, sm, int((clock[:, 0] > 0).sum())
+
+
 def _cooperative(module: str) -> bool:
     """Whether the library loads ``module``'s kernels as a cooperative module (the sampler)."""
     return module == "sampling"

@@ -128,6 +128,21 @@ def test_attention_splits_builds_the_step_s_candidate_lists():
     assert script.inputs(np, rng, 1, 64, 32, None)[5] is None  # ratio 128: every live entry
 
 
+def _compiles_for_sm90a(module: str, source: str) -> None:
+    """``source`` built in place of raw_kernels/<module>.cu compiles offline for sm_90a."""
+    pytest.importorskip("cupy")
+    import cupy.cuda.compiler  # noqa: F401  (the offline compile needs CuPy's NVRTC)
+
+    from fp4kit.runtime import loader
+
+    original = loader.kernel_source
+    try:
+        loader.kernel_source = lambda name: source if name == module else original(name)
+        assert len(loader.compile_offline(module, "sm_90a")) > 0
+    finally:
+        loader.kernel_source = original
+
+
 def test_attention_phases_marks_every_phase_of_the_kernel():
     """scripts/attention_phases.py finds each of its marks once in attention.cu (a kernel change
     that moves one fails here, not on the GPU), the marked source compiles for sm_90a, and the
@@ -149,15 +164,7 @@ def test_attention_phases_marks_every_phase_of_the_kernel():
     lines = script.summary(clock, time_ns, 2)
     assert lines[0] == "  entry -> wait: median 10 cycles, max 10 (2 blocks)"
     assert lines[-1] == "  blocks finished: first 1.00 us, median 2.00, last 2.00"
-    pytest.importorskip("cupy")
-    import cupy.cuda.compiler  # noqa: F401  (the offline compile needs CuPy's NVRTC)
-
-    original = loader.kernel_source
-    try:
-        loader.kernel_source = lambda name: source if name == "attention" else original(name)
-        assert len(loader.compile_offline("attention", "sm_90a")) > 0
-    finally:
-        loader.kernel_source = original
+    _compiles_for_sm90a("attention", source)
 
 
 def test_sampler_phases_marks_every_phase_of_the_kernel():
@@ -175,15 +182,7 @@ def test_sampler_phases_marks_every_phase_of_the_kernel():
         script.instrumented_source(loader.kernel_source("sampling").replace("    smp_barrier(cx);\n    const float lmax", ""))
     with pytest.raises(ValueError, match="expected the text"):
         phase_probe.instrument("no anchor here", (), "// One histogram pass", "x.cu")
-    pytest.importorskip("cupy")
-    import cupy.cuda.compiler  # noqa: F401  (the offline compile needs CuPy's NVRTC)
-
-    original = loader.kernel_source
-    try:
-        loader.kernel_source = lambda name: source if name == "sampling" else original(name)
-        assert len(loader.compile_offline("sampling", "sm_90a")) > 0
-    finally:
-        loader.kernel_source = original
+    _compiles_for_sm90a("sampling", source)
 
 
 def test_bench_convert_measures_the_disk_and_reads_the_shard_lines(tmp_path):

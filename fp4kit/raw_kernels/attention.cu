@@ -124,6 +124,20 @@ __device__ __forceinline__ void store_pair(void* out, size_t offset, float x, fl
     }
 }
 
+// acc += w * v, a column quad of a split's partial output weighted by its merge factor.
+__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& v) {
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
+}
+
+// A merged column quad into `out` at element `offset` (two pairs).
+__device__ __forceinline__ void store_quad(void* out, size_t offset, const float4& acc, int out_f32) {
+    store_pair(out, offset, acc.x, acc.y, out_f32);
+    store_pair(out, offset + 2, acc.z, acc.w, out_f32);
+}
+
 // The global row of a compacted code: a window slot (>= 0) or ~entry of the compressed cache.
 __device__ __forceinline__ const __nv_bfloat16* row_of(int code, const __nv_bfloat16* swa_b,
                                                       const __nv_bfloat16* comp_b, int D) {
@@ -213,21 +227,13 @@ __device__ __forceinline__ void merge_columns(const float* part_o, const float* 
                 v[j] = d < D ? __ldcg(reinterpret_cast<const float4*>(part_o + row * D + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
 #pragma unroll
-            for (int j = 0; j < kQuads; ++j) {
-                acc[j].x += w * v[j].x;
-                acc[j].y += w * v[j].y;
-                acc[j].z += w * v[j].z;
-                acc[j].w += w * v[j].w;
-            }
+            for (int j = 0; j < kQuads; ++j) add_weighted(acc[j], w, v[j]);
         }
     }
 #pragma unroll
     for (int j = 0; j < kQuads; ++j) {
         const int d = d0 + step * j;
-        if (d < D) {
-            store_pair(out, out_row * D + d, acc[j].x, acc[j].y, out_f32);
-            store_pair(out, out_row * D + d + 2, acc[j].z, acc[j].w, out_f32);
-        }
+        if (d < D) store_quad(out, out_row * D + d, acc[j], out_f32);
     }
 }
 
@@ -253,15 +259,10 @@ __device__ __forceinline__ void merge_quad(const float* part_o, const float* par
 #pragma unroll
         for (int j = 0; j < kQuadBatch; ++j) {
             if (s0 + j >= splits) break;
-            const float w = exp2f(m[j] - st.M) * st.inv;
-            acc.x += w * v[j].x;
-            acc.y += w * v[j].y;
-            acc.z += w * v[j].z;
-            acc.w += w * v[j].w;
+            add_weighted(acc, exp2f(m[j] - st.M) * st.inv, v[j]);
         }
     }
-    store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
-    store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+    store_quad(out, out_row * D + d, acc, out_f32);
 }
 
 // merge_stats and merge_quad in one L2 round trip for up to kItemBatch splits: every split's
@@ -313,15 +314,10 @@ __device__ __forceinline__ void merge_item(const float* part_o, const float* par
 #pragma unroll
         for (int j = 0; j < kItemBatch; ++j) {
             if (j >= splits) break;
-            const float w = exp2f(ml[j].x - M) * inv;
-            acc.x += w * v[j].x;
-            acc.y += w * v[j].y;
-            acc.z += w * v[j].z;
-            acc.w += w * v[j].w;
+            add_weighted(acc, exp2f(ml[j].x - M) * inv, v[j]);
         }
     }
-    store_pair(out, out_row * D + d, acc.x, acc.y, out_f32);
-    store_pair(out, out_row * D + d + 2, acc.z, acc.w, out_f32);
+    store_quad(out, out_row * D + d, acc, out_f32);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2)

@@ -550,6 +550,17 @@ __device__ __forceinline__ unsigned long long smp_comp_mass(unsigned long long c
     return c ? smp_mass(smp_unkey((unsigned)(c >> 32))) : 0ull;
 }
 
+// One candidate (composite c) into bin `idx` of the block's histogram: its count, and its mass
+// when by_mass.
+__device__ __forceinline__ void smp_count(Smem& sm, int idx, unsigned long long c, bool by_mass) {
+    atomicAdd(&sm.count[idx], 1u);
+    if (by_mass) {
+        const unsigned long long m = smp_comp_mass(c);
+        atomicAdd(&sm.mass_hi[idx], (unsigned)(m >> kMassSplit));
+        atomicAdd(&sm.mass_lo[idx], (unsigned)m & ((1u << kMassSplit) - 1u));
+    }
+}
+
 // The exact boundary among the candidates held in registers, kEach a thread (the distinct nonzero
 // composites of c in [lo, hi]; 0 for none; n of them in all): the candidate where the count (by_mass false) or the
 // mass (by_mass true) from the top reaches `rem`, in sm.theta, with the mass of it and those ranked
@@ -580,13 +591,7 @@ __device__ __forceinline__ bool smp_exact_in(Smem& sm, const unsigned long long 
 #pragma unroll kUnroll
         for (int e = 0; e < kEach; ++e) {
             if (c[e] < lo || c[e] > hi || (c[e] & mask) != bits) continue;
-            const int idx = kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull);  // top digit first
-            atomicAdd(&sm.count[idx], 1u);
-            if (by_mass) {
-                const unsigned long long m = smp_comp_mass(c[e]);
-                atomicAdd(&sm.mass_hi[idx], (unsigned)(m >> kMassSplit));
-                atomicAdd(&sm.mass_lo[idx], (unsigned)m & ((1u << kMassSplit) - 1u));
-            }
+            smp_count(sm, kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull), c[e], by_mass);  // top digit first
         }
         __syncthreads();
         const unsigned bc = sm.count[tid];
@@ -884,14 +889,7 @@ __device__ __forceinline__ unsigned long long smp_select(Smem& sm, const unsigne
     __syncthreads();
 #pragma unroll kUnroll
     for (int e = 0; e < kEach; ++e) {
-        if (!c[e]) continue;
-        const int bin = smp_bin(smp_unkey((unsigned)(c[e] >> 32)));
-        atomicAdd(&sm.count[bin], 1u);
-        if (by_mass) {
-            const unsigned long long m = smp_comp_mass(c[e]);
-            atomicAdd(&sm.mass_hi[bin], (unsigned)(m >> kMassSplit));
-            atomicAdd(&sm.mass_lo[bin], (unsigned)m & ((1u << kMassSplit) - 1u));
-        }
+        if (c[e]) smp_count(sm, smp_bin(smp_unkey((unsigned)(c[e] >> 32))), c[e], by_mass);
     }
     __syncthreads();
     if (!smp_local_pick(sm, by_mass, want)) return 0ull;
