@@ -185,6 +185,19 @@ def test_sampler_phases_marks_every_phase_of_the_kernel():
     _compiles_for_sm90a("sampling", source)
 
 
+def test_sm_read_rate_probe_defines_and_compiles_every_setting():
+    """scripts/sm_read_rate.py: a kernel for every (width, loads in flight) it times, whose loads
+    tile each block's region exactly at every setting, and the source compiles for sm_90a."""
+    import sm_read_rate as script
+
+    for name in script.kernel_names():
+        w, n = (int(v[1:]) for v in name.split("_")[1:])
+        assert f"PROBE({w}, {n})" in script.SOURCE
+        for threads in script.THREADS:
+            assert script.REGION % (threads * w * n) == 0  # whole steps: no load past the region
+    _compiles_for_sm90a("sm_read_rate", script.SOURCE)
+
+
 def test_bench_convert_measures_the_disk_and_reads_the_shard_lines(tmp_path):
     """benchmarks/bench_convert.py: the write-rate probe writes the bytes asked for with one writer
     per file and leaves nothing behind; the stage medians come from the converter's shard lines,
