@@ -411,8 +411,8 @@ __device__ void smp_local_hist(Smem& sm, const Tile<P>& t, const Bucket& bk, int
 // token is in bin j holds `want` tokens in bins <= j, so the row's want-th token is in a bin <= j.
 // Every bin up to the row's cut is then merged by every block, exactly, and the bins after it are
 // never read by the scan, which stops at the cut. (A top-k of 50 over 1024 tokens per block merges
-// ~50 of ~600 busy bins: the merge's reductions, which all blocks aim at the same 1024 words, are
-// what the row barrier after them waits for.)
+// ~50 of ~600 busy bins. Measured on an H100, that took top-k 50 + top-p 0.9 from 24.4 to 22.3 us
+// at batch 1 but top-k 50 alone only 0.2 us: the reductions are not most of the barrier's wait.)
 constexpr int kMergeAll = kBins - 1;
 constexpr int kMergeByCount = -1;
 
@@ -562,9 +562,9 @@ __device__ __forceinline__ void smp_count(Smem& sm, int idx, unsigned long long 
 }
 
 // The exact boundary among the candidates held in registers, kEach a thread (the distinct nonzero
-// composites of c in [lo, hi]; 0 for none; n of them in all): the candidate where the count (by_mass false) or the
-// mass (by_mass true) from the top reaches `rem`, in sm.theta, with the mass of it and those ranked
-// above it in sm.prefix. 8-bit radix passes over the composite, each at the highest bit that still
+// composites of c in [lo, hi], n of them in all; 0 for none): the candidate where the count
+// (by_mass false) or the mass (by_mass true) from the top reaches `rem`, in sm.theta, with the
+// mass of it and those ranked above it in sm.prefix. 8-bit radix passes over the composite, each at the highest bit that still
 // varies among the remaining candidates (ties in d leave only id bits), narrow them to at most 32,
 // which one warp ranks exactly. Every block that calls it with the same candidates finds the same
 // boundary whatever their order. Returns false on inconsistent data.
