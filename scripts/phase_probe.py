@@ -65,10 +65,11 @@ def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list
 
 
 @contextlib.contextmanager
-def instrumented(module: str, source: str):
-    """Inside the block, kernels of ``module`` are built from ``source``; yields ``read()``, which
-    zeroes nothing and returns the stamps ``(clock, time_ns, sm)`` as int64 arrays, and ``reset()``.
-    Call ``reset()`` after the first launch (which builds the module) and before the probed ones."""
+def instrumented(module: str, source: str, cooperative: bool = False):
+    """Inside the block, kernels of ``module`` are built from ``source`` (``cooperative``: as the
+    library loads that module's kernels); yields a probe whose ``read()`` returns the stamps
+    ``(clock, time_ns, sm)`` as int64 arrays and whose ``reset()`` zeroes them. Call ``reset()``
+    after the first launch (which builds the module) and before the probed ones."""
     import cupy as cp
 
     from fp4kit.runtime import loader
@@ -80,7 +81,7 @@ def instrumented(module: str, source: str):
 
     def stamps():
         if not arrays:
-            mod = loader.get_module(module, cooperative=_cooperative(module))
+            mod = loader.get_module(module, cooperative=cooperative)
             for name, shape, dtype in (("phase_clock", (MAX_BLOCKS, PHASE_SLOTS), cp.uint64),
                                        ("phase_time", (MAX_BLOCKS, PHASE_SLOTS), cp.uint64),
                                        ("phase_sm", (MAX_BLOCKS,), cp.uint32)):
@@ -105,19 +106,15 @@ def instrumented(module: str, source: str):
         loader._kernels = type(loader._kernels)()
 
 
-def measure(module: str, source: str, call, timer) -> tuple:
+def measure(module: str, source: str, call, timer, cooperative: bool = False) -> tuple:
     """``call(i)`` timed by ``timer`` (`benchmarks.common.graph_us`) with the library's kernels, then
     with ``source`` built in place of ``module``: ``(library µs, instrumented µs, clock, time_ns,
     sm, blocks)``, the stamps of the last launch and the number of blocks that stamped phase 0."""
     library_us = timer(call)
-    with instrumented(module, source) as probe:
+    with instrumented(module, source, cooperative) as probe:
         call(0)  # builds the instrumented module
         probe.reset()
         probed_us = timer(call)
         clock, time_ns, sm = probe.read()
     return library_us, probed_us, clock, time_ns, sm, int((clock[:, 0] > 0).sum())
 
-
-def _cooperative(module: str) -> bool:
-    """Whether the library loads ``module``'s kernels as a cooperative module (the sampler)."""
-    return module == "sampling"

@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
         for mode, params in MODES.items():
             sampler = Sampler(Generator(1), **params)
             call = lambda i: sampler(logits)  # noqa: E731
-            library_us, probed_us, clock, time_ns, sm, blocks = phase_probe.measure("sampling", source, call, graph_us)
+            library_us, probed_us, clock, time_ns, sm, blocks = phase_probe.measure(
+                "sampling", source, call, graph_us, cooperative=True)
             print(f"batch {b}, {mode}: {library_us:.2f} us a launch ({probed_us:.2f} instrumented), "
                   f"{blocks} blocks on {len(set(sm[:blocks].tolist()))} SMs")
             print("\n".join(phase_probe.summary(clock, time_ns, blocks, PHASES)))

@@ -111,8 +111,8 @@ def default_num_splits(batch: int, heads: int, candidates: int, sm_count: int) -
         return low
     tiles = -(-candidates // MIN_CANDIDATES_PER_SPLIT)
     splits = max(low, min(tiles, MAX_DEFAULT_SPLITS, max(1, sm_count // blocks)))
-    if (RAISE_TO_SPREAD and SPREAD_MERGE and splits < SPREAD_MIN_SPLITS
-            and candidates >= SPREAD_MIN_SPLITS * SPREAD_MIN_ROWS and SPREAD_MIN_SPLITS * blocks <= sm_count):
+    if (RAISE_TO_SPREAD and splits < SPREAD_MIN_SPLITS and candidates >= SPREAD_MIN_SPLITS * SPREAD_MIN_ROWS
+            and spreads_merge((SPREAD_MIN_SPLITS, blocks, 1), sm_count)):
         return SPREAD_MIN_SPLITS
     return splits
 
