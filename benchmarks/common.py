@@ -40,8 +40,16 @@ def graph_us(fn, *, calls: int = 20, replays: int = 30) -> float:
     """Median device time in µs per ``fn(i)`` from replays of one graph holding ``calls`` calls.
 
     ``fn(i)`` gets the call index so that it can rotate among input buffers.
+
+    The eager first call runs on the current stream (the legacy default stream for the scripts), and
+    the graph on a non-blocking stream, which does not wait for it: the device is synchronised in
+    between, else the graph's first calls run alongside the eager one over the same layer state (a
+    MoE layer's dispatch counters and plan: the arrivals of one call's routers erased by the other's,
+    counts left for the next call, sorted rows past the plan's buffers), as the tests'
+    ``capture_stream`` fixture and scripts/trace_moe.py already order it.
     """
     fn(0)  # eager first use: compile, allocate scratch
+    cp.cuda.Device().synchronize()  # the eager call done before the graph's stream starts (see above)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
