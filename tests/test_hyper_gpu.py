@@ -79,6 +79,7 @@ def test_repeat_and_graph_replay_are_bitwise_equal(rng):
         graph = stream.end_capture()
     for a in outs:
         a.fill(0)
+    cp.cuda.Device().synchronize()  # the resets (default stream) before the non-blocking stream's replay
     graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(x.get(), x_first)

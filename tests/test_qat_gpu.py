@@ -94,6 +94,7 @@ def test_graph_replay_gives_the_eager_bits(rng):
         graph = stream.end_capture()
     for a, b in zip(replayed, (swa, keys, q)):
         a[...] = cp.asarray(b)
+    cp.cuda.Device().synchronize()  # the refills (default stream) before the non-blocking stream's replay
     graph.launch(stream)
     stream.synchronize()
     for a, b in zip(replayed, eager):
