@@ -43,7 +43,7 @@ class ModelConfig:
     max_context: int = 4096  # tokens per sequence the compressed buffers hold
     # bf16 activations ("w4a16") or NVFP4 activations ("w4a4") for every GEMM. W4A16 by default: the
     # H200 multiplies both on its bf16 tensor cores, so W4A4 only adds its activation quantizations
-    # (one launch before each GEMM): the decode step 1.10 -> 0.78 ms at batch 1 (README, "Decode step")
+    # (one launch before each GEMM): the decode step 1.10 -> 0.78 ms at batch 1 (docs/decode-step.md)
     mode: str = "w4a16"
     # manifold-constrained hyper-connections: hc_mult copies of the residual stream mixed around
     # every sublayer (fp4kit.reference.hyper_connections); 1 is one plain residual stream. The GPU
