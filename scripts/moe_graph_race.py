@@ -1,8 +1,7 @@
 """bench_moe's graph timing against its eager first call, on the V3 MoE layer (W4A16) with every
-sorted-path fusion (the known defect at T = 4096: docs/benchmark-log.md, MoE layer): each try makes
-one eager call on the default stream, captures ``ROTATE`` calls on a non-blocking stream and
-launches the graph, either at once (``graph_us`` before its synchronisation) or after
-``Device().synchronize()`` (after). It then
+sorted-path fusion (the README's known defect at T = 4096): each try makes one eager call on the
+default stream, captures ``ROTATE`` calls on a non-blocking stream and launches the graph, either at
+once (``graph_us`` before its synchronisation) or after ``Device().synchronize()`` (after). It then
 reports whether the eager call was still running when the graph was launched, and, once the device
 is idle, the layer's dispatch counters, which are zero between serialized calls (``_counts``: the
 router's per-expert counts, ``_dispatch_done``: its arrival counter). The synchronised order runs
