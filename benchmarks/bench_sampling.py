@@ -23,8 +23,8 @@ except ImportError:
 
 BF16 = ml_dtypes.bfloat16
 VOCAB = 129280
-# the target holds in every mode: top-k then top-p (a common default pair) and a small top-p (few
-# tokens kept) take paths of their own in raw_kernels/sampling.cu
+# the target holds in every mode: top-k then top-p (a common default pair) takes a path of its own
+# in raw_kernels/sampling.cu (the gathered cut), and a small top-p keeps only a few tokens
 MODES = {"greedy": dict(temperature=0.0), "temperature 1.0": dict(temperature=1.0), "top-k 50": dict(top_k=50),
          "top-p 0.9": dict(top_p=0.9), "top-k 50 + top-p 0.9": dict(top_k=50, top_p=0.9),
          "top-p 0.3": dict(top_p=0.3)}
