@@ -563,14 +563,17 @@ __device__ __forceinline__ void smp_count(Smem& sm, int idx, unsigned long long 
 
 // The exact boundary among the candidates held in registers, kEach a thread (the distinct nonzero
 // composites of c in [lo, hi], n of them in all; 0 for none): the candidate where the count
-// (by_mass false) or the mass (by_mass true) from the top reaches `rem`, in sm.theta, with the
-// mass of it and those ranked above it in sm.prefix. 8-bit radix passes over the composite, each at the highest bit that still
+// (by_mass false) or the mass (by_mass true) from the top reaches `rem`, in sm.theta, and with
+// by_mass or `with_mass` the mass of it and those ranked above it in sm.prefix (a cut by count
+// counts masses only for that: a top-k cut's kept mass is the base of the top-p target after it;
+// without, the passes lost the mass above the last 32 and top-p kept too few tokens). 8-bit radix passes over the composite, each at the highest bit that still
 // varies among the remaining candidates (ties in d leave only id bits), narrow them to at most 32,
 // which one warp ranks exactly. Every block that calls it with the same candidates finds the same
 // boundary whatever their order. Returns false on inconsistent data.
 template <int kEach, int kUnroll = kEach>
 __device__ __forceinline__ bool smp_exact_in(Smem& sm, const unsigned long long (&c)[kEach], unsigned n, bool by_mass,
-                             unsigned long long rem, unsigned long long lo = 1ull, unsigned long long hi = ~0ull) {
+                             unsigned long long rem, unsigned long long lo = 1ull, unsigned long long hi = ~0ull,
+                             bool with_mass = false) {
     const unsigned tid = threadIdx.x, lane = tid & 31;
     // Narrow: the candidates (c & mask) == bits; `above` is the mass of those ranked above them.
     unsigned long long mask = 0ull, bits = 0ull, above = 0ull;
@@ -591,7 +594,7 @@ __device__ __forceinline__ bool smp_exact_in(Smem& sm, const unsigned long long 
 #pragma unroll kUnroll
         for (int e = 0; e < kEach; ++e) {
             if (c[e] < lo || c[e] > hi || (c[e] & mask) != bits) continue;
-            smp_count(sm, kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull), c[e], by_mass);  // top digit first
+            smp_count(sm, kRadixBins - 1 - (int)((c[e] >> shift) & 0xFFull), c[e], by_mass || with_mass);  // top digit first
         }
         __syncthreads();
         const unsigned bc = sm.count[tid];
@@ -643,7 +646,8 @@ __device__ __forceinline__ bool smp_exact_in(Smem& sm, const unsigned long long 
 
 // smp_exact_in over the bucket's n <= kCap tokens collected in the row's candidate list. Leaves the
 // candidates' composites and race keys, in list order, in sm.cand_comp / cand_key.
-__device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem) {
+__device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, unsigned long long rem,
+                          bool with_mass = false) {
     unsigned long long c[kCapEach];
 #pragma unroll
     for (int e = 0; e < kCapEach; ++e) {
@@ -655,7 +659,7 @@ __device__ bool smp_exact(Smem& sm, const Ctx& cx, unsigned n, bool by_mass, uns
             sm.cand_key[i] = v.y;
         }
     }
-    return smp_exact_in<kCapEach>(sm, c, n, by_mass, rem);
+    return smp_exact_in<kCapEach>(sm, c, n, by_mass, rem, 1ull, ~0ull, with_mass);
 }
 
 // The boundary of the shortest prefix of the token order holding `want` tokens (by_mass false)
@@ -720,7 +724,8 @@ __device__ Cut smp_resolve(Smem& sm, const Tile<P>& t, Ctx& cx, const Narrow& nr
         ++slot;
     }
     smp_barrier(cx);
-    if (!smp_exact(sm, cx, nr.n, by_mass, nr.rem)) return Cut{0ull, ~0ull};
+    // the cut's mass too: a top-k cut resolved here is followed by top-p, whose target it sets
+    if (!smp_exact(sm, cx, nr.n, by_mass, nr.rem, true)) return Cut{0ull, ~0ull};
     const Cut cut{sm.theta, nr.above + sm.prefix};
     __syncthreads();  // sm.theta / sm.prefix are read before they are reused
     return cut;
