@@ -43,10 +43,12 @@
 //      on the bits that vary among them, then one warp ranks the last <= 32): top-p's target
 //      needs the top-k mass. The last filter's cut is
 //      deferred to step 3 instead, saving a barrier.
-//      A row with top-k and then top-p whose k * G gathered candidates fit its gather slots (k <= 64
-//      at G = 127, the batch-1 split of a 129280-token vocabulary) skips this step and step 3
-//      (smp_gather): each block finds its own k best tokens exactly and sends their composites; the
-//      row's finisher cuts them (top-k, then top-p over the survivors) and races the survivors.
+//      A top-k row whose k * G fit its gather slots (k <= 64 at G = 127, the batch-1 split of a
+//      129280-token vocabulary) skips this step and step 3 (smp_gather): the blocks post their
+//      largest thread maxima with the maximum, the k-th largest posted logit bounds the row's k
+//      best, each block sends its tokens above the bound (at most its own k best), and the row's
+//      finisher cuts them (top-k, then top-p over the survivors) and races the survivors. With
+//      top-p after the top-k always; a top-k alone when the bound holds (see "top-k by gathering").
 //   3. race: each kept token's exp(d_i) / -log(u_i) (the exponential race; its log is the
 //      reference's d_i - log(-log u_i); u from Philox, min-p checked as exp(d) >= m),
 //      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
@@ -82,16 +84,20 @@ constexpr int kMassSplit = 18;
 constexpr float kNeverWins = -20.0f;
 
 // Scratch per row in flight, in uint32 words (fp4kit/ops/sampling.py ROW_WORDS, allocates R * kRowWords).
-constexpr int kHdrWords = 16;                      // best u64, race u64, arrive, done, ncand[2], round
+constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather
 constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
-constexpr int kRowWords = kCandOff + 4 * kCap;
+constexpr int kPostSlots = 256;                    // the blocks' posted thread maxima (smp_post_bound)
+constexpr int kPostOff = kCandOff + 4 * kCap;
+constexpr int kRowWords = kPostOff + kPostSlots;
 // Then the row's gather slots (smp_gather): composites, min(kGatherSlots, G * kGatherMaxK) of
 // them, so a row's scratch is kRowWords + 2 * smp_gather_slots(G) words.
 constexpr int kGatherSlots = 8192;
 constexpr int kGatherMaxK = 256;
+constexpr int kPostMaxEach = 16;  // thread maxima a block posts at most
 static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0 && kRowWords % 4 == 0, "64-bit fields need even word offsets");
+static_assert(kPostSlots == kThreads && kWarps * kPostMaxEach <= kPostSlots, "one posted value a thread");
 
 __device__ __forceinline__ unsigned smp_gather_slots(unsigned G) {
     return G * kGatherMaxK < (unsigned)kGatherSlots ? G * kGatherMaxK : (unsigned)kGatherSlots;
@@ -106,6 +112,8 @@ struct RowScratch {
     unsigned long long* mass;         // [3][kBins]
     ulonglong2* cand;                 // [kCap] (composite, race key or 0)
     unsigned long long* gather;       // [smp_gather_slots(G)] composites (or 0)
+    unsigned* ngather;                // gathered composites so far (the next free slot)
+    unsigned* posts;                  // [kPostSlots] thread maxima' keys posted for the bound
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -116,9 +124,11 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.done = base + 5;
     s.ncand = base + 6;
     s.round = base + 8;
+    s.ngather = base + 9;
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
     s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
+    s.posts = base + kPostOff;
     s.gather = reinterpret_cast<unsigned long long*>(base + kRowWords);
     return s;
 }
@@ -198,7 +208,8 @@ struct Smem {
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
-    unsigned ngather;  // a block's gathered candidates (smp_gather)
+    unsigned ngather;  // a block's first gather slot; the finisher's survivors
+    unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -323,6 +334,7 @@ struct Ctx {
     unsigned nbar;   // row barriers passed in this launch
     unsigned hpass;  // histogram passes in this launch (buffer hpass % 3)
     bool with_mass;  // the histograms carry masses (top-p needs them; top-k alone only counts)
+    bool posted;     // this row's blocks posted thread maxima (the finisher clears them)
 };
 
 __device__ __forceinline__ void smp_barrier(Ctx& cx) {
@@ -868,15 +880,72 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
 
 // ---- top-k by gathering
 //
-// A row with top-k then top-p whose top_k * G fits its gather slots skips the histogram passes:
-// each block finds its own k best tokens exactly (the row's k best are among the blocks' k best)
-// and sends their composites to the row's slots (block c's at c * k), then the row's finisher cuts
-// the gathered candidates exactly (top-k, then top-p over the survivors) and races the survivors.
-// One row barrier (the maximum's) instead of three, and no race in the blocks; but the finisher
-// alone reads and cuts G * k candidates (H100, batch 1, G = 127, k = 50: ~9.5 us from its arrival,
-// of which ~3.7 us the loads, ~3.7 us the select), so a top-k row without top-p, which the
-// histogram path cuts in two barriers, keeps that path (13.3 us there, 16.1 gathered; top-k 50 +
-// top-p 0.9: 22.4 us on the histogram path, 18.0 gathered; at batch 8 30.0 and 22.5).
+// A top-k row (alone or followed by top-p) whose top_k * G fits its gather slots skips the
+// histogram passes: every block sends the tokens that can be among the row's k best to the row's
+// gather slots, and the row's finisher cuts them exactly (top-k, then top-p over the survivors) and
+// races the survivors. One row barrier (the maximum's) instead of three, and no race in the blocks.
+// What a block sends:
+// - The bound. Before the max barrier each block posts the keys of its `each` largest thread
+//   maxima (a thread's largest logit), `each` such that the G - 1 full blocks post at least k
+//   (smp_post_each). After it, every block finds the k-th largest posted key L: k distinct tokens
+//   have a logit >= L, so each of the row's k best has d >= d(L) (d is monotone in the logit).
+//   At batch 1 (127 blocks of 1024 tokens, `each` 1 for k <= 126) about k tokens lie above it
+//   where 127 * k did before (H100, top-k 50: 6,350 candidates took the finisher ~9.5 us).
+//   Ties at L, and rows whose large logits sit in a few blocks, leave more (each block sends at
+//   most k; tests/test_sampling_cuts.py models the cases). A row without a bound (too many posts
+//   needed) sends each block's k best, and takes this path only with top-p after the top-k.
+// - Only tokens above the last bin (d > kBinFloor): the rest have no mass and cannot win the race,
+//   so they change neither a top-p target nor the winner, whether or not the top-k keeps them.
+// - At most the block's own k best of those (the row's k best are among the blocks' k best).
+// A block takes its slots from one atomic on the row's count; the finisher ranks up to kThreads
+// candidates by counting (one a thread), and reduces more to the k best by the histogram select.
+
+// Thread maxima a block posts for the bound of a top-k of k over G blocks (0: no bound): enough
+// that the G - 1 full blocks (256 threads holding tokens each) post k, within the row's slots.
+__device__ __forceinline__ unsigned smp_post_each(unsigned k, unsigned G) {
+    if (G < 2u || k == 0u) return 0u;
+    const unsigned each = (k + G - 2u) / (G - 1u);
+    return each <= (unsigned)kPostMaxEach && G * each <= (unsigned)kPostSlots ? each : 0u;
+}
+
+// Posts the keys of the block's `each` largest thread maxima (thread_key: 0 for a thread without
+// tokens) to the row's slots chunk * each onwards: `each` rounds of a warp maximum (one holder
+// drops out per round) give each warp's largest, then their ranks among the block's warps.
+__device__ void smp_post_maxima(Smem& sm, const Ctx& cx, unsigned thread_key, unsigned each) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned v = thread_key;
+#pragma unroll 1
+    for (unsigned i = 0; i < each; ++i) {
+        const unsigned m = __reduce_max_sync(0xFFFFFFFFu, v);
+        if (lane == __ffs(__ballot_sync(0xFFFFFFFFu, v == m)) - 1u) v = 0u;
+        if (lane == 0) sm.post[warp * each + i] = m;
+    }
+    __syncthreads();
+    const unsigned n = kWarps * each;
+    if (threadIdx.x < n) {
+        const unsigned mine = sm.post[threadIdx.x];
+        unsigned above = 0u;  // ranked before mine: larger, or equal at a lower index
+#pragma unroll 1
+        for (unsigned j = 0; j < n; ++j) above += sm.post[j] > mine || (sm.post[j] == mine && j < threadIdx.x);
+        if (above < each) cx.rs.posts[cx.chunk * each + above] = mine;
+    }
+}
+
+// After the max barrier: the k-th largest of the n posted keys (this thread's is `posted`, loaded
+// with the maximum), block-uniform. Every block computes the same value from the same slots.
+__device__ unsigned smp_post_bound(Smem& sm, unsigned posted, unsigned n, unsigned k) {
+    if (threadIdx.x == 0) sm.bound = 0u;
+    if (threadIdx.x < n) sm.post[threadIdx.x] = posted;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        unsigned at_or_above = 0u;
+#pragma unroll 4
+        for (unsigned j = 0; j < n; ++j) at_or_above += sm.post[j] >= posted;
+        if (at_or_above >= k) atomicMax(&sm.bound, posted);
+    }
+    __syncthreads();
+    return sm.bound;
+}
 
 // The candidate where the count (by_mass false) or the mass from the top reaches `want`, among
 // the distinct nonzero composites c held kEach a thread: a level-0 histogram of the candidates'
@@ -912,77 +981,118 @@ __device__ __forceinline__ unsigned long long smp_token_key(float d, unsigned id
     return smp_word_key(d, id, r == 0u ? x.x : r == 1u ? x.y : r == 2u ? x.z : x.w);
 }
 
-// A block's part: the composites of its min(k, tokens) best tokens (>= its own k-th) into the
-// row's slots c * k onwards, in any order.
+// A block's part: its tokens with d >= d_bound and above the last bin, at most its own k best of
+// them (by the exact select when it holds more), to the row's gather slots.
 template <int P>
-__device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k) {
+__device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k, float d_bound) {
     unsigned long long c[P];
-#pragma unroll
-    for (int j = 0; j < P; ++j) c[j] = j < t.n ? smp_comp(t.v[j], t.first + j) : 0ull;
-    const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0: the block holds <= k tokens
-    if (threadIdx.x == 0) sm.ngather = 0u;
-    __syncthreads();
-    unsigned long long* slots = cx.rs.gather + (size_t)cx.chunk * k;
+    unsigned mine = 0u;
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-        if (!c[j] || c[j] < theta) continue;
-        const unsigned slot = atomicAdd(&sm.ngather, 1u);
-        if (slot < k) slots[slot] = c[j];
+        c[j] = j < t.n && t.v[j] >= d_bound && t.v[j] > kBinFloor ? smp_comp(t.v[j], t.first + j) : 0ull;
+        mine += c[j] != 0ull;
+    }
+    unsigned before;
+    unsigned long long unused;
+    unsigned total = (unsigned)smp_block_scan(mine, mine, before, unused, sm);
+    if (total > k) {  // block-uniform
+        const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0 (inconsistent data): keep all
+        mine = 0u;
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            if (c[j] < theta) c[j] = 0ull;
+            mine += c[j] != 0ull;
+        }
+        total = (unsigned)smp_block_scan(mine, mine, before, unused, sm);
+    }
+    if (threadIdx.x == 0) sm.ngather = atomicAdd(cx.rs.ngather, min(total, k));
+    __syncthreads();
+    const unsigned base = sm.ngather;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (!c[j]) continue;
+        if (before < k) cx.rs.gather[base + before] = c[j];  // k a block: the row's G * k slots hold them
+        ++before;
     }
 }
 
-// The finisher's cut of a gathered row: k (and top_p) of the row, the tokens per block, and the
-// race's parameters.
+// The finisher's cut of a gathered row: k and top_p of the row, and the race's parameters.
 struct GatherCut {
-    unsigned k, chunk_tokens;
+    unsigned k;
     float top_p, min_p;
     uint4 ctr;
     unsigned k0, k1;
 };
 
-// The finisher's part: the gathered candidates (block i's min(k, its tokens) at slots i * k
-// onwards, kGatherEach a thread, all loads in flight at once), the top-k among them, then top-p
-// over the survivors (target ceil(p * their mass)), then the race of the survivors (one a thread:
-// k <= kThreads). The select's loops are not unrolled: this code runs once a launch, on one SM,
-// fetched cold (fully unrolled it took ~13 us at batch 1). Every slot it reads is put back to zero.
+// The cut of at most kThreads distinct candidates, one a thread (`mine`, 0: none; n of them):
+// each one's rank by counting those above it, the k best survive, top-p keeps the survivors whose
+// mass above them (rank order) is below ceil(p * their mass), and the kept ones race.
+__device__ unsigned long long smp_rank_cut(Smem& sm, unsigned long long mine, unsigned n, const GatherCut& g) {
+    const unsigned tid = threadIdx.x;
+    sm.cand_comp[tid] = mine;
+    __syncthreads();
+    unsigned rank = 0u;
+    if (mine) {
+#pragma unroll 4
+        for (unsigned j = 0; j < n; ++j) rank += sm.cand_comp[j] > mine;
+    }
+    const unsigned kept = n < g.k ? n : g.k;
+    __syncthreads();  // every rank counted before the survivors are stored in rank order
+    if (mine && rank < kept) sm.cand_comp[rank] = mine;
+    __syncthreads();
+    unsigned long long c = tid < kept ? sm.cand_comp[tid] : 0ull;
+    if (g.top_p < 1.0f) {
+        unsigned cb;
+        unsigned long long above;
+        const unsigned long long total = smp_block_scan(0u, smp_comp_mass(c), cb, above, sm);
+        if (above >= smp_target(g.top_p, total)) c = 0ull;
+    }
+    unsigned long long key = 0ull;
+    if (c) key = smp_token_key(smp_unkey((unsigned)(c >> 32)), ~(unsigned)c, g.min_p, g.ctr, g.k0, g.k1);
+    return smp_block_max(key, sm);
+}
+
+// The finisher's part: the row's n gathered candidates (slots [0, n); the first kThreads are loaded
+// with n, the slots past n hold 0), cut by smp_rank_cut; more than kThreads are first reduced to
+// their k best by the histogram select (its loops are not unrolled: this code runs once a launch,
+// on one SM, fetched cold). Every slot it reads is put back to zero.
 constexpr int kGatherEach = kGatherSlots / kThreads;
 static_assert(kGatherMaxK <= kThreads && kGatherMaxK <= kCap && kGatherMaxK <= kThreads * 4,
               "one survivor a thread, in the candidate array; a block's k slots full");
 
-__device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, unsigned G, unsigned V,
+__device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, const unsigned* ngather,
                                              GatherCut g) {
-    const unsigned tid = threadIdx.x, k = g.k;
-    // every block but the last holds chunk_tokens >= kThreads * 4 >= k tokens, so its k slots are full
-    const unsigned filled = (G - 1u) * k + min(k, V - (G - 1u) * g.chunk_tokens);
+    const unsigned tid = threadIdx.x;
+    const unsigned n = __ldcg(ngather);
+    const unsigned long long first = __ldcg(&slots[tid]);
+    if (first) slots[tid] = 0ull;
+    if (n <= (unsigned)kThreads) return smp_rank_cut(sm, first, n, g);  // block-uniform
     unsigned long long c[kGatherEach];
+    c[0] = first;
 #pragma unroll
-    for (int e = 0; e < kGatherEach; ++e) {
+    for (int e = 1; e < kGatherEach; ++e) {
         const unsigned i = tid + e * kThreads;
         c[e] = 0ull;
-        if (i < filled) {
+        if (i < n) {
             c[e] = __ldcg(&slots[i]);
             slots[i] = 0ull;
         }
     }
-    const unsigned long long theta = smp_select<kGatherEach, 4>(sm, c, false, k);  // k <= the candidates
+    const unsigned long long theta = smp_select<kGatherEach, 4>(sm, c, false, g.k);  // 0: keep all
     if (tid == 0) sm.ngather = 0u;
     __syncthreads();
 #pragma unroll 4
-    for (int e = 0; e < kGatherEach; ++e)
-        if (c[e] && c[e] >= theta) sm.cand_comp[atomicAdd(&sm.ngather, 1u)] = c[e];
-    __syncthreads();
-    unsigned long long mine[1] = {tid < sm.ngather ? sm.cand_comp[tid] : 0ull};
-    unsigned long long theta_p = 0ull;
-    if (g.top_p < 1.0f) {
-        unsigned cb;
-        unsigned long long mb;
-        const unsigned long long total = smp_block_scan(0u, smp_comp_mass(mine[0]), cb, mb, sm);
-        theta_p = smp_select<1>(sm, mine, true, smp_target(g.top_p, total));
+    for (int e = 0; e < kGatherEach; ++e) {
+        if (c[e] && c[e] >= theta) {
+            const unsigned slot = atomicAdd(&sm.ngather, 1u);
+            if (slot < (unsigned)kThreads) sm.cand_comp[slot] = c[e];  // k <= kThreads of them
+        }
     }
-    unsigned long long key = 0ull;
-    if (mine[0] && mine[0] >= theta_p)
-        key = smp_token_key(smp_unkey((unsigned)(mine[0] >> 32)), ~(unsigned)mine[0], g.min_p, g.ctr, g.k0, g.k1);
-    return smp_block_max(key, sm);
+    __syncthreads();
+    const unsigned m = sm.ngather < (unsigned)kThreads ? sm.ngather : (unsigned)kThreads;
+    const unsigned long long mine = tid < m ? sm.cand_comp[tid] : 0ull;
+    __syncthreads();  // read before smp_rank_cut stores
+    return smp_rank_cut(sm, mine, m, g);
 }
 
 // ---- one (row, block) unit
@@ -1049,7 +1159,7 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
         }
         const unsigned long long from_cands =
             defer ? smp_cut_candidates(sm, cx, nr, by_mass)
-            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.G, V, gather) : 0ull;
+            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.rs.ngather, gather) : 0ull;
         if (threadIdx.x == 0) {
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
@@ -1061,12 +1171,14 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             *cx.rs.done = 0u;
             cx.rs.ncand[0] = 0u;
             cx.rs.ncand[1] = 0u;
+            *cx.rs.ngather = 0u;
             // The candidate slots written this unit (by either stage) go back to zero too.
             const unsigned n = n0 > n1 ? n0 : n1;
             sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
         }
         __syncthreads();  // sm.nclear
         for (unsigned i = threadIdx.x; i < sm.nclear; i += kThreads) cx.rs.cand[i] = make_ulonglong2(0ull, 0ull);
+        if (cx.posted) cx.rs.posts[threadIdx.x] = 0u;  // kPostSlots == kThreads
         if (cx.hpass)
             for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
         if (next != round) {  // the next round's blocks wait for `next`; a single round leaves 0 in place
@@ -1118,16 +1230,28 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         const unsigned long long c = ((unsigned long long)smp_key(t.v[j]) << 32) | (unsigned)~(t.first + j);
         best = c > best ? c : best;
     }
+    // A gathered top-k's bound (smp_post_each): the blocks' largest thread maxima, posted with the
+    // maximum. Row-uniform: k, G and the slots are the row's.
+    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
+    const bool use_p = p.top_p < 1.0f;
+    const bool fits = use_k && (unsigned long long)p.top_k * cx.G <= smp_gather_slots(cx.G);
+    const unsigned post_each = fits && p.temp != 0.0f ? smp_post_each((unsigned)p.top_k, cx.G) : 0u;
+    cx.posted = post_each != 0u;
+    if (post_each > 1u) smp_post_maxima(sm, cx, (unsigned)(best >> 32), post_each);
     const bool flag = __syncthreads_or(odd || (p.invalid && cx.chunk == 0u));
     best = smp_block_max(best, sm);
     if (tid == 0) {
         if (flag) atomicOr(status, FP4_STATUS_SAMPLER_INPUT);
         if (best) atomicMax(cx.rs.best, best);
+        if (post_each == 1u) cx.rs.posts[cx.chunk] = (unsigned)(best >> 32);  // the block's largest
     }
     Narrow nr;  // the deferred cut, when there is one
     if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     smp_barrier(cx);
-    const float lmax = smp_unkey((unsigned)(__ldcg(cx.rs.best) >> 32));
+    const unsigned nposts = cx.G * post_each;
+    // volatile: the posted key's load is issued before the maximum's is used (one round trip)
+    const unsigned posted = tid < nposts ? *(const volatile unsigned*)(cx.rs.posts + tid) : 0u;
+    const float lmax = smp_unkey((unsigned)(*(const volatile unsigned long long*)cx.rs.best >> 32));
     if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     const float inv_t = __frcp_rn(p.temp);  // T >= FLT_MIN: finite
 #pragma unroll
@@ -1136,12 +1260,17 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
 
     const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
     const unsigned k0 = (unsigned)sm.s_seed, k1 = (unsigned)(sm.s_seed >> 32);
-    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
-    const bool use_p = p.top_p < 1.0f;
-    if (use_k && use_p && (unsigned long long)p.top_k * cx.G <= smp_gather_slots(cx.G)) {  // row-uniform: the gathered cut
-        smp_gather(sm, t, cx, (unsigned)p.top_k);
+    float d_bound = SMP_NEG_INF;  // the gathered cut's bound: d of the k-th largest posted key
+    if (post_each) {
+        const unsigned bound = smp_post_bound(sm, posted, nposts, (unsigned)p.top_k);
+        if (bound) d_bound = __fmul_rn(__fsub_rn(smp_unkey(bound), lmax), inv_t) + 0.0f;  // as every d
+    }
+    // Row-uniform: the gathered cut with top-p after the top-k, or for a top-k alone when the bound
+    // is above the last bin (else every block would send its k best: the histogram path cuts faster).
+    if (fits && (use_p || d_bound > kBinFloor)) {
+        smp_gather(sm, t, cx, (unsigned)p.top_k, d_bound);
         smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status,
-                   GatherCut{(unsigned)p.top_k, (unsigned)(kThreads * per), p.top_p, p.min_p, ctr, k0, k1});
+                   GatherCut{(unsigned)p.top_k, p.top_p, p.min_p, ctr, k0, k1});
         return;
     }
 
@@ -1215,6 +1344,7 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
         }
         cx.nbar = 0u;
         cx.hpass = 0u;
+        cx.posted = false;
         const unsigned next = b + rows_per_round < B ? round + 1u : 0u;
         const Params p = smp_params(b, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all);
         sample_unit<T, P>(sm, logits, V, per, vec != 0, b, round, next, cx, p, rng, arrivals, out, status);
