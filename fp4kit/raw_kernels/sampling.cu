@@ -208,7 +208,7 @@ struct Smem {
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
-    unsigned ngather;  // a block's first gather slot; the finisher's survivors
+    unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
     unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
 };
 
@@ -897,8 +897,9 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
 // - Only tokens above the last bin (d > kBinFloor): the rest have no mass and cannot win the race,
 //   so they change neither a top-p target nor the winner, whether or not the top-k keeps them.
 // - At most the block's own k best of those (the row's k best are among the blocks' k best).
-// A block takes its slots from one atomic on the row's count; the finisher ranks up to kThreads
-// candidates by counting (one a thread), and reduces more to the k best by the histogram select.
+// The slots come from the row's count (one atomic per warp holding any); the finisher ranks up to
+// kThreads candidates by counting (one a thread), and reduces more to the k best by the histogram
+// select first.
 
 // Thread maxima a block posts for the bound of a top-k of k over G blocks (0: no bound): enough
 // that the G - 1 full blocks (256 threads holding tokens each) post k, within the row's slots.
@@ -982,7 +983,9 @@ __device__ __forceinline__ unsigned long long smp_token_key(float d, unsigned id
 }
 
 // A block's part: its tokens with d >= d_bound and above the last bin, at most its own k best of
-// them (by the exact select when it holds more), to the row's gather slots.
+// them (by the exact select when it holds more), to the row's gather slots, taken from the row's
+// count by one atomic per warp that holds any. A block whose threads holding any hold at most k
+// together (P a thread at most) needs no block scan: usually a few tokens in a few threads.
 template <int P>
 __device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k, float d_bound) {
     unsigned long long c[P];
@@ -992,27 +995,26 @@ __device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k
         c[j] = j < t.n && t.v[j] >= d_bound && t.v[j] > kBinFloor ? smp_comp(t.v[j], t.first + j) : 0ull;
         mine += c[j] != 0ull;
     }
-    unsigned before;
-    unsigned long long unused;
-    unsigned total = (unsigned)smp_block_scan(mine, mine, before, unused, sm);
-    if (total > k) {  // block-uniform
-        const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0 (inconsistent data): keep all
-        mine = 0u;
+    if ((unsigned)__syncthreads_count(mine != 0u) * P > k) {  // block-uniform
+        unsigned before;
+        unsigned long long unused;
+        if ((unsigned)smp_block_scan(mine, mine, before, unused, sm) > k) {
+            const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0 (inconsistent data): keep all
+            mine = 0u;
 #pragma unroll
-        for (int j = 0; j < P; ++j) {
-            if (c[j] < theta) c[j] = 0ull;
-            mine += c[j] != 0ull;
+            for (int j = 0; j < P; ++j) {
+                if (c[j] < theta) c[j] = 0ull;
+                mine += c[j] != 0ull;
+            }
         }
-        total = (unsigned)smp_block_scan(mine, mine, before, unused, sm);
     }
-    if (threadIdx.x == 0) sm.ngather = atomicAdd(cx.rs.ngather, min(total, k));
-    __syncthreads();
-    const unsigned base = sm.ngather;
+    unsigned slot = smp_warp_slots(cx.rs.ngather, mine);
+    const unsigned slots = smp_gather_slots(cx.G);  // k a block fill at most G * k of them
 #pragma unroll
     for (int j = 0; j < P; ++j) {
         if (!c[j]) continue;
-        if (before < k) cx.rs.gather[base + before] = c[j];  // k a block: the row's G * k slots hold them
-        ++before;
+        if (slot < slots) cx.rs.gather[slot] = c[j];
+        ++slot;
     }
 }
 
@@ -1061,9 +1063,9 @@ static_assert(kGatherMaxK <= kThreads && kGatherMaxK <= kCap && kGatherMaxK <= k
               "one survivor a thread, in the candidate array; a block's k slots full");
 
 __device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, const unsigned* ngather,
-                                             GatherCut g) {
+                                             unsigned G, GatherCut g) {
     const unsigned tid = threadIdx.x;
-    const unsigned n = __ldcg(ngather);
+    const unsigned n = min(__ldcg(ngather), smp_gather_slots(G));  // more only on inconsistent data
     const unsigned long long first = __ldcg(&slots[tid]);
     if (first) slots[tid] = 0ull;
     if (n <= (unsigned)kThreads) return smp_rank_cut(sm, first, n, g);  // block-uniform
@@ -1159,7 +1161,7 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
         }
         const unsigned long long from_cands =
             defer ? smp_cut_candidates(sm, cx, nr, by_mass)
-            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.rs.ngather, gather) : 0ull;
+            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.rs.ngather, cx.G, gather) : 0ull;
         if (threadIdx.x == 0) {
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
