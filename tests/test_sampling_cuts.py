@@ -298,3 +298,73 @@ def test_the_models_constants_are_the_kernels():
     src = loader.kernel_source("sampling")
     const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
     assert (const["kThreads"], const["kPostSlots"], const["kPostMaxEach"]) == (THREADS, POST_SLOTS, POST_MAX_EACH)
+
+
+# ---- top-p alone by racing first (smp_race_front / smp_race_decide)
+#
+# Every block sends, per level-0 bin, its best race key there, kept where it beats the best keys of
+# all better bins of the block. The decider finds the top-p cut's boundary bin b* from the row's
+# histogram: the best front key of the bins before b* wins, unless a front key in b* beats it (then
+# b* decides only when it holds one token; otherwise the histogram path runs).
+
+
+def _race_first(d, key, p, g):
+    """(the decider's winner or None when undecided, the exact winner, front entries sent)."""
+    bins, masses = _bin(d), _mass(d)
+    order = _order(d)
+    cum = np.cumsum(masses[order])
+    n_kept = int(np.searchsorted(cum, max(1, int(np.ceil(p * float(cum[-1])))))) + 1
+    kept = order[:n_kept]
+    relevant = kept[key[kept] > 0]
+    exact = relevant[np.argmax(key[relevant])]
+    counts = np.bincount(bins, minlength=BINS)
+    b_star = int(bins[kept[-1]])  # the histogram's boundary bin: where the mass reaches the target
+    assert (bins[kept] <= b_star).all() and (bins[order[n_kept:]] >= b_star).all()
+    best_kept = best_und = (0.0, -1)
+    sent = 0
+    for t in _blocks(d.size, g):
+        best = {}
+        for i in t[key[t] > 0]:
+            if key[i] > best.get(bins[i], (0.0, -1))[0]:
+                best[bins[i]] = (key[i], i)
+        run = 0.0
+        for b in sorted(best):
+            if best[b][0] > run:  # on the block's front
+                run = best[b][0]
+                sent += 1
+                if b < b_star:
+                    best_kept = max(best_kept, best[b])
+                elif b == b_star:
+                    best_und = max(best_und, best[b])
+    if best_und[0] <= best_kept[0]:
+        return best_kept[1], exact, sent
+    return (best_und[1] if counts[b_star] == 1 else None), exact, sent
+
+
+@pytest.mark.parametrize("g", [1, 5, 20])
+def test_racing_first_decides_the_exact_winner_or_falls_back(g):
+    """Decided draws name the exact winner; undecided ones are those the rule says: a key of the
+    boundary bin beats the kept bins' (common when top-p keeps a handful of tokens, so the boundary
+    bin holds much of their mass: p = 0.3 here), or a bin of ties (one value everywhere)."""
+    rng = np.random.default_rng(400 + g)
+    v = 20000
+    rows = dict(_rows(rng))
+    rows["peaked"] = np.concatenate([[14.0, 11.0, 10.5], rng.standard_normal(v - 3) * 2]).astype(np.float32)
+    rows["one dominant token"] = np.concatenate([[30.0], rng.standard_normal(v - 1)]).astype(np.float32)
+    for name, logits in rows.items():
+        d = _d(logits[:v] if logits.size >= v else np.resize(logits, v), 1.0)
+        for p in (0.3, 0.9, 0.99):
+            undecided = 0
+            for trial in range(4):
+                # race keys: exp(d) / E, E ~ Exp(1) (0: the token cannot win, d < -20)
+                key = np.where(d >= -20.0, np.exp(d.astype(np.float64)) / rng.exponential(size=v), 0.0)
+                got, exact, sent = _race_first(d, key, p, g)
+                assert sent <= g * BINS
+                if got is None:
+                    undecided += 1
+                else:
+                    assert got == exact, (name, p, trial)
+            if name == "all equal":
+                assert undecided == 4  # b* is the one bin, of 20000 tied tokens
+            elif p >= 0.9 and name in ("normal x 3", "clusters", "-inf tail", "peaked", "one dominant token"):
+                assert undecided == 0, (name, p)

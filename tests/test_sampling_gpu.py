@@ -394,3 +394,33 @@ def test_the_gathered_top_k_matches_the_reference_where_its_bound_is_tight_weak_
             ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
             assert scratch_is_clean(gen), (group, params)
     assert np.mean(np.concatenate(ok)) >= 0.8, f"only {np.sum(np.concatenate(ok))} rows are decided with a margin"
+
+
+@pytest.mark.parametrize("batch", [1, 8, 300])  # 300 rows: the blocks loop over rows in rounds
+def test_top_p_alone_racing_first_matches_the_reference_decided_or_not(rng, batch):
+    """Top-p without top-k races first: the row's last block decides from the row histogram's
+    boundary bin and the blocks' per-bin best keys, or sends the row down the histogram path (a
+    boundary bin of ties, or a key of it beating the kept bins' one). Rows of both kinds, with
+    min-p and temperature, in one launch: the reference's tokens, only kept tokens, a clean
+    scratch, and the same tokens on a repeat."""
+    vocab = 129280 if batch < 300 else 4096
+    kinds = [lambda: rng.standard_normal(vocab) * 3,
+             lambda: np.concatenate([[14.0, 11.0, 10.5], rng.standard_normal(vocab - 3) * 2]),
+             lambda: np.concatenate([[30.0], rng.standard_normal(vocab - 1)]),
+             lambda: np.zeros(vocab),  # one value: the boundary bin holds every token
+             lambda: rng.integers(-40, 3, vocab).astype(np.float64),
+             lambda: np.round(rng.standard_normal(vocab) * 32) / 4]
+    x = np.stack([kinds[i % len(kinds)]() for i in range(batch)]).astype(BF16)
+    xf = x.astype(np.float32)
+    xd = cp.asarray(x)
+    gen = Generator(41)
+    ok = []
+    for params in (dict(top_p=0.9), dict(top_p=0.3), dict(top_p=0.95, min_p=0.02, temperature=0.7)):
+        seed, offset = gen.get_state()
+        got = draw(xd, gen, **params).get()
+        again = draw(xd, Generator(seed, offset=offset), **params).get()
+        assert np.array_equal(got, again)
+        assert ref.kept_mask(xf, **params)[np.arange(batch), got].all(), params
+        ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
+        assert scratch_is_clean(gen), params
+    assert np.mean(np.concatenate(ok)) >= 0.7, f"only {np.sum(np.concatenate(ok))} rows are decided with a margin"

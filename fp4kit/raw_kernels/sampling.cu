@@ -84,7 +84,7 @@ constexpr int kMassSplit = 18;
 constexpr float kNeverWins = -20.0f;
 
 // Scratch per row in flight, in uint32 words (fp4kit/ops/sampling.py ROW_WORDS, allocates R * kRowWords).
-constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather
+constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather, verdict, ack, front_over
 constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
@@ -114,6 +114,8 @@ struct RowScratch {
     unsigned long long* gather;       // [smp_gather_slots(G)] composites (or 0)
     unsigned* ngather;                // gathered composites so far (the next free slot)
     unsigned* posts;                  // [kPostSlots] thread maxima' keys posted for the bound
+    unsigned *verdict, *ack;          // the racing-first top-p's decision, and the blocks that read it
+    unsigned* front_over;             // a block's front did not fit the row's slots
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -125,6 +127,9 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.ncand = base + 6;
     s.round = base + 8;
     s.ngather = base + 9;
+    s.verdict = base + 10;
+    s.ack = base + 11;
+    s.front_over = base + 12;
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
     s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
@@ -210,6 +215,8 @@ struct Smem {
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
     unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
     unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
+    unsigned long long bin_best[kBins];  // each level-0 bin's best race key (smp_race_front)
+    unsigned verdict;
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -1097,6 +1104,204 @@ __device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots
     return smp_rank_cut(sm, mine, m, g);
 }
 
+// ---- top-p alone by racing first
+//
+// A row with top-p and no top-k races before it cuts. After the max barrier every block merges
+// its level-0 histogram into the row's (the histogram path's first pass, without its barrier),
+// races every token that can win (d >= kNeverWins, min-p) and sends its front: per level-0 bin
+// the block's best race key there, kept where it beats the best keys of all better bins of the
+// block. The row's last block to arrive (the decider) scans the row's histogram for the top-p
+// cut's boundary bin b*: the bins before it are kept whole, those after it dropped. The winner
+// (the best key of a kept token) is then the best front key of the bins before b*, unless a front
+// key in b* beats it: a kept bin's best key is on its block's front or beaten by a better, kept
+// bin of the block, and every key of b* is on a front or beaten by a key of a kept bin. When a key
+// of b* does beat it, the exact cut inside b* decides, unless b* holds a single token (a bin's
+// first token is always kept). Those rows (a few percent of draws on smooth or peaked rows) fall
+// back to the histogram path from its first pass, into the next histogram buffer: the decider
+// resets the arrival count and posts its verdict, which the other blocks wait for.
+constexpr unsigned kVerdictDecided = 1u, kVerdictFallback = 2u;
+
+// Exclusive prefix maximum over the block in thread order (0 for thread 0).
+__device__ __forceinline__ unsigned long long smp_block_prefix_max(unsigned long long v, Smem& sm) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long incl = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= (unsigned)off) incl = x > incl ? x : incl;
+    }
+    if (lane == 31) sm.red64[warp] = incl;
+    const unsigned long long left = __shfl_up_sync(0xFFFFFFFFu, incl, 1);
+    __syncthreads();
+    unsigned long long before = 0ull;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+        if ((unsigned)w < warp && sm.red64[w] > before) before = sm.red64[w];
+    __syncthreads();  // red64 may be reused at once
+    return lane && left > before ? left : before;
+}
+
+// A block's part: the level-0 histogram merged into the row's buffer cx.hpass, then the race and
+// the block's front, as (key, bin) pairs in the row's gather slots from the row's count.
+template <int P>
+__device__ void smp_race_front(Smem& sm, const Tile<P>& t, const Ctx& cx, float min_p, uint4 ctr, unsigned k0,
+                               unsigned k1) {
+    const Bucket all{-1, 0ull, 0ull, 0ull, ~0ull};
+    smp_local_hist<true>(sm, t, all, 0, true);
+    smp_merge(sm, cx, kBins, kMergeAll);
+    for (int i = threadIdx.x; i < kBins; i += kThreads) sm.bin_best[i] = 0ull;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < P; g += 4) {  // one Philox call per 4 tokens that race
+        if (g >= t.n) break;
+        bool any = false;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) any |= t.v[g + e] >= kNeverWins;  // -inf past t.n
+        if (!any) continue;
+        ctr.x = (t.first + g) >> 2;
+        const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
+        const unsigned words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float d = t.v[g + e];
+            if (d < kNeverWins || (min_p > 0.0f && !(expf(d) >= min_p))) continue;
+            atomicMax(&sm.bin_best[smp_bin(d)], smp_word_key(d, t.first + g + e, words[e]));
+        }
+    }
+    __syncthreads();
+    constexpr int kEach = kBins / kThreads;  // bins kEach * tid onwards: thread order is bin order
+    unsigned long long v[kEach], run = 0ull;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        v[e] = sm.bin_best[threadIdx.x * kEach + e];
+        run = v[e] > run ? v[e] : run;
+    }
+    unsigned long long before = smp_block_prefix_max(run, sm);
+    unsigned mine = 0u, front = 0u;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (v[e] > before) front |= 1u << e, ++mine, before = v[e];
+    }
+    unsigned slot = smp_warp_slots(cx.rs.ngather, mine);
+    const unsigned pairs = smp_gather_slots(cx.G) / 2u;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (!(front >> e & 1u)) continue;
+        if (slot < pairs) {
+            cx.rs.gather[2u * slot] = v[e];
+            cx.rs.gather[2u * slot + 1u] = (unsigned long long)(threadIdx.x * kEach + e);
+        } else {
+            *cx.rs.front_over = 1u;  // the decider falls back
+        }
+        ++slot;
+    }
+}
+
+// The decider's part: the top-p cut's boundary bin from the row's histogram (buffer cx.hpass),
+// then the best front key of the kept bins. Returns the winning key; 0 when undecided (or on
+// inconsistent data: the histogram path decides then). Every front slot it read is put back to 0.
+constexpr int kFrontEach = 4;  // front pairs a thread of the decider loads at once
+
+__device__ unsigned long long smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
+    const unsigned pairs = smp_gather_slots(cx.G) / 2u;
+    // The count, the first pairs (zero past the count) and the histogram: one round trip.
+    const unsigned n = __ldcg(cx.rs.ngather), over = __ldcg(cx.rs.front_over);
+    const unsigned long long* pair = cx.rs.gather;
+    unsigned long long key[kFrontEach];
+    unsigned bin[kFrontEach];
+#pragma unroll
+    for (int e = 0; e < kFrontEach; ++e) {
+        const unsigned i = threadIdx.x + e * kThreads;
+        key[e] = i < pairs ? __ldcg(&pair[2u * i]) : 0ull;
+        bin[e] = i < pairs ? (unsigned)__ldcg(&pair[2u * i + 1u]) : 0u;
+    }
+    unsigned long long rem = 0ull;
+    const bool found = smp_pick(sm, cx, kBins, true, rem, top_p);  // block-uniform
+    const unsigned bstar = sm.pick_idx, in_bin = sm.pick_count_in;
+    const unsigned m = min(n, pairs);
+    unsigned long long kept = 0ull, undecided = 0ull;
+    for (unsigned base = 0u;; base += kFrontEach * kThreads) {
+#pragma unroll
+        for (int e = 0; e < kFrontEach; ++e) {
+            const unsigned i = base + threadIdx.x + e * kThreads;
+            if (i >= m) continue;
+            if (base) key[e] = __ldcg(&pair[2u * i]), bin[e] = (unsigned)__ldcg(&pair[2u * i + 1u]);
+            cx.rs.gather[2u * i] = 0ull;
+            cx.rs.gather[2u * i + 1u] = 0ull;
+            if (bin[e] < bstar) kept = key[e] > kept ? key[e] : kept;
+            if (bin[e] == bstar) undecided = key[e] > undecided ? key[e] : undecided;
+        }
+        if (base + kFrontEach * kThreads >= m) break;
+    }
+    kept = smp_block_max(kept, sm);
+    undecided = smp_block_max(undecided, sm);
+    if (!found || over || n > m) return 0ull;
+    if (undecided <= kept) return kept;
+    return in_bin == 1u ? undecided : 0ull;
+}
+
+// After smp_race_front: the row's blocks arrive; the last one decides. Decided: it writes the
+// token, puts the row's scratch back to zero, posts the verdict, waits until every block has read
+// it, clears it and hands the scratch to the next round; returns true in every block. Undecided:
+// the arrival count goes back to 0 for the histogram path's finisher (which also clears the
+// verdict); returns false in every block.
+__device__ bool smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
+                                 float top_p, int* out) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gpu_sync::fence_acq_rel();
+        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
+        sm.last = last;
+        if (last) gpu_sync::fence_acq_rel();
+    }
+    __syncthreads();
+    if (!sm.last) {  // block-uniform
+        if (threadIdx.x == 0) {
+            unsigned v;
+            while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {
+            }
+            sm.verdict = v;
+            atomicAdd(cx.rs.ack, 1u);  // after this the block touches the verdict no more
+        }
+        __syncthreads();
+        const bool decided = sm.verdict == kVerdictDecided;
+        __syncthreads();  // sm.verdict is read before a later unit writes it
+        return decided;
+    }
+    const unsigned long long win = smp_race_decide(sm, cx, top_p);
+    if (win)  // the histogram buffer the blocks merged into (the next one was zero and stays so)
+        for (int i = threadIdx.x; i < kBins; i += kThreads)
+            cx.rs.count[cx.hpass % 3u * kBins + i] = 0u, cx.rs.mass[cx.hpass % 3u * kBins + i] = 0ull;
+    if (threadIdx.x == 0) {
+        *cx.rs.ngather = 0u;
+        *cx.rs.front_over = 0u;
+        *cx.rs.done = 0u;
+        if (win) {
+            const unsigned tok = ~(unsigned)win;
+            out[b] = (int)(tok < V ? tok : 0u);
+            *cx.rs.best = 0ull;
+            *cx.rs.arrive = 0u;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gpu_sync::fence_acq_rel();
+        atomicExch(cx.rs.verdict, win ? kVerdictDecided : kVerdictFallback);
+        if (win) {
+            while (gpu_sync::ld_acquire(cx.rs.ack) != cx.G - 1u) {
+            }
+            *cx.rs.verdict = 0u;
+            *cx.rs.ack = 0u;
+            if (next != round) {  // as smp_finish hands over
+                gpu_sync::fence_acq_rel();
+                atomicExch(cx.rs.round, next);
+            }
+        }
+    }
+    __syncthreads();
+    return win != 0ull;
+}
+
 // ---- one (row, block) unit
 
 struct Params {
@@ -1174,6 +1379,9 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             cx.rs.ncand[0] = 0u;
             cx.rs.ncand[1] = 0u;
             *cx.rs.ngather = 0u;
+            *cx.rs.verdict = 0u;  // a racing-first row that fell back: every block has read it
+            *cx.rs.ack = 0u;
+            *cx.rs.front_over = 0u;
             // The candidate slots written this unit (by either stage) go back to zero too.
             const unsigned n = n0 > n1 ? n0 : n1;
             sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
@@ -1274,6 +1482,13 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status,
                    GatherCut{(unsigned)p.top_k, p.top_p, p.min_p, ctr, k0, k1});
         return;
+    }
+
+    if (use_p && !use_k) {  // row-uniform: top-p alone races first (smp_race_front)
+        cx.with_mass = true;
+        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);
+        if (smp_race_verdict(sm, cx, b, V, round, next, p.top_p, out)) return;
+        ++cx.hpass;  // undecided: the histogram path, its first pass into the next buffer
     }
 
     // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
