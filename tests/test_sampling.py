@@ -390,7 +390,7 @@ def test_the_finisher_clears_every_scratch_field_the_kernel_writes():
             written.add(field)
     # the patterns must see every field the kernel writes; a field they miss is a field never checked
     assert fields == {"best", "race", "arrive", "done", "ncand", "round", "count", "mass", "cand", "gather", "ngather",
-                      "posts", "verdict", "ack", "front_over"}
+                      "posts", "verdict", "ack", "front_over", "cut_n", "cut_rem"}
     assert written == fields, f"fields written but not found by the patterns: {fields - written}"
     finish = _function_body(src, "__device__ void smp_finish")
     for field in written:

@@ -84,7 +84,8 @@ constexpr int kMassSplit = 18;
 constexpr float kNeverWins = -20.0f;
 
 // Scratch per row in flight, in uint32 words (fp4kit/ops/sampling.py ROW_WORDS, allocates R * kRowWords).
-constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather, verdict, ack, front_over
+constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather, verdict, ack, front_over,
+                               // cut_n, cut_rem u64
 constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
@@ -116,6 +117,8 @@ struct RowScratch {
     unsigned* posts;                  // [kPostSlots] thread maxima' keys posted for the bound
     unsigned *verdict, *ack;          // the racing-first top-p's decision, and the blocks that read it
     unsigned* front_over;             // a block's front did not fit the row's slots
+    unsigned* cut_n;                  // the boundary bin's tokens, when the blocks send them
+    unsigned long long* cut_rem;      // the mass the boundary bin must supply
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -130,6 +133,8 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.verdict = base + 10;
     s.ack = base + 11;
     s.front_over = base + 12;
+    s.cut_n = base + 13;
+    s.cut_rem = reinterpret_cast<unsigned long long*>(base + 14);
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
     s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
@@ -216,7 +221,8 @@ struct Smem {
     unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
     unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
     unsigned long long bin_best[kBins];  // each level-0 bin's best race key (smp_race_front)
-    unsigned verdict;
+    unsigned verdict, cut_n;
+    unsigned long long cut_rem;
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -1116,10 +1122,13 @@ __device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots
 // key in b* beats it: a kept bin's best key is on its block's front or beaten by a better, kept
 // bin of the block, and every key of b* is on a front or beaten by a key of a kept bin. When a key
 // of b* does beat it, the exact cut inside b* decides, unless b* holds a single token (a bin's
-// first token is always kept). Those rows (a few percent of draws on smooth or peaked rows) fall
-// back to the histogram path from its first pass, into the next histogram buffer: the decider
-// resets the arrival count and posts its verdict, which the other blocks wait for.
-constexpr unsigned kVerdictDecided = 1u, kVerdictFallback = 2u;
+// first token is always kept): the blocks wait for the decider's verdict, send b*'s tokens with
+// their race keys (at most kCap of them) and the row's finisher cuts them as the histogram path's
+// deferred cut does. A larger b* (ties), or data the decider cannot use, sends the row down the
+// histogram path from its first pass, into the next histogram buffer. Undecided draws are a few
+// percent at top-p 0.9 on smooth or peaked rows, most draws at small p (top-p 0.3 keeps a handful
+// of tokens, b* holding much of their mass).
+constexpr unsigned kVerdictDecided = 1u, kVerdictFallback = 2u, kVerdictBin = 3u;  // kVerdictBin | b* << 2
 
 // Exclusive prefix maximum over the block in thread order (0 for thread 0).
 __device__ __forceinline__ unsigned long long smp_block_prefix_max(unsigned long long v, Smem& sm) {
@@ -1197,12 +1206,18 @@ __device__ void smp_race_front(Smem& sm, const Tile<P>& t, const Ctx& cx, float 
     }
 }
 
-// The decider's part: the top-p cut's boundary bin from the row's histogram (buffer cx.hpass),
-// then the best front key of the kept bins. Returns the winning key; 0 when undecided (or on
-// inconsistent data: the histogram path decides then). Every front slot it read is put back to 0.
+// The decider's part: the top-p cut's boundary bin b* from the row's histogram (buffer cx.hpass),
+// then the best front key of the kept bins. Every front slot it read is put back to 0.
 constexpr int kFrontEach = 4;  // front pairs a thread of the decider loads at once
 
-__device__ unsigned long long smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
+struct RaceDecision {
+    unsigned verdict;          // kVerdictDecided, kVerdictBin | b* << 2, or kVerdictFallback
+    unsigned long long key;    // decided: the winner; kVerdictBin: the best key of the kept bins
+    unsigned n;                // kVerdictBin: the tokens of b*
+    unsigned long long rem;    // kVerdictBin: the mass b* must supply to reach the target
+};
+
+__device__ RaceDecision smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
     const unsigned pairs = smp_gather_slots(cx.G) / 2u;
     // The count, the first pairs (zero past the count) and the histogram: one round trip.
     const unsigned n = __ldcg(cx.rs.ngather), over = __ldcg(cx.rs.front_over);
@@ -1218,6 +1233,7 @@ __device__ unsigned long long smp_race_decide(Smem& sm, const Ctx& cx, float top
     unsigned long long rem = 0ull;
     const bool found = smp_pick(sm, cx, kBins, true, rem, top_p);  // block-uniform
     const unsigned bstar = sm.pick_idx, in_bin = sm.pick_count_in;
+    const unsigned long long bin_rem = rem - sm.pick_mass_above;
     const unsigned m = min(n, pairs);
     unsigned long long kept = 0ull, undecided = 0ull;
     for (unsigned base = 0u;; base += kFrontEach * kThreads) {
@@ -1235,18 +1251,26 @@ __device__ unsigned long long smp_race_decide(Smem& sm, const Ctx& cx, float top
     }
     kept = smp_block_max(kept, sm);
     undecided = smp_block_max(undecided, sm);
-    if (!found || over || n > m) return 0ull;
-    if (undecided <= kept) return kept;
-    return in_bin == 1u ? undecided : 0ull;
+    if (!found || over || n > m) return RaceDecision{kVerdictFallback, 0ull, 0u, 0ull};
+    if (undecided <= kept) return RaceDecision{kVerdictDecided, kept, 0u, 0ull};
+    if (in_bin == 1u) return RaceDecision{kVerdictDecided, undecided, 0u, 0ull};
+    if (in_bin <= (unsigned)kCap) return RaceDecision{kVerdictBin | bstar << 2, kept, in_bin, bin_rem};
+    return RaceDecision{kVerdictFallback, 0ull, 0u, 0ull};
 }
 
-// After smp_race_front: the row's blocks arrive; the last one decides. Decided: it writes the
-// token, puts the row's scratch back to zero, posts the verdict, waits until every block has read
-// it, clears it and hands the scratch to the next round; returns true in every block. Undecided:
-// the arrival count goes back to 0 for the histogram path's finisher (which also clears the
-// verdict); returns false in every block.
-__device__ bool smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
-                                 float top_p, int* out) {
+// After smp_race_front: the row's blocks arrive; the last one decides, and every block returns
+// the verdict.
+// - Decided: the decider writes the token, puts the row's scratch back to zero, posts the
+//   verdict, waits until every block has read it, clears it and hands the scratch to the next
+//   round.
+// - kVerdictBin: the decider leaves the kept bins' best key in the row's race slot and b*'s token
+//   count and remaining mass in cut_n / cut_rem (also in sm); every block then sends b*'s tokens
+//   with their race keys to the candidate list, and the row's finisher cuts them exactly, as the
+//   histogram path's deferred cut does.
+// - Fallback: the histogram path from its first pass.
+// In the last two the arrival count goes back to 0 for the finisher, which clears the rest.
+__device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
+                                     float top_p, int* out) {
     __syncthreads();
     if (threadIdx.x == 0) {
         gpu_sync::fence_acq_rel();
@@ -1261,33 +1285,39 @@ __device__ bool smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V
             while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {
             }
             sm.verdict = v;
+            if ((v & 3u) == kVerdictBin) sm.cut_n = __ldcg(cx.rs.cut_n), sm.cut_rem = __ldcg(cx.rs.cut_rem);
             atomicAdd(cx.rs.ack, 1u);  // after this the block touches the verdict no more
         }
         __syncthreads();
-        const bool decided = sm.verdict == kVerdictDecided;
-        __syncthreads();  // sm.verdict is read before a later unit writes it
-        return decided;
+        return sm.verdict;  // read before a later unit writes it: every path on has block barriers
     }
-    const unsigned long long win = smp_race_decide(sm, cx, top_p);
-    if (win)  // the histogram buffer the blocks merged into (the next one was zero and stays so)
+    const RaceDecision dec = smp_race_decide(sm, cx, top_p);
+    const bool decided = dec.verdict == kVerdictDecided;
+    if (decided)  // the histogram buffer the blocks merged into (the next one was zero and stays so)
         for (int i = threadIdx.x; i < kBins; i += kThreads)
             cx.rs.count[cx.hpass % 3u * kBins + i] = 0u, cx.rs.mass[cx.hpass % 3u * kBins + i] = 0ull;
     if (threadIdx.x == 0) {
         *cx.rs.ngather = 0u;
         *cx.rs.front_over = 0u;
         *cx.rs.done = 0u;
-        if (win) {
-            const unsigned tok = ~(unsigned)win;
+        if (decided) {
+            const unsigned tok = ~(unsigned)dec.key;
             out[b] = (int)(tok < V ? tok : 0u);
             *cx.rs.best = 0ull;
             *cx.rs.arrive = 0u;
+        } else if ((dec.verdict & 3u) == kVerdictBin) {
+            *cx.rs.race = dec.key;  // the finisher's best key beside the cut candidates
+            *cx.rs.cut_n = dec.n;
+            *cx.rs.cut_rem = dec.rem;
+            sm.cut_n = dec.n, sm.cut_rem = dec.rem;
         }
+        sm.verdict = dec.verdict;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         gpu_sync::fence_acq_rel();
-        atomicExch(cx.rs.verdict, win ? kVerdictDecided : kVerdictFallback);
-        if (win) {
+        atomicExch(cx.rs.verdict, dec.verdict);
+        if (decided) {
             while (gpu_sync::ld_acquire(cx.rs.ack) != cx.G - 1u) {
             }
             *cx.rs.verdict = 0u;
@@ -1299,7 +1329,25 @@ __device__ bool smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V
         }
     }
     __syncthreads();
-    return win != 0ull;
+    return dec.verdict;
+}
+
+// kVerdictBin: the block's tokens of bin `bin` (with d >= kNeverWins and min-p: a race key; else 0)
+// to the row's candidate list (count ncand[0]).
+template <int P>
+__device__ void smp_send_bin(const Tile<P>& t, const Ctx& cx, int bin, float min_p, uint4 ctr, unsigned k0,
+                             unsigned k1) {
+    unsigned mine = 0u;
+#pragma unroll
+    for (int j = 0; j < P; ++j) mine += j < t.n && smp_bin(t.v[j]) == bin;
+    unsigned slot = smp_warp_slots(cx.rs.ncand, mine);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (j >= t.n || smp_bin(t.v[j]) != bin) continue;
+        const unsigned long long key = smp_token_key(t.v[j], t.first + j, min_p, ctr, k0, k1);
+        if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), key);
+        ++slot;
+    }
 }
 
 // ---- one (row, block) unit
@@ -1382,6 +1430,8 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             *cx.rs.verdict = 0u;  // a racing-first row that fell back: every block has read it
             *cx.rs.ack = 0u;
             *cx.rs.front_over = 0u;
+            *cx.rs.cut_n = 0u;
+            *cx.rs.cut_rem = 0ull;
             // The candidate slots written this unit (by either stage) go back to zero too.
             const unsigned n = n0 > n1 ? n0 : n1;
             sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
@@ -1487,7 +1537,18 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
     if (use_p && !use_k) {  // row-uniform: top-p alone races first (smp_race_front)
         cx.with_mass = true;
         smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);
-        if (smp_race_verdict(sm, cx, b, V, round, next, p.top_p, out)) return;
+        const unsigned verdict = smp_race_verdict(sm, cx, b, V, round, next, p.top_p, out);
+        if (verdict == kVerdictDecided) return;
+        if ((verdict & 3u) == kVerdictBin) {  // the boundary bin's exact cut, by the row's finisher
+            const int bin = (int)(verdict >> 2);
+            smp_send_bin(t, cx, bin, p.min_p, ctr, k0, k1);
+            Narrow nb;
+            nb.bk = Bucket{bin, 0ull, 0ull, 0ull, ~0ull};
+            smp_bin_range(bin, V, nb.bk);
+            nb.n = sm.cut_n, nb.rem = sm.cut_rem, nb.above = 0ull;
+            cx.hpass = 1u;  // the finisher clears the histogram buffers
+            return smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);
+        }
         ++cx.hpass;  // undecided: the histogram path, its first pass into the next buffer
     }
 
