@@ -1268,7 +1268,8 @@ __device__ RaceDecision smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
 //   with their race keys to the candidate list, and the row's finisher cuts them exactly, as the
 //   histogram path's deferred cut does.
 // - Fallback: the histogram path from its first pass.
-// In the last two the arrival count goes back to 0 for the finisher, which clears the rest.
+// In the last two the finisher's arrival count (`done`) goes back to 0, and the finisher clears
+// the rest; the row barriers' count (`arrive`) stays at G, so their next target, 2G, holds.
 __device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
                                      float top_p, int* out) {
     __syncthreads();
@@ -1284,6 +1285,7 @@ __device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsign
             unsigned v;
             while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {
             }
+            gpu_sync::fence_acq_rel();  // as every spin here: the decider's writes before the block's
             sm.verdict = v;
             if ((v & 3u) == kVerdictBin) sm.cut_n = __ldcg(cx.rs.cut_n), sm.cut_rem = __ldcg(cx.rs.cut_rem);
             atomicAdd(cx.rs.ack, 1u);  // after this the block touches the verdict no more
