@@ -891,6 +891,19 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
     return win;
 }
 
+// The block's arrival at the row's finish count: everything it wrote is visible to the last block
+// to arrive, which gets sm.last (block-uniform after the barrier).
+__device__ __forceinline__ void smp_arrive(Smem& sm, const Ctx& cx) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gpu_sync::fence_acq_rel();
+        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
+        sm.last = last;
+        if (last) gpu_sync::fence_acq_rel();
+    }
+    __syncthreads();
+}
+
 // ---- top-k by gathering
 //
 // A top-k row (alone or followed by top-p) whose top_k * G fits its gather slots skips the
@@ -1272,14 +1285,7 @@ __device__ RaceDecision smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
 // the rest; the row barriers' count (`arrive`) stays at G, so their next target, 2G, holds.
 __device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
                                      float top_p, int* out) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        gpu_sync::fence_acq_rel();
-        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
-        sm.last = last;
-        if (last) gpu_sync::fence_acq_rel();
-    }
-    __syncthreads();
+    smp_arrive(sm, cx);
     if (!sm.last) {  // block-uniform
         if (threadIdx.x == 0) {
             unsigned v;
@@ -1397,14 +1403,7 @@ __device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const 
 // `gather.k` > 0: the row took the gathered top-k (smp_gather); the finisher makes its cut here.
 __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next, bool defer,
                            const Narrow& nr, bool by_mass, int* out, unsigned* status, GatherCut gather = GatherCut()) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        gpu_sync::fence_acq_rel();
-        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
-        sm.last = last;
-        if (last) gpu_sync::fence_acq_rel();
-    }
-    __syncthreads();
+    smp_arrive(sm, cx);
     if (sm.last) {  // block-uniform
         unsigned long long race = 0ull, best = 0ull;
         unsigned n0 = 0u, n1 = 0u;
