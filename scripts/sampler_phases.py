@@ -51,6 +51,8 @@ MARKS = (
     # top-p alone, racing first: its race and front (as raced), and a decided row's finish
     ("        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);\n",
      "        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);\n        PHASE(6);\n"),
+    ("            return smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);\n",
+     "            smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);\n            PHASE(7);\n            return;\n"),
     ("        if (verdict == kVerdictDecided) return;\n",
      "        if (verdict == kVerdictDecided) {\n            PHASE(7);\n            return;\n        }\n"),
 )
