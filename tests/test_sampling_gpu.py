@@ -399,10 +399,10 @@ def test_the_gathered_top_k_matches_the_reference_where_its_bound_is_tight_weak_
 @pytest.mark.parametrize("batch", [1, 8, 300])  # 300 rows: the blocks loop over rows in rounds
 def test_top_p_alone_racing_first_matches_the_reference_decided_or_not(rng, batch):
     """Top-p without top-k races first: the row's last block decides from the row histogram's
-    boundary bin and the blocks' per-bin best keys, or sends the row down the histogram path (a
-    boundary bin of ties, or a key of it beating the kept bins' one). Rows of both kinds, with
-    min-p and temperature, in one launch: the reference's tokens, only kept tokens, a clean
-    scratch, and the same tokens on a repeat."""
+    boundary bin and the blocks' per-bin best keys, has the boundary bin cut exactly by the row's
+    finisher, or sends the row down the histogram path (a boundary bin of more than 512 ties).
+    Rows of every kind, with min-p and temperature: the reference's tokens, only kept tokens, a
+    clean scratch, and the same tokens on a repeat."""
     vocab = 129280 if batch < 300 else 4096
     kinds = [lambda: rng.standard_normal(vocab) * 3,
              lambda: np.concatenate([[14.0, 11.0, 10.5], rng.standard_normal(vocab - 3) * 2]),
@@ -410,17 +410,19 @@ def test_top_p_alone_racing_first_matches_the_reference_decided_or_not(rng, batc
              lambda: np.zeros(vocab),  # one value: the boundary bin holds every token
              lambda: rng.integers(-40, 3, vocab).astype(np.float64),
              lambda: np.round(rng.standard_normal(vocab) * 32) / 4]
-    x = np.stack([kinds[i % len(kinds)]() for i in range(batch)]).astype(BF16)
-    xf = x.astype(np.float32)
-    xd = cp.asarray(x)
+    rows = [kinds[i % len(kinds)]() for i in range(max(batch, len(kinds)))]
     gen = Generator(41)
     ok = []
-    for params in (dict(top_p=0.9), dict(top_p=0.3), dict(top_p=0.95, min_p=0.02, temperature=0.7)):
-        seed, offset = gen.get_state()
-        got = draw(xd, gen, **params).get()
-        again = draw(xd, Generator(seed, offset=offset), **params).get()
-        assert np.array_equal(got, again)
-        assert ref.kept_mask(xf, **params)[np.arange(batch), got].all(), params
-        ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
-        assert scratch_is_clean(gen), params
+    for start in range(0, len(rows), batch):  # batch 1: one launch per kind
+        x = np.stack(rows[start:start + batch]).astype(BF16)
+        xf = x.astype(np.float32)
+        xd = cp.asarray(x)
+        for params in (dict(top_p=0.9), dict(top_p=0.3), dict(top_p=0.95, min_p=0.02, temperature=0.7)):
+            seed, offset = gen.get_state()
+            got = draw(xd, gen, **params).get()
+            again = draw(xd, Generator(seed, offset=offset), **params).get()
+            assert np.array_equal(got, again)
+            assert ref.kept_mask(xf, **params)[np.arange(x.shape[0]), got].all(), params
+            ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
+            assert scratch_is_clean(gen), params
     assert np.mean(np.concatenate(ok)) >= 0.7, f"only {np.sum(np.concatenate(ok))} rows are decided with a margin"
