@@ -37,7 +37,7 @@ MERGE = "    smp_merge(sm, cx, nb, kLevel0 ? smp_merge_bound(sm, limit, rem) : n
 MARKS = (
     ("    const bool odd = smp_load_tile(", "    PHASE(0);\n    const bool odd = smp_load_tile("),
     ("    best = smp_block_max(best, sm);\n", "    best = smp_block_max(best, sm);\n    PHASE(1);\n"),
-    ("    smp_barrier(cx);\n    const float lmax", "    smp_barrier(cx);\n    PHASE(2);\n    const float lmax"),
+    ("    smp_barrier(cx);\n    const unsigned nposts", "    smp_barrier(cx);\n    PHASE(2);\n    const unsigned nposts"),
     (MERGE + "    smp_barrier(cx);\n", "    PHASE(3);\n" + MERGE + "    smp_barrier(cx);\n    PHASE(4);\n"),
     ("    // 3. the race over the kept tokens", "    PHASE(5);\n    // 3. the race over the kept tokens"),
     ("    if (tid == 0 && win) atomicMax(cx.rs.race, win);\n",
@@ -45,8 +45,16 @@ MARKS = (
     ("    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n}",
      "    smp_finish(sm, cx, b, V, round, next, defer, nr, defer_by_mass, out, status);\n    PHASE(7);\n}"),
     # the gathered top-k: its own cut (as narrowed) and finish
-    ("        smp_gather(sm, t, cx, (unsigned)p.top_k);\n", "        smp_gather(sm, t, cx, (unsigned)p.top_k);\n        PHASE(5);\n"),
+    ("        smp_gather(sm, t, cx, (unsigned)p.top_k, d_bound);\n",
+     "        smp_gather(sm, t, cx, (unsigned)p.top_k, d_bound);\n        PHASE(5);\n"),
     ("p.min_p, ctr, k0, k1});\n        return;", "p.min_p, ctr, k0, k1});\n        PHASE(7);\n        return;"),
+    # top-p alone, racing first: its race and front (as raced), and a decided row's finish
+    ("        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);\n",
+     "        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);\n        PHASE(6);\n"),
+    ("            return smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);\n",
+     "            smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);\n            PHASE(7);\n            return;\n"),
+    ("        if (verdict == kVerdictDecided) return;\n",
+     "        if (verdict == kVerdictDecided) {\n            PHASE(7);\n            return;\n        }\n"),
 )
 ANCHOR = "// One histogram pass: local histogram, merge"
 

@@ -272,8 +272,8 @@ def test_scratch_size_matches_the_kernel():
 
     src = loader.kernel_source("sampling")
     const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
-    hdr, bins, cap = const["kHdrWords"], const["kBins"], const["kCap"]
-    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 4 * cap
+    hdr, bins, cap, posts = const["kHdrWords"], const["kBins"], const["kCap"], const["kPostSlots"]
+    assert ops.ROW_WORDS == hdr + 3 * bins + 6 * bins + 4 * cap + posts and posts == ops.POST_SLOTS
     assert const["kGatherSlots"] == ops.GATHER_SLOTS and const["kGatherMaxK"] == ops.GATHER_MAX_K
     assert [ops.gather_slots(g) for g in (1, 2, 32, 127, 256)] == [256, 512, 8192, 8192, 8192]
     assert ops.row_words(127) == ops.ROW_WORDS + 2 * 8192 and ops.ROW_WORDS % 2 == 0  # 8-byte slots
@@ -353,7 +353,7 @@ def test_geometry_indices_stay_in_bounds(batch, vocab, elem):
     for block in range(grid):
         base = (block // g) * stride
         assert base + stride <= words
-        cand = base + ops.ROW_WORDS - 4 * 512
+        cand = base + ops.ROW_WORDS - ops.POST_SLOTS - 4 * 512
         gather = base + ops.ROW_WORDS  # block c's k slots from gather + 2 * c * k: inside the row's
         assert (base * 4) % 8 == 0 and (cand * 4) % 16 == 0 and (gather * 4) % 8 == 0
         k = ops.gather_slots(g) // g  # the largest k the row gathers
@@ -389,7 +389,8 @@ def test_the_finisher_clears_every_scratch_field_the_kernel_writes():
         if re.search(rf"(?:atomic\w+|smp_red_add)\(\s*{alias}\b|\b{alias}\s*\[[^\]]*\]\s*=[^=]", src):
             written.add(field)
     # the patterns must see every field the kernel writes; a field they miss is a field never checked
-    assert fields == {"best", "race", "arrive", "done", "ncand", "round", "count", "mass", "cand", "gather"}
+    assert fields == {"best", "race", "arrive", "done", "ncand", "round", "count", "mass", "cand", "gather", "ngather",
+                      "posts", "verdict", "ack", "front_over", "cut_n", "cut_rem"}
     assert written == fields, f"fields written but not found by the patterns: {fields - written}"
     finish = _function_body(src, "__device__ void smp_finish")
     for field in written:

@@ -147,3 +147,246 @@ def test_the_gathered_cut_of_the_blocks_own_k_best_equals_the_rows_cut(g):
                 top = gathered[np.argsort(rank[gathered], kind="stable")[:k]]
                 assert np.array_equal(np.sort(top), np.sort(_order(d)[:k])), (name, temperature, k)
                 assert np.array_equal(np.sort(_top_p(d, top, 0.9)), np.sort(_top_p(d, _order(d)[:k], 0.9)))
+
+
+# ---- the gathered cut's bound (posted thread maxima)
+#
+# Before the row's max barrier each block posts the keys of its `each` largest thread maxima
+# (a thread's largest raw logit; 0 for a thread without tokens); after it, the k-th largest posted
+# key L bounds the row: k distinct tokens have a logit >= L, so each of the row's k best tokens has
+# d >= d(L), computed with the same fp32 arithmetic as every token's d. A block sends only its tokens
+# at or above d(L), and of those at most its own k best; the finisher cuts the few it gets by rank.
+# Tokens in the last bin (d <= -31.97: no mass, and below kNeverWins) are never sent: they change
+# neither a top-p target nor the race, whether or not the top-k would keep them.
+
+THREADS = 256
+POST_SLOTS = 256
+POST_MAX_EACH = 16
+
+
+def _key(x: np.ndarray) -> np.ndarray:
+    """smp_key: the order-preserving uint32 key of fp32 values (NaN -> -inf, -0 -> +0)."""
+    x = np.where(np.isnan(x), -np.inf, x).astype(np.float32)
+    u = x.view(np.uint32).copy()
+    u[u == 0x80000000] = 0
+    return np.where(u & 0x80000000, ~u, u | 0x80000000).astype(np.uint32)
+
+
+def _unkey(k: int) -> np.float32:
+    """smp_unkey of one key."""
+    k = np.uint32(k)
+    bits = k & np.uint32(0x7FFFFFFF) if k & np.uint32(0x80000000) else ~k
+    return np.array([bits], np.uint32).view(np.float32)[0]
+
+
+def _post_each(k: int, g: int) -> int:
+    """smp_post_each: thread maxima each block posts (0: no bound); G - 1 full blocks post >= k."""
+    if g < 2 or k == 0:
+        return 0
+    each = -(-k // (g - 1))
+    return each if each <= POST_MAX_EACH and g * each <= POST_SLOTS else 0
+
+
+def _bounded_gather(logits, temperature: float, g: int, per: int, k: int):
+    """The gathered candidates of a row split over g blocks of THREADS * per tokens (the kernel's
+    layout): the posted bound, then each block's tokens at or above it, at most its own k best."""
+    lo = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)
+    d = _d(lo, temperature)
+    rank = _rank(d)
+    chunk = THREADS * per
+    each = _post_each(k, g)
+    d_bound = np.float32(-np.inf)
+    if each:
+        keys = _key(lo)
+        posts = []
+        for b in range(g):
+            tk = [int(keys[s:s + per].max()) for s in range(b * chunk, (b + 1) * chunk, per) if s < lo.size]
+            tk += [0] * (THREADS - len(tk))  # threads without tokens
+            posts += sorted(tk, reverse=True)[:each]
+        bound = sorted(posts, reverse=True)[k - 1]  # the k-th largest posted key
+        assert bound > 0
+        inv_t = np.float32(1.0) / np.float32(temperature)
+        d_bound = (_unkey(bound) - lo.max()) * inv_t + np.float32(0.0)
+    sent = []
+    for b in range(g):
+        t = np.arange(b * chunk, min((b + 1) * chunk, lo.size))
+        t = t[(d[t] >= d_bound) & (d[t] > BIN_FLOOR)]
+        sent.append(t[np.argsort(rank[t], kind="stable")[:k]])
+    return d, np.concatenate(sent), each
+
+
+def _rank_cut(d, gathered, k, p):
+    """smp_rank_cut: each candidate's rank by counting the candidates above it; ranks < k survive;
+    top-p keeps those whose exclusive prefix mass (rank order) is below ceil(p * their mass)."""
+    r = _rank(d)[gathered]
+    above = np.array([(r < x).sum() for x in r])
+    survivors = gathered[np.argsort(above)][:k]
+    if p < 1.0:
+        m = _mass(d)[survivors]
+        before = np.concatenate([[0], np.cumsum(m)[:-1]])
+        survivors = survivors[before < max(1, int(np.ceil(p * float(m.sum()))))]
+    return survivors
+
+
+def _vocab_rows(rng, v):
+    """Rows of a 129280-token vocabulary where a block-local bound is weak: a block of unlikely
+    tokens, masked ranges, ties at the top, a sorted row."""
+    yield "normal", (rng.standard_normal(v) * 3).astype(np.float32)
+    low = (rng.standard_normal(v) * 3).astype(np.float32)
+    low[:9000] -= 40.0  # ids the context makes unlikely, in a few blocks
+    yield "a low range", low
+    masked = (rng.standard_normal(v) * 3).astype(np.float32)
+    masked[20000:90000] = -np.inf
+    yield "a masked range", masked
+    yield "sorted", np.sort(rng.standard_normal(v).astype(np.float32))
+    top = rng.integers(-50, 3, v).astype(np.float32)
+    yield "ties at the top", top
+    yield "all equal", np.zeros(v, np.float32)
+
+
+@pytest.mark.parametrize("g,per", [(127, 4), (32, 16), (3, 4)])
+def test_the_posted_bound_keeps_the_rows_k_best_and_the_rank_cut_equals_the_rows_cut(g, per):
+    rng = np.random.default_rng(300 + g)
+    v = min(129280, g * THREADS * per - 777)  # the last block partly filled
+    for name, logits in _vocab_rows(rng, v):
+        for temperature in (1.0, 0.6):
+            for k in (1, 2, 50, 64, 200):
+                if k * g > 8192:
+                    continue  # the gather slots: the histogram path
+                d, gathered, each = _bounded_gather(logits, temperature, g, per, k)
+                top = _order(d)[:k]
+                top = top[d[top] > BIN_FLOOR]  # what can matter: mass, or a chance in the race
+                assert np.isin(top, gathered).all(), (name, temperature, k)
+                assert gathered.size <= g * k
+                for p in (1.0, 0.9, 0.3):
+                    p = float(np.float32(p))  # the kernel's fp32 top_p, times the mass in double
+                    got = _rank_cut(d, gathered, k, p)
+                    want = top if p == 1.0 else _top_p(d, top, p)
+                    assert np.array_equal(np.sort(got), np.sort(want)), (name, temperature, k, p)
+
+
+def test_the_posted_bound_leaves_few_candidates_on_smooth_and_structured_rows():
+    """What the bound is for: at batch 1 (127 blocks of 1024 tokens) and batch 8 (32 of 4096) the
+    finisher cuts about k candidates instead of G * k, also when a range of the vocabulary is
+    unlikely or masked (while the unmasked blocks alone post k values). Where it cannot help: ties
+    at the bound (every tied token is sent, each block at most k), and a row sorted by id (the
+    k-th largest block maximum is k blocks from the top: ~k * 1024 / 2 tokens lie above it)."""
+    rng = np.random.default_rng(7)
+    for name, logits in _vocab_rows(rng, 129280):
+        for k in (20, 50):
+            for g, per in ((127, 4), (32, 16)):
+                _, gathered, each = _bounded_gather(logits, 1.0, g, per, k)
+                assert each == -(-k // (g - 1))
+                if name in ("ties at the top", "all equal", "sorted") or (name == "a masked range" and g == 32):
+                    assert gathered.size > 4 * k  # the limits named above (32 blocks: 15 unmasked)
+                else:
+                    assert gathered.size <= 2 * k, (name, k, g, gathered.size)
+
+
+def test_the_bound_is_only_used_when_full_blocks_post_k_values():
+    assert [_post_each(k, 127) for k in (1, 50, 126, 127, 252, 253)] == [1, 1, 1, 2, 2, 0]
+    assert [_post_each(k, 32) for k in (1, 31, 32, 62, 248, 249)] == [1, 1, 2, 2, 8, 0]
+    assert _post_each(50, 1) == 0 and _post_each(17, 2) == 0 and _post_each(16, 2) == 16
+    assert _post_each(0, 127) == 0
+
+
+def test_the_models_constants_are_the_kernels():
+    import re
+
+    from fp4kit.runtime import loader
+
+    src = loader.kernel_source("sampling")
+    const = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
+    assert (const["kThreads"], const["kPostSlots"], const["kPostMaxEach"]) == (THREADS, POST_SLOTS, POST_MAX_EACH)
+
+
+# ---- top-p alone by racing first (smp_race_front / smp_race_decide)
+#
+# Every block sends, per level-0 bin, its best race key there, kept where it beats the best keys of
+# all better bins of the block. The decider finds the top-p cut's boundary bin b* from the row's
+# histogram: the best front key of the bins before b* wins, unless a front key in b* beats it (then
+# b* decides only when it holds one token; otherwise the histogram path runs).
+
+
+CAP = 512  # kCap: a boundary bin of at most this many tokens is cut exactly by the row's finisher
+
+
+def _race_first(d, key, p, g):
+    """(the winner: the decider's, or the boundary bin's exact cut; None when the row falls back to
+    the histogram path; the exact winner; front entries sent; the boundary bin's tokens)."""
+    bins, masses = _bin(d), _mass(d)
+    order = _order(d)
+    cum = np.cumsum(masses[order])
+    n_kept = int(np.searchsorted(cum, max(1, int(np.ceil(p * float(cum[-1])))))) + 1
+    kept = order[:n_kept]
+    relevant = kept[key[kept] > 0]
+    exact = relevant[np.argmax(key[relevant])]
+    counts = np.bincount(bins, minlength=BINS)
+    b_star = int(bins[kept[-1]])  # the histogram's boundary bin: where the mass reaches the target
+    assert (bins[kept] <= b_star).all() and (bins[order[n_kept:]] >= b_star).all()
+    best_kept = best_und = (0.0, -1)
+    sent = 0
+    for t in _blocks(d.size, g):
+        best = {}
+        for i in t[key[t] > 0]:
+            if key[i] > best.get(bins[i], (0.0, -1))[0]:
+                best[bins[i]] = (key[i], i)
+        run = 0.0
+        for b in sorted(best):
+            if best[b][0] > run:  # on the block's front
+                run = best[b][0]
+                sent += 1
+                if b < b_star:
+                    best_kept = max(best_kept, best[b])
+                elif b == b_star:
+                    best_und = max(best_und, best[b])
+    in_b = int(counts[b_star])
+    if best_und[0] <= best_kept[0]:
+        return best_kept[1], exact, sent, in_b
+    if in_b == 1:
+        return best_und[1], exact, sent, in_b
+    if in_b > CAP:
+        return None, exact, sent, in_b
+    # kVerdictBin: b*'s tokens in composite order, kept while the mass before them in the bin is
+    # below the bin's share of the target (target - the mass of the bins before b*); the winner is
+    # the best of the kept bins' key (the race slot) and the kept tokens' keys
+    target = max(1, int(np.ceil(p * float(masses.sum()))))
+    bin_rem = target - int(masses[bins < b_star].sum())
+    in_bin = order[bins[order] == b_star]
+    before = np.concatenate([[0], np.cumsum(masses[in_bin])[:-1]])
+    cut = in_bin[before < bin_rem]
+    cut = cut[key[cut] > 0]
+    best_cut = (key[cut].max(), cut[np.argmax(key[cut])]) if cut.size else (0.0, -1)
+    return max(best_kept, best_cut)[1], exact, sent, in_b
+
+
+@pytest.mark.parametrize("g", [1, 5, 20])
+def test_racing_first_decides_the_exact_winner_or_falls_back(g):
+    """Every draw the decider settles, by the fronts or by the boundary bin's exact cut, names the
+    exact winner; only a boundary bin of more than kCap tokens (ties: one value everywhere, 16
+    values) falls back.
+    The cut is needed when a key of the boundary bin beats the kept bins' (common when top-p keeps
+    a handful of tokens, so the boundary bin holds much of their mass: p = 0.3 here)."""
+    rng = np.random.default_rng(400 + g)
+    v = 20000
+    rows = dict(_rows(rng))
+    rows["peaked"] = np.concatenate([[14.0, 11.0, 10.5], rng.standard_normal(v - 3) * 2]).astype(np.float32)
+    rows["one dominant token"] = np.concatenate([[30.0], rng.standard_normal(v - 1)]).astype(np.float32)
+    for name, logits in rows.items():
+        d = _d(logits[:v] if logits.size >= v else np.resize(logits, v), 1.0)
+        for p in (0.3, 0.9, 0.99):
+            undecided = 0
+            for trial in range(4):
+                # race keys: exp(d) / E, E ~ Exp(1) (0: the token cannot win, d < -20)
+                key = np.where(d >= -20.0, np.exp(d.astype(np.float64)) / rng.exponential(size=v), 0.0)
+                got, exact, sent, in_b = _race_first(d, key, p, g)
+                assert sent <= g * BINS
+                if got is None:
+                    undecided += 1
+                    assert in_b > CAP, (name, p, trial)
+                else:
+                    assert got == exact, (name, p, trial)
+            if name == "all equal":
+                assert undecided == 4  # 20000 tokens tie in b*
+            elif name != "16 distinct values":
+                assert undecided == 0, (name, p)

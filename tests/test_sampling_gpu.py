@@ -372,3 +372,80 @@ def test_register_builds_draw_the_same_tokens(rng, batch, monkeypatch):
             assert scratch_is_clean(gen)
         a, b = got.values()
         assert all(np.array_equal(u, v) for u, v in zip(a, b)), (params, per)
+
+
+def _bound_rows(rng, vocab):
+    """Rows on which the gathered top-k's posted bound is tight, weak or useless."""
+    normal = rng.standard_normal(vocab).astype(np.float32) * 3
+    low = normal.copy()
+    low[:9000] -= 40.0  # a range the context makes unlikely: a few blocks' maxima are low
+    masked = normal.copy()
+    masked[20000:90000] = -np.inf  # most blocks' maxima are -inf
+    few = np.full(vocab, -np.inf, np.float32)
+    few[rng.choice(vocab, 30, replace=False)] = rng.standard_normal(30)  # fewer finite tokens than k
+    return {"normal": normal, "a low range": low, "a masked range": masked,
+            "ties at the top": rng.integers(-50, 3, vocab).astype(np.float32),
+            "one value": np.zeros(vocab, np.float32), "sorted by id": np.sort(normal),
+            "fewer finite than k": few, "wide (most in the last bin)": normal * 15}
+
+
+@pytest.mark.parametrize("batch", [1, 8])  # 127 blocks of 1024 tokens a row; 32 of 4096
+def test_the_gathered_top_k_matches_the_reference_where_its_bound_is_tight_weak_or_useless(rng, batch):
+    """Top-k rows take the gathered cut when k * blocks fits the slots: the blocks' posted thread
+    maxima bound the row's k best and each block sends only its tokens above the bound. On every
+    kind of row (the bound leaves ~k candidates on smooth rows, many with ties or a sorted row, and
+    none past the last bin) and every k around the limits (64 fills the slots at batch 1; 65 takes
+    the histogram path there; 249 at batch 8 posts too many maxima), the kernel draws the
+    reference's tokens, only kept tokens, and leaves the scratch clean."""
+    vocab = 129280
+    rows = _bound_rows(rng, vocab)
+    names = list(rows)
+    modes = [dict(top_k=1), dict(top_k=2), dict(top_k=50), dict(top_k=64, temperature=0.7), dict(top_k=65),
+             dict(top_k=50, top_p=0.9), dict(top_k=64, top_p=0.5, min_p=0.05), dict(top_k=200), dict(top_k=249),
+             dict(top_k=249, top_p=0.8)]
+    gen = Generator(31)
+    ok = []
+    for group in ([names[i:i + batch] for i in range(0, len(names), batch)]):
+        x = np.stack([rows[n] for n in group]).astype(BF16)
+        xf = x.astype(np.float32)
+        xd = cp.asarray(x)
+        for params in modes:
+            seed, offset = gen.get_state()
+            got = draw(xd, gen, **params).get()
+            kept = ref.kept_mask(xf, **params)
+            assert kept[np.arange(len(group)), got].all(), (group, params, got)
+            ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
+            assert scratch_is_clean(gen), (group, params)
+    assert np.mean(np.concatenate(ok)) >= 0.8, f"only {np.sum(np.concatenate(ok))} rows are decided with a margin"
+
+
+@pytest.mark.parametrize("batch", [1, 8, 300])  # 300 rows: the blocks loop over rows in rounds
+def test_top_p_alone_racing_first_matches_the_reference_decided_or_not(rng, batch):
+    """Top-p without top-k races first: the row's last block decides from the row histogram's
+    boundary bin and the blocks' per-bin best keys, has the boundary bin cut exactly by the row's
+    finisher, or sends the row down the histogram path (a boundary bin of more than 512 ties).
+    Rows of every kind, with min-p and temperature: the reference's tokens, only kept tokens, a
+    clean scratch, and the same tokens on a repeat."""
+    vocab = 129280 if batch < 300 else 4096
+    kinds = [lambda: rng.standard_normal(vocab) * 3,
+             lambda: np.concatenate([[14.0, 11.0, 10.5], rng.standard_normal(vocab - 3) * 2]),
+             lambda: np.concatenate([[30.0], rng.standard_normal(vocab - 1)]),
+             lambda: np.zeros(vocab),  # one value: the boundary bin holds every token
+             lambda: rng.integers(-40, 3, vocab).astype(np.float64),
+             lambda: np.round(rng.standard_normal(vocab) * 32) / 4]
+    rows = [kinds[i % len(kinds)]() for i in range(max(batch, len(kinds)))]
+    gen = Generator(41)
+    ok = []
+    for start in range(0, len(rows), batch):  # batch 1: one launch per kind
+        x = np.stack(rows[start:start + batch]).astype(BF16)
+        xf = x.astype(np.float32)
+        xd = cp.asarray(x)
+        for params in (dict(top_p=0.9), dict(top_p=0.3), dict(top_p=0.95, min_p=0.02, temperature=0.7)):
+            seed, offset = gen.get_state()
+            got = draw(xd, gen, **params).get()
+            again = draw(xd, Generator(seed, offset=offset), **params).get()
+            assert np.array_equal(got, again)
+            assert ref.kept_mask(xf, **params)[np.arange(x.shape[0]), got].all(), params
+            ok.append(assert_matches_reference(xf, got, seed, offset, min_robust=0.0, **params))
+            assert scratch_is_clean(gen), params
+    assert np.mean(np.concatenate(ok)) >= 0.7, f"only {np.sum(np.concatenate(ok))} rows are decided with a margin"

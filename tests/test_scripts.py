@@ -179,7 +179,7 @@ def test_sampler_phases_marks_every_phase_of_the_kernel():
     assert all(f"PHASE({i});" in source for i in range(len(script.PHASES)))
     assert source.index("#define PHASE(i)") < source.index("PHASE(3);") < source.index("PHASE(0);")
     with pytest.raises(ValueError, match="sampling.cu: expected the text"):
-        script.instrumented_source(loader.kernel_source("sampling").replace("    smp_barrier(cx);\n    const float lmax", ""))
+        script.instrumented_source(loader.kernel_source("sampling").replace("    smp_barrier(cx);\n    const unsigned nposts", ""))
     with pytest.raises(ValueError, match="expected the text"):
         phase_probe.instrument("no anchor here", (), "// One histogram pass", "x.cu")
     _compiles_for_sm90a("sampling", source)

@@ -39,12 +39,16 @@ _MIN_PER = 4
 #: which a cold SM fetches at every launch. ``(16,)``: every launch on the P = 16 build (the same
 #: tokens bit for bit: the builds differ only in unrolling).
 PER_BUILDS = (4, 8, 16)
-#: uint32 words of scratch per row in flight before its gather slots; equals kRowWords in
-#: raw_kernels/sampling.cu
-ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512
-#: a row's gather slots (kGatherSlots, kGatherMaxK in raw_kernels/sampling.cu): a row with top-k
-#: then top-p and ``top_k * blocks_per_row`` up to `gather_slots` takes the gathered cut (each block
-#: sends its own k best tokens, the row's last block cuts them), with one row barrier instead of three
+#: the keys of the blocks' largest thread maxima a row posts for the gathered cut's bound
+#: (kPostSlots in raw_kernels/sampling.cu)
+POST_SLOTS = 256
+#: uint32 words of scratch per row in flight before its gather slots (header, histograms,
+#: candidates, posted maxima); equals kRowWords in raw_kernels/sampling.cu
+ROW_WORDS = 16 + 3 * 1024 + 6 * 1024 + 4 * 512 + POST_SLOTS
+#: a row's gather slots (kGatherSlots, kGatherMaxK in raw_kernels/sampling.cu): a top-k row with
+#: ``top_k * blocks_per_row`` up to `gather_slots` takes the gathered cut (each block sends its tokens
+#: that can be among the row's k best, the row's last block cuts them), with one row barrier instead
+#: of three: with top-p after the top-k always, a top-k alone when the posted bound holds
 GATHER_SLOTS = 8192
 GATHER_MAX_K = 256
 

@@ -43,10 +43,12 @@
 //      on the bits that vary among them, then one warp ranks the last <= 32): top-p's target
 //      needs the top-k mass. The last filter's cut is
 //      deferred to step 3 instead, saving a barrier.
-//      A row with top-k and then top-p whose k * G gathered candidates fit its gather slots (k <= 64
-//      at G = 127, the batch-1 split of a 129280-token vocabulary) skips this step and step 3
-//      (smp_gather): each block finds its own k best tokens exactly and sends their composites; the
-//      row's finisher cuts them (top-k, then top-p over the survivors) and races the survivors.
+//      A top-k row whose k * G fit its gather slots (k <= 64 at G = 127, the batch-1 split of a
+//      129280-token vocabulary) skips this step and step 3 (smp_gather): the blocks post their
+//      largest thread maxima with the maximum, the k-th largest posted logit bounds the row's k
+//      best, each block sends its tokens above the bound (at most its own k best), and the row's
+//      finisher cuts them (top-k, then top-p over the survivors) and races the survivors. With
+//      top-p after the top-k always; a top-k alone when the bound holds (see "top-k by gathering").
 //   3. race: each kept token's exp(d_i) / -log(u_i) (the exponential race; its log is the
 //      reference's d_i - log(-log u_i); u from Philox, min-p checked as exp(d) >= m),
 //      block maxima of the tokens above the last filter's bucket -> atomicMax; the bucket's tokens
@@ -82,16 +84,21 @@ constexpr int kMassSplit = 18;
 constexpr float kNeverWins = -20.0f;
 
 // Scratch per row in flight, in uint32 words (fp4kit/ops/sampling.py ROW_WORDS, allocates R * kRowWords).
-constexpr int kHdrWords = 16;                      // best u64, race u64, arrive, done, ncand[2], round
+constexpr int kHdrWords = 16;  // best u64, race u64, arrive, done, ncand[2], round, ngather, verdict, ack, front_over,
+                               // cut_n, cut_rem u64
 constexpr int kCountOff = kHdrWords;               // 3 histograms of kBins uint32 counts
 constexpr int kMassOff = kCountOff + 3 * kBins;    // 3 histograms of kBins uint64 masses
 constexpr int kCandOff = kMassOff + 6 * kBins;     // kCap (composite, race key) uint64 pairs
-constexpr int kRowWords = kCandOff + 4 * kCap;
+constexpr int kPostSlots = 256;                    // the blocks' posted thread maxima (smp_post_bound)
+constexpr int kPostOff = kCandOff + 4 * kCap;
+constexpr int kRowWords = kPostOff + kPostSlots;
 // Then the row's gather slots (smp_gather): composites, min(kGatherSlots, G * kGatherMaxK) of
 // them, so a row's scratch is kRowWords + 2 * smp_gather_slots(G) words.
 constexpr int kGatherSlots = 8192;
 constexpr int kGatherMaxK = 256;
+constexpr int kPostMaxEach = 16;  // thread maxima a block posts at most
 static_assert(kMassOff % 2 == 0 && kCandOff % 4 == 0 && kRowWords % 4 == 0, "64-bit fields need even word offsets");
+static_assert(kPostSlots == kThreads && kWarps * kPostMaxEach <= kPostSlots, "one posted value a thread");
 
 __device__ __forceinline__ unsigned smp_gather_slots(unsigned G) {
     return G * kGatherMaxK < (unsigned)kGatherSlots ? G * kGatherMaxK : (unsigned)kGatherSlots;
@@ -106,6 +113,12 @@ struct RowScratch {
     unsigned long long* mass;         // [3][kBins]
     ulonglong2* cand;                 // [kCap] (composite, race key or 0)
     unsigned long long* gather;       // [smp_gather_slots(G)] composites (or 0)
+    unsigned* ngather;                // gathered composites so far (the next free slot)
+    unsigned* posts;                  // [kPostSlots] thread maxima' keys posted for the bound
+    unsigned *verdict, *ack;          // the racing-first top-p's decision, and the blocks that read it
+    unsigned* front_over;             // a block's front did not fit the row's slots
+    unsigned* cut_n;                  // the boundary bin's tokens, when the blocks send them
+    unsigned long long* cut_rem;      // the mass the boundary bin must supply
 };
 
 __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
@@ -116,9 +129,16 @@ __device__ __forceinline__ RowScratch smp_row_scratch(unsigned* base) {
     s.done = base + 5;
     s.ncand = base + 6;
     s.round = base + 8;
+    s.ngather = base + 9;
+    s.verdict = base + 10;
+    s.ack = base + 11;
+    s.front_over = base + 12;
+    s.cut_n = base + 13;
+    s.cut_rem = reinterpret_cast<unsigned long long*>(base + 14);
     s.count = base + kCountOff;
     s.mass = reinterpret_cast<unsigned long long*>(base + kMassOff);
     s.cand = reinterpret_cast<ulonglong2*>(base + kCandOff);
+    s.posts = base + kPostOff;
     s.gather = reinterpret_cast<unsigned long long*>(base + kRowWords);
     return s;
 }
@@ -198,7 +218,11 @@ struct Smem {
     // a scan's or an exact search's result
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
-    unsigned ngather;  // a block's gathered candidates (smp_gather)
+    unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
+    unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
+    unsigned long long bin_best[kBins];  // each level-0 bin's best race key (smp_race_front)
+    unsigned verdict, cut_n;
+    unsigned long long cut_rem;
 };
 
 __device__ __forceinline__ unsigned long long smp_block_max(unsigned long long v, Smem& sm) {
@@ -323,6 +347,7 @@ struct Ctx {
     unsigned nbar;   // row barriers passed in this launch
     unsigned hpass;  // histogram passes in this launch (buffer hpass % 3)
     bool with_mass;  // the histograms carry masses (top-p needs them; top-k alone only counts)
+    bool posted;     // this row's blocks posted thread maxima (the finisher clears them)
 };
 
 __device__ __forceinline__ void smp_barrier(Ctx& cx) {
@@ -871,17 +896,88 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
     return win;
 }
 
+// The block's arrival at the row's finish count: everything it wrote is visible to the last block
+// to arrive, which gets sm.last (block-uniform after the barrier).
+__device__ __forceinline__ void smp_arrive(Smem& sm, const Ctx& cx) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gpu_sync::fence_acq_rel();
+        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
+        sm.last = last;
+        if (last) gpu_sync::fence_acq_rel();
+    }
+    __syncthreads();
+}
+
 // ---- top-k by gathering
 //
-// A row with top-k then top-p whose top_k * G fits its gather slots skips the histogram passes:
-// each block finds its own k best tokens exactly (the row's k best are among the blocks' k best)
-// and sends their composites to the row's slots (block c's at c * k), then the row's finisher cuts
-// the gathered candidates exactly (top-k, then top-p over the survivors) and races the survivors.
-// One row barrier (the maximum's) instead of three, and no race in the blocks; but the finisher
-// alone reads and cuts G * k candidates (H100, batch 1, G = 127, k = 50: ~9.5 us from its arrival,
-// of which ~3.7 us the loads, ~3.7 us the select), so a top-k row without top-p, which the
-// histogram path cuts in two barriers, keeps that path (13.3 us there, 16.1 gathered; top-k 50 +
-// top-p 0.9: 22.4 us on the histogram path, 18.0 gathered; at batch 8 30.0 and 22.5).
+// A top-k row (alone or followed by top-p) whose top_k * G fits its gather slots skips the
+// histogram passes: every block sends the tokens that can be among the row's k best to the row's
+// gather slots, and the row's finisher cuts them exactly (top-k, then top-p over the survivors) and
+// races the survivors. One row barrier (the maximum's) instead of three, and no race in the blocks.
+// What a block sends:
+// - The bound. Before the max barrier each block posts the keys of its `each` largest thread
+//   maxima (a thread's largest logit), `each` such that the G - 1 full blocks post at least k
+//   (smp_post_each). After it, every block finds the k-th largest posted key L: k distinct tokens
+//   have a logit >= L, so each of the row's k best has d >= d(L) (d is monotone in the logit).
+//   At batch 1 (127 blocks of 1024 tokens, `each` 1 for k <= 126) about k tokens lie above it
+//   where 127 * k did before (H100, top-k 50: 6,350 candidates took the finisher ~9.5 us).
+//   Ties at L, and rows whose large logits sit in a few blocks, leave more (each block sends at
+//   most k; tests/test_sampling_cuts.py models the cases). A row without a bound (too many posts
+//   needed) sends each block's k best, and takes this path only with top-p after the top-k.
+// - Only tokens above the last bin (d > kBinFloor): the rest have no mass and cannot win the race,
+//   so they change neither a top-p target nor the winner, whether or not the top-k keeps them.
+// - At most the block's own k best of those (the row's k best are among the blocks' k best).
+// The slots come from the row's count (one atomic per warp holding any); the finisher ranks up to
+// kThreads candidates by counting (one a thread), and reduces more to the k best by the histogram
+// select first.
+
+// Thread maxima a block posts for the bound of a top-k of k over G blocks (0: no bound): enough
+// that the G - 1 full blocks (256 threads holding tokens each) post k, within the row's slots.
+__device__ __forceinline__ unsigned smp_post_each(unsigned k, unsigned G) {
+    if (G < 2u || k == 0u) return 0u;
+    const unsigned each = (k + G - 2u) / (G - 1u);
+    return each <= (unsigned)kPostMaxEach && G * each <= (unsigned)kPostSlots ? each : 0u;
+}
+
+// Posts the keys of the block's `each` largest thread maxima (thread_key: 0 for a thread without
+// tokens) to the row's slots chunk * each onwards: `each` rounds of a warp maximum (one holder
+// drops out per round) give each warp's largest, then their ranks among the block's warps.
+__device__ void smp_post_maxima(Smem& sm, const Ctx& cx, unsigned thread_key, unsigned each) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned v = thread_key;
+#pragma unroll 1
+    for (unsigned i = 0; i < each; ++i) {
+        const unsigned m = __reduce_max_sync(0xFFFFFFFFu, v);
+        if (lane == __ffs(__ballot_sync(0xFFFFFFFFu, v == m)) - 1u) v = 0u;
+        if (lane == 0) sm.post[warp * each + i] = m;
+    }
+    __syncthreads();
+    const unsigned n = kWarps * each;
+    if (threadIdx.x < n) {
+        const unsigned mine = sm.post[threadIdx.x];
+        unsigned above = 0u;  // ranked before mine: larger, or equal at a lower index
+#pragma unroll 1
+        for (unsigned j = 0; j < n; ++j) above += sm.post[j] > mine || (sm.post[j] == mine && j < threadIdx.x);
+        if (above < each) cx.rs.posts[cx.chunk * each + above] = mine;
+    }
+}
+
+// After the max barrier: the k-th largest of the n posted keys (this thread's is `posted`, loaded
+// with the maximum), block-uniform. Every block computes the same value from the same slots.
+__device__ unsigned smp_post_bound(Smem& sm, unsigned posted, unsigned n, unsigned k) {
+    if (threadIdx.x == 0) sm.bound = 0u;
+    if (threadIdx.x < n) sm.post[threadIdx.x] = posted;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        unsigned at_or_above = 0u;
+#pragma unroll 4
+        for (unsigned j = 0; j < n; ++j) at_or_above += sm.post[j] >= posted;
+        if (at_or_above >= k) atomicMax(&sm.bound, posted);
+    }
+    __syncthreads();
+    return sm.bound;
+}
 
 // The candidate where the count (by_mass false) or the mass from the top reaches `want`, among
 // the distinct nonzero composites c held kEach a thread: a level-0 histogram of the candidates'
@@ -917,77 +1013,354 @@ __device__ __forceinline__ unsigned long long smp_token_key(float d, unsigned id
     return smp_word_key(d, id, r == 0u ? x.x : r == 1u ? x.y : r == 2u ? x.z : x.w);
 }
 
-// A block's part: the composites of its min(k, tokens) best tokens (>= its own k-th) into the
-// row's slots c * k onwards, in any order.
+// A block's part: its tokens with d >= d_bound and above the last bin, at most its own k best of
+// them (by the exact select when it holds more), to the row's gather slots, taken from the row's
+// count by one atomic per warp that holds any. A block whose threads holding any hold at most k
+// together (P a thread at most) needs no block scan: usually a few tokens in a few threads.
 template <int P>
-__device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k) {
+__device__ void smp_gather(Smem& sm, const Tile<P>& t, const Ctx& cx, unsigned k, float d_bound) {
     unsigned long long c[P];
-#pragma unroll
-    for (int j = 0; j < P; ++j) c[j] = j < t.n ? smp_comp(t.v[j], t.first + j) : 0ull;
-    const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0: the block holds <= k tokens
-    if (threadIdx.x == 0) sm.ngather = 0u;
-    __syncthreads();
-    unsigned long long* slots = cx.rs.gather + (size_t)cx.chunk * k;
+    unsigned mine = 0u;
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-        if (!c[j] || c[j] < theta) continue;
-        const unsigned slot = atomicAdd(&sm.ngather, 1u);
-        if (slot < k) slots[slot] = c[j];
+        c[j] = j < t.n && t.v[j] >= d_bound && t.v[j] > kBinFloor ? smp_comp(t.v[j], t.first + j) : 0ull;
+        mine += c[j] != 0ull;
+    }
+    if ((unsigned)__syncthreads_count(mine != 0u) * P > k) {  // block-uniform
+        unsigned before;
+        unsigned long long unused;
+        if ((unsigned)smp_block_scan(mine, mine, before, unused, sm) > k) {
+            const unsigned long long theta = smp_select<P>(sm, c, false, k);  // 0 (inconsistent data): keep all
+            mine = 0u;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                if (c[j] < theta) c[j] = 0ull;
+                mine += c[j] != 0ull;
+            }
+        }
+    }
+    unsigned slot = smp_warp_slots(cx.rs.ngather, mine);
+    const unsigned slots = smp_gather_slots(cx.G);  // k a block fill at most G * k of them
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (!c[j]) continue;
+        if (slot < slots) cx.rs.gather[slot] = c[j];
+        ++slot;
     }
 }
 
-// The finisher's cut of a gathered row: k (and top_p) of the row, the tokens per block, and the
-// race's parameters.
+// The finisher's cut of a gathered row: k and top_p of the row, and the race's parameters.
 struct GatherCut {
-    unsigned k, chunk_tokens;
+    unsigned k;
     float top_p, min_p;
     uint4 ctr;
     unsigned k0, k1;
 };
 
-// The finisher's part: the gathered candidates (block i's min(k, its tokens) at slots i * k
-// onwards, kGatherEach a thread, all loads in flight at once), the top-k among them, then top-p
-// over the survivors (target ceil(p * their mass)), then the race of the survivors (one a thread:
-// k <= kThreads). The select's loops are not unrolled: this code runs once a launch, on one SM,
-// fetched cold (fully unrolled it took ~13 us at batch 1). Every slot it reads is put back to zero.
+// The cut of at most kThreads distinct candidates, one a thread (`mine`, 0: none; n of them):
+// each one's rank by counting those above it, the k best survive, top-p keeps the survivors whose
+// mass above them (rank order) is below ceil(p * their mass), and the kept ones race.
+__device__ unsigned long long smp_rank_cut(Smem& sm, unsigned long long mine, unsigned n, const GatherCut& g) {
+    const unsigned tid = threadIdx.x;
+    sm.cand_comp[tid] = mine;
+    __syncthreads();
+    unsigned rank = 0u;
+    if (mine) {
+#pragma unroll 4
+        for (unsigned j = 0; j < n; ++j) rank += sm.cand_comp[j] > mine;
+    }
+    const unsigned kept = n < g.k ? n : g.k;
+    __syncthreads();  // every rank counted before the survivors are stored in rank order
+    if (mine && rank < kept) sm.cand_comp[rank] = mine;
+    __syncthreads();
+    unsigned long long c = tid < kept ? sm.cand_comp[tid] : 0ull;
+    if (g.top_p < 1.0f) {
+        unsigned cb;
+        unsigned long long above;
+        const unsigned long long total = smp_block_scan(0u, smp_comp_mass(c), cb, above, sm);
+        if (above >= smp_target(g.top_p, total)) c = 0ull;
+    }
+    unsigned long long key = 0ull;
+    if (c) key = smp_token_key(smp_unkey((unsigned)(c >> 32)), ~(unsigned)c, g.min_p, g.ctr, g.k0, g.k1);
+    return smp_block_max(key, sm);
+}
+
+// The finisher's part: the row's n gathered candidates (slots [0, n); the first kThreads are loaded
+// with n, the slots past n hold 0), cut by smp_rank_cut; more than kThreads are first reduced to
+// their k best by the histogram select (its loops are not unrolled: this code runs once a launch,
+// on one SM, fetched cold). Every slot it reads is put back to zero.
 constexpr int kGatherEach = kGatherSlots / kThreads;
 static_assert(kGatherMaxK <= kThreads && kGatherMaxK <= kCap && kGatherMaxK <= kThreads * 4,
               "one survivor a thread, in the candidate array; a block's k slots full");
 
-__device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, unsigned G, unsigned V,
-                                             GatherCut g) {
-    const unsigned tid = threadIdx.x, k = g.k;
-    // every block but the last holds chunk_tokens >= kThreads * 4 >= k tokens, so its k slots are full
-    const unsigned filled = (G - 1u) * k + min(k, V - (G - 1u) * g.chunk_tokens);
+__device__ unsigned long long smp_gather_cut(Smem& sm, unsigned long long* slots, const unsigned* ngather,
+                                             unsigned G, GatherCut g) {
+    const unsigned tid = threadIdx.x;
+    const unsigned n = min(__ldcg(ngather), smp_gather_slots(G));  // more only on inconsistent data
+    const unsigned long long first = __ldcg(&slots[tid]);
+    if (first) slots[tid] = 0ull;
+    if (n <= (unsigned)kThreads) return smp_rank_cut(sm, first, n, g);  // block-uniform
     unsigned long long c[kGatherEach];
+    c[0] = first;
 #pragma unroll
-    for (int e = 0; e < kGatherEach; ++e) {
+    for (int e = 1; e < kGatherEach; ++e) {
         const unsigned i = tid + e * kThreads;
         c[e] = 0ull;
-        if (i < filled) {
+        if (i < n) {
             c[e] = __ldcg(&slots[i]);
             slots[i] = 0ull;
         }
     }
-    const unsigned long long theta = smp_select<kGatherEach, 4>(sm, c, false, k);  // k <= the candidates
+    const unsigned long long theta = smp_select<kGatherEach, 4>(sm, c, false, g.k);  // 0: keep all
     if (tid == 0) sm.ngather = 0u;
     __syncthreads();
 #pragma unroll 4
-    for (int e = 0; e < kGatherEach; ++e)
-        if (c[e] && c[e] >= theta) sm.cand_comp[atomicAdd(&sm.ngather, 1u)] = c[e];
-    __syncthreads();
-    unsigned long long mine[1] = {tid < sm.ngather ? sm.cand_comp[tid] : 0ull};
-    unsigned long long theta_p = 0ull;
-    if (g.top_p < 1.0f) {
-        unsigned cb;
-        unsigned long long mb;
-        const unsigned long long total = smp_block_scan(0u, smp_comp_mass(mine[0]), cb, mb, sm);
-        theta_p = smp_select<1>(sm, mine, true, smp_target(g.top_p, total));
+    for (int e = 0; e < kGatherEach; ++e) {
+        if (c[e] && c[e] >= theta) {
+            const unsigned slot = atomicAdd(&sm.ngather, 1u);
+            if (slot < (unsigned)kThreads) sm.cand_comp[slot] = c[e];  // k <= kThreads of them
+        }
     }
-    unsigned long long key = 0ull;
-    if (mine[0] && mine[0] >= theta_p)
-        key = smp_token_key(smp_unkey((unsigned)(mine[0] >> 32)), ~(unsigned)mine[0], g.min_p, g.ctr, g.k0, g.k1);
-    return smp_block_max(key, sm);
+    __syncthreads();
+    const unsigned m = sm.ngather < (unsigned)kThreads ? sm.ngather : (unsigned)kThreads;
+    const unsigned long long mine = tid < m ? sm.cand_comp[tid] : 0ull;
+    __syncthreads();  // read before smp_rank_cut stores
+    return smp_rank_cut(sm, mine, m, g);
+}
+
+// ---- top-p alone by racing first
+//
+// A row with top-p and no top-k races before it cuts. After the max barrier every block merges
+// its level-0 histogram into the row's (the histogram path's first pass, without its barrier),
+// races every token that can win (d >= kNeverWins, min-p) and sends its front: per level-0 bin
+// the block's best race key there, kept where it beats the best keys of all better bins of the
+// block. The row's last block to arrive (the decider) scans the row's histogram for the top-p
+// cut's boundary bin b*: the bins before it are kept whole, those after it dropped. The winner
+// (the best key of a kept token) is then the best front key of the bins before b*, unless a front
+// key in b* beats it: a kept bin's best key is on its block's front or beaten by a better, kept
+// bin of the block, and every key of b* is on a front or beaten by a key of a kept bin. When a key
+// of b* does beat it, the exact cut inside b* decides, unless b* holds a single token (a bin's
+// first token is always kept): the blocks wait for the decider's verdict, send b*'s tokens with
+// their race keys (at most kCap of them) and the row's finisher cuts them as the histogram path's
+// deferred cut does. A larger b* (ties), or data the decider cannot use, sends the row down the
+// histogram path from its first pass, into the next histogram buffer. Undecided draws are a few
+// percent at top-p 0.9 on smooth or peaked rows, most draws at small p (top-p 0.3 keeps a handful
+// of tokens, b* holding much of their mass).
+constexpr unsigned kVerdictDecided = 1u, kVerdictFallback = 2u, kVerdictBin = 3u;  // kVerdictBin | b* << 2
+
+// Exclusive prefix maximum over the block in thread order (0 for thread 0).
+__device__ __forceinline__ unsigned long long smp_block_prefix_max(unsigned long long v, Smem& sm) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long incl = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= (unsigned)off) incl = x > incl ? x : incl;
+    }
+    if (lane == 31) sm.red64[warp] = incl;
+    const unsigned long long left = __shfl_up_sync(0xFFFFFFFFu, incl, 1);
+    __syncthreads();
+    unsigned long long before = 0ull;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+        if ((unsigned)w < warp && sm.red64[w] > before) before = sm.red64[w];
+    __syncthreads();  // red64 may be reused at once
+    return lane && left > before ? left : before;
+}
+
+// A block's part: the level-0 histogram merged into the row's buffer cx.hpass, then the race and
+// the block's front, as (key, bin) pairs in the row's gather slots from the row's count.
+template <int P>
+__device__ void smp_race_front(Smem& sm, const Tile<P>& t, const Ctx& cx, float min_p, uint4 ctr, unsigned k0,
+                               unsigned k1) {
+    const Bucket all{-1, 0ull, 0ull, 0ull, ~0ull};
+    smp_local_hist<true>(sm, t, all, 0, true);
+    smp_merge(sm, cx, kBins, kMergeAll);
+    for (int i = threadIdx.x; i < kBins; i += kThreads) sm.bin_best[i] = 0ull;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < P; g += 4) {  // one Philox call per 4 tokens that race
+        if (g >= t.n) break;
+        bool any = false;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) any |= t.v[g + e] >= kNeverWins;  // -inf past t.n
+        if (!any) continue;
+        ctr.x = (t.first + g) >> 2;
+        const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
+        const unsigned words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float d = t.v[g + e];
+            if (d < kNeverWins || (min_p > 0.0f && !(expf(d) >= min_p))) continue;
+            atomicMax(&sm.bin_best[smp_bin(d)], smp_word_key(d, t.first + g + e, words[e]));
+        }
+    }
+    __syncthreads();
+    constexpr int kEach = kBins / kThreads;  // bins kEach * tid onwards: thread order is bin order
+    unsigned long long v[kEach], run = 0ull;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        v[e] = sm.bin_best[threadIdx.x * kEach + e];
+        run = v[e] > run ? v[e] : run;
+    }
+    unsigned long long before = smp_block_prefix_max(run, sm);
+    unsigned mine = 0u, front = 0u;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (v[e] > before) front |= 1u << e, ++mine, before = v[e];
+    }
+    unsigned slot = smp_warp_slots(cx.rs.ngather, mine);
+    const unsigned pairs = smp_gather_slots(cx.G) / 2u;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) {
+        if (!(front >> e & 1u)) continue;
+        if (slot < pairs) {
+            cx.rs.gather[2u * slot] = v[e];
+            cx.rs.gather[2u * slot + 1u] = (unsigned long long)(threadIdx.x * kEach + e);
+        } else {
+            *cx.rs.front_over = 1u;  // the decider falls back
+        }
+        ++slot;
+    }
+}
+
+// The decider's part: the top-p cut's boundary bin b* from the row's histogram (buffer cx.hpass),
+// then the best front key of the kept bins. Every front slot it read is put back to 0.
+constexpr int kFrontEach = 4;  // front pairs a thread of the decider loads at once
+
+struct RaceDecision {
+    unsigned verdict;          // kVerdictDecided, kVerdictBin | b* << 2, or kVerdictFallback
+    unsigned long long key;    // decided: the winner; kVerdictBin: the best key of the kept bins
+    unsigned n;                // kVerdictBin: the tokens of b*
+    unsigned long long rem;    // kVerdictBin: the mass b* must supply to reach the target
+};
+
+__device__ RaceDecision smp_race_decide(Smem& sm, const Ctx& cx, float top_p) {
+    const unsigned pairs = smp_gather_slots(cx.G) / 2u;
+    // The count, the first pairs (zero past the count) and the histogram: one round trip.
+    const unsigned n = __ldcg(cx.rs.ngather), over = __ldcg(cx.rs.front_over);
+    const unsigned long long* pair = cx.rs.gather;
+    unsigned long long key[kFrontEach];
+    unsigned bin[kFrontEach];
+#pragma unroll
+    for (int e = 0; e < kFrontEach; ++e) {
+        const unsigned i = threadIdx.x + e * kThreads;
+        key[e] = i < pairs ? __ldcg(&pair[2u * i]) : 0ull;
+        bin[e] = i < pairs ? (unsigned)__ldcg(&pair[2u * i + 1u]) : 0u;
+    }
+    unsigned long long rem = 0ull;
+    const bool found = smp_pick(sm, cx, kBins, true, rem, top_p);  // block-uniform
+    const unsigned bstar = sm.pick_idx, in_bin = sm.pick_count_in;
+    const unsigned long long bin_rem = rem - sm.pick_mass_above;
+    const unsigned m = min(n, pairs);
+    unsigned long long kept = 0ull, undecided = 0ull;
+    for (unsigned base = 0u;; base += kFrontEach * kThreads) {
+#pragma unroll
+        for (int e = 0; e < kFrontEach; ++e) {
+            const unsigned i = base + threadIdx.x + e * kThreads;
+            if (i >= m) continue;
+            if (base) key[e] = __ldcg(&pair[2u * i]), bin[e] = (unsigned)__ldcg(&pair[2u * i + 1u]);
+            cx.rs.gather[2u * i] = 0ull;
+            cx.rs.gather[2u * i + 1u] = 0ull;
+            if (bin[e] < bstar) kept = key[e] > kept ? key[e] : kept;
+            if (bin[e] == bstar) undecided = key[e] > undecided ? key[e] : undecided;
+        }
+        if (base + kFrontEach * kThreads >= m) break;
+    }
+    kept = smp_block_max(kept, sm);
+    undecided = smp_block_max(undecided, sm);
+    if (!found || over || n > m) return RaceDecision{kVerdictFallback, 0ull, 0u, 0ull};
+    if (undecided <= kept) return RaceDecision{kVerdictDecided, kept, 0u, 0ull};
+    if (in_bin == 1u) return RaceDecision{kVerdictDecided, undecided, 0u, 0ull};
+    if (in_bin <= (unsigned)kCap) return RaceDecision{kVerdictBin | bstar << 2, kept, in_bin, bin_rem};
+    return RaceDecision{kVerdictFallback, 0ull, 0u, 0ull};
+}
+
+// After smp_race_front: the row's blocks arrive; the last one decides, and every block returns
+// the verdict.
+// - Decided: the decider writes the token, puts the row's scratch back to zero, posts the
+//   verdict, waits until every block has read it, clears it and hands the scratch to the next
+//   round.
+// - kVerdictBin: the decider leaves the kept bins' best key in the row's race slot and b*'s token
+//   count and remaining mass in cut_n / cut_rem (also in sm); every block then sends b*'s tokens
+//   with their race keys to the candidate list, and the row's finisher cuts them exactly, as the
+//   histogram path's deferred cut does.
+// - Fallback: the histogram path from its first pass.
+// In the last two the finisher's arrival count (`done`) goes back to 0, and the finisher clears
+// the rest; the row barriers' count (`arrive`) stays at G, so their next target, 2G, holds.
+__device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next,
+                                     float top_p, int* out) {
+    smp_arrive(sm, cx);
+    if (!sm.last) {  // block-uniform
+        if (threadIdx.x == 0) {
+            unsigned v;
+            while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {
+            }
+            gpu_sync::fence_acq_rel();  // as every spin here: the decider's writes before the block's
+            sm.verdict = v;
+            if ((v & 3u) == kVerdictBin) sm.cut_n = __ldcg(cx.rs.cut_n), sm.cut_rem = __ldcg(cx.rs.cut_rem);
+            atomicAdd(cx.rs.ack, 1u);  // after this the block touches the verdict no more
+        }
+        __syncthreads();
+        return sm.verdict;  // read before a later unit writes it: every path on has block barriers
+    }
+    const RaceDecision dec = smp_race_decide(sm, cx, top_p);
+    const bool decided = dec.verdict == kVerdictDecided;
+    if (decided)  // the histogram buffer the blocks merged into (the next one was zero and stays so)
+        for (int i = threadIdx.x; i < kBins; i += kThreads)
+            cx.rs.count[cx.hpass % 3u * kBins + i] = 0u, cx.rs.mass[cx.hpass % 3u * kBins + i] = 0ull;
+    if (threadIdx.x == 0) {
+        *cx.rs.ngather = 0u;
+        *cx.rs.front_over = 0u;
+        *cx.rs.done = 0u;
+        if (decided) {
+            const unsigned tok = ~(unsigned)dec.key;
+            out[b] = (int)(tok < V ? tok : 0u);
+            *cx.rs.best = 0ull;
+            *cx.rs.arrive = 0u;
+        } else if ((dec.verdict & 3u) == kVerdictBin) {
+            *cx.rs.race = dec.key;  // the finisher's best key beside the cut candidates
+            *cx.rs.cut_n = dec.n;
+            *cx.rs.cut_rem = dec.rem;
+            sm.cut_n = dec.n, sm.cut_rem = dec.rem;
+        }
+        sm.verdict = dec.verdict;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gpu_sync::fence_acq_rel();
+        atomicExch(cx.rs.verdict, dec.verdict);
+        if (decided) {
+            while (gpu_sync::ld_acquire(cx.rs.ack) != cx.G - 1u) {
+            }
+            *cx.rs.verdict = 0u;
+            *cx.rs.ack = 0u;
+            if (next != round) {  // as smp_finish hands over
+                gpu_sync::fence_acq_rel();
+                atomicExch(cx.rs.round, next);
+            }
+        }
+    }
+    __syncthreads();
+    return dec.verdict;
+}
+
+// kVerdictBin: the block's tokens of bin `bin` (with d >= kNeverWins and min-p: a race key; else 0)
+// to the row's candidate list (count ncand[0]).
+template <int P>
+__device__ void smp_send_bin(const Tile<P>& t, const Ctx& cx, int bin, float min_p, uint4 ctr, unsigned k0,
+                             unsigned k1) {
+    unsigned mine = 0u;
+#pragma unroll
+    for (int j = 0; j < P; ++j) mine += j < t.n && smp_bin(t.v[j]) == bin;
+    unsigned slot = smp_warp_slots(cx.rs.ncand, mine);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (j >= t.n || smp_bin(t.v[j]) != bin) continue;
+        const unsigned long long key = smp_token_key(t.v[j], t.first + j, min_p, ctr, k0, k1);
+        if (slot < (unsigned)kCap) cx.rs.cand[slot] = make_ulonglong2(smp_comp(t.v[j], t.first + j), key);
+        ++slot;
+    }
 }
 
 // ---- one (row, block) unit
@@ -1035,14 +1408,7 @@ __device__ unsigned long long smp_cut_candidates(Smem& sm, const Ctx& cx, const 
 // `gather.k` > 0: the row took the gathered top-k (smp_gather); the finisher makes its cut here.
 __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned round, unsigned next, bool defer,
                            const Narrow& nr, bool by_mass, int* out, unsigned* status, GatherCut gather = GatherCut()) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        gpu_sync::fence_acq_rel();
-        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
-        sm.last = last;
-        if (last) gpu_sync::fence_acq_rel();
-    }
-    __syncthreads();
+    smp_arrive(sm, cx);
     if (sm.last) {  // block-uniform
         unsigned long long race = 0ull, best = 0ull;
         unsigned n0 = 0u, n1 = 0u;
@@ -1054,7 +1420,7 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
         }
         const unsigned long long from_cands =
             defer ? smp_cut_candidates(sm, cx, nr, by_mass)
-            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.G, V, gather) : 0ull;
+            : gather.k ? smp_gather_cut(sm, cx.rs.gather, cx.rs.ngather, cx.G, gather) : 0ull;
         if (threadIdx.x == 0) {
             const unsigned long long win = race > from_cands ? race : from_cands;
             const unsigned tok = ~(unsigned)(win ? win : best);
@@ -1066,12 +1432,19 @@ __device__ void smp_finish(Smem& sm, Ctx& cx, unsigned b, unsigned V, unsigned r
             *cx.rs.done = 0u;
             cx.rs.ncand[0] = 0u;
             cx.rs.ncand[1] = 0u;
+            *cx.rs.ngather = 0u;
+            *cx.rs.verdict = 0u;  // a racing-first row that fell back: every block has read it
+            *cx.rs.ack = 0u;
+            *cx.rs.front_over = 0u;
+            *cx.rs.cut_n = 0u;
+            *cx.rs.cut_rem = 0ull;
             // The candidate slots written this unit (by either stage) go back to zero too.
             const unsigned n = n0 > n1 ? n0 : n1;
             sm.nclear = n < (unsigned)kCap ? n : (unsigned)kCap;
         }
         __syncthreads();  // sm.nclear
         for (unsigned i = threadIdx.x; i < sm.nclear; i += kThreads) cx.rs.cand[i] = make_ulonglong2(0ull, 0ull);
+        if (cx.posted) cx.rs.posts[threadIdx.x] = 0u;  // kPostSlots == kThreads
         if (cx.hpass)
             for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) cx.rs.count[i] = 0u, cx.rs.mass[i] = 0ull;
         if (next != round) {  // the next round's blocks wait for `next`; a single round leaves 0 in place
@@ -1123,16 +1496,28 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
         const unsigned long long c = ((unsigned long long)smp_key(t.v[j]) << 32) | (unsigned)~(t.first + j);
         best = c > best ? c : best;
     }
+    // A gathered top-k's bound (smp_post_each): the blocks' largest thread maxima, posted with the
+    // maximum. Row-uniform: k, G and the slots are the row's.
+    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
+    const bool use_p = p.top_p < 1.0f;
+    const bool fits = use_k && (unsigned long long)p.top_k * cx.G <= smp_gather_slots(cx.G);
+    const unsigned post_each = fits && p.temp != 0.0f ? smp_post_each((unsigned)p.top_k, cx.G) : 0u;
+    cx.posted = post_each != 0u;
+    if (post_each > 1u) smp_post_maxima(sm, cx, (unsigned)(best >> 32), post_each);
     const bool flag = __syncthreads_or(odd || (p.invalid && cx.chunk == 0u));
     best = smp_block_max(best, sm);
     if (tid == 0) {
         if (flag) atomicOr(status, FP4_STATUS_SAMPLER_INPUT);
         if (best) atomicMax(cx.rs.best, best);
+        if (post_each == 1u) cx.rs.posts[cx.chunk] = (unsigned)(best >> 32);  // the block's largest
     }
     Narrow nr;  // the deferred cut, when there is one
     if (p.temp == 0.0f) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     smp_barrier(cx);
-    const float lmax = smp_unkey((unsigned)(__ldcg(cx.rs.best) >> 32));
+    const unsigned nposts = cx.G * post_each;
+    // volatile: the posted key's load is issued before the maximum's is used (one round trip)
+    const unsigned posted = tid < nposts ? *(const volatile unsigned*)(cx.rs.posts + tid) : 0u;
+    const float lmax = smp_unkey((unsigned)(*(const volatile unsigned long long*)cx.rs.best >> 32));
     if (!isfinite(lmax)) return smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status);
     const float inv_t = __frcp_rn(p.temp);  // T >= FLT_MIN: finite
 #pragma unroll
@@ -1141,13 +1526,36 @@ __device__ void sample_unit(Smem& sm, const T* __restrict__ logits, unsigned V, 
 
     const uint4 ctr = make_uint4(0u, b, (unsigned)sm.s_offset, (unsigned)(sm.s_offset >> 32));
     const unsigned k0 = (unsigned)sm.s_seed, k1 = (unsigned)(sm.s_seed >> 32);
-    const bool use_k = p.top_k > 0 && (unsigned)p.top_k < V;
-    const bool use_p = p.top_p < 1.0f;
-    if (use_k && use_p && (unsigned long long)p.top_k * cx.G <= smp_gather_slots(cx.G)) {  // row-uniform: the gathered cut
-        smp_gather(sm, t, cx, (unsigned)p.top_k);
+    float d_bound = SMP_NEG_INF;  // the gathered cut's bound: d of the k-th largest posted key
+    if (post_each) {
+        const unsigned bound = smp_post_bound(sm, posted, nposts, (unsigned)p.top_k);
+        if (bound) d_bound = __fmul_rn(__fsub_rn(smp_unkey(bound), lmax), inv_t) + 0.0f;  // as every d
+    }
+    // Row-uniform: the gathered cut with top-p after the top-k, or for a top-k alone when the bound
+    // is above the last bin (else every block would send its k best: the histogram path cuts faster).
+    if (fits && (use_p || d_bound > kBinFloor)) {
+        smp_gather(sm, t, cx, (unsigned)p.top_k, d_bound);
         smp_finish(sm, cx, b, V, round, next, false, nr, false, out, status,
-                   GatherCut{(unsigned)p.top_k, (unsigned)(kThreads * per), p.top_p, p.min_p, ctr, k0, k1});
+                   GatherCut{(unsigned)p.top_k, p.top_p, p.min_p, ctr, k0, k1});
         return;
+    }
+
+    if (use_p && !use_k) {  // row-uniform: top-p alone races first (smp_race_front)
+        cx.with_mass = true;
+        smp_race_front(sm, t, cx, p.min_p, ctr, k0, k1);
+        const unsigned verdict = smp_race_verdict(sm, cx, b, V, round, next, p.top_p, out);
+        if (verdict == kVerdictDecided) return;
+        if ((verdict & 3u) == kVerdictBin) {  // the boundary bin's exact cut, by the row's finisher
+            const int bin = (int)(verdict >> 2);
+            smp_send_bin(t, cx, bin, p.min_p, ctr, k0, k1);
+            Narrow nb;
+            nb.bk = Bucket{bin, 0ull, 0ull, 0ull, ~0ull};
+            smp_bin_range(bin, V, nb.bk);
+            nb.n = sm.cut_n, nb.rem = sm.cut_rem, nb.above = 0ull;
+            cx.hpass = 1u;  // the finisher clears the histogram buffers
+            return smp_finish(sm, cx, b, V, round, next, true, nb, true, out, status);
+        }
+        ++cx.hpass;  // undecided: the histogram path, its first pass into the next buffer
     }
 
     // 2. top-k, then top-p over the top-k survivors: thresholds on the composite order. The last
@@ -1220,6 +1628,7 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
         }
         cx.nbar = 0u;
         cx.hpass = 0u;
+        cx.posted = false;
         const unsigned next = b + rows_per_round < B ? round + 1u : 0u;
         const Params p = smp_params(b, t_rows, t_all, k_rows, k_all, p_rows, p_all, m_rows, m_all);
         sample_unit<T, P>(sm, logits, V, per, vec != 0, b, round, next, cx, p, rng, arrivals, out, status);
