@@ -1,11 +1,12 @@
 """bench_moe's graph timing against its eager first call, on the V3 MoE layer (W4A16) with every
-sorted-path fusion (the README's known defect at T = 4096): each try makes one eager call on the
+sorted-path fusion (the defect of the benchmark the README's MoE section describes, at T = 4096): each try makes one eager call on the
 default stream, captures ``ROTATE`` calls on a non-blocking stream and launches the graph, either at
 once (``graph_us`` before its synchronisation) or after ``Device().synchronize()`` (after). It then
 reports whether the eager call was still running when the graph was launched, and, once the device
 is idle, the layer's dispatch counters, which are zero between serialized calls (``_counts``: the
 router's per-expert counts, ``_dispatch_done``: its arrival counter). The synchronised order runs
-first: an illegal address ends the process's CUDA context. Not yet run on a GPU.
+first: an illegal address ends the process's CUDA context. H100, 2026-12-06, ``--tries=3``: synced
+tries clean; unsynced, the first launched the graph while the eager call ran, the second faulted.
 
     .venv/bin/python scripts/moe_graph_race.py [--tries=5] [--tokens=4096] [--orders=synced,unsynced]
 """
