@@ -60,7 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-graph", action="store_true", help="launch every step eagerly")
     ap.add_argument("--batched-prefill", action="store_true",
                     help="the prompt through each layer once as T tokens (Model.prefill), not token by token")
-    ap.add_argument("--check", action="store_true", help="compare graph, eager (and numpy for tiny) decoding")
+    ap.add_argument("--check", action="store_true",
+                    help="compare graph, eager (and, for tiny, numpy: logits and sublayers) decoding")
     ap.add_argument("--check-layers", action="store_true",
                     help="compare the GPU model with the numpy model sublayer by sublayer on equal inputs "
                          "(runner.compare_layers, runner.LAYER_TOLERANCE)")
@@ -233,7 +234,8 @@ def report(model, cfg, res: dict, batch: int, device: bool) -> None:
 def check(cfg, args, prompt, device: bool, model) -> bool:
     """On the GPU: graph-replayed vs eager decoding (identical tokens and logits) and, for small
     vocabularies, the teacher-forced logits against the numpy model (first position bit-identical,
-    later ones within `runner.NUMPY_TOLERANCE`). On numpy: two runs give identical tokens."""
+    later ones within `runner.NUMPY_TOLERANCE`) and the sublayer comparison (`check_layers`). On
+    numpy: two runs give identical tokens."""
     runs = {}
     for name, graph in ([("graph", True), ("eager", False)] if device else [("numpy", False), ("numpy again", False)]):
         model.generator.set_state(args.seed, 0)
@@ -248,6 +250,8 @@ def check(cfg, args, prompt, device: bool, model) -> bool:
               f"first position {cmp['first']:.2g} (bit-identical: {cmp['first'] == 0}), median {cmp['median']:.4f} max {cmp['max']:.4f} "
               f"(bounds {cmp['tolerance']}) -> {'OK' if cmp['ok'] else 'FAIL'}")
         ok &= cmp["ok"]
+        # the logit bounds above cannot see a broken layer; the sublayer comparison on equal inputs can
+        ok &= check_layers(cfg, args, np.concatenate([prompt, t1], axis=1), device)
     if args.speculative:
         ok &= check_speculative(model, prompt, args, device, t1)
     return ok

@@ -591,7 +591,8 @@ __device__ __forceinline__ void smp_count(Smem& sm, int idx, unsigned long long 
 // (by_mass false) or the mass (by_mass true) from the top reaches `rem`, in sm.theta, and with
 // by_mass or `with_mass` the mass of it and those ranked above it in sm.prefix (a cut by count
 // counts masses only for that: a top-k cut's kept mass is the base of the top-p target after it;
-// without, the passes lost the mass above the last 32 and top-p kept too few tokens). 8-bit radix passes over the composite, each at the highest bit that still
+// without, the passes lost the mass above the last 32 and top-p kept too few tokens). 8-bit radix
+// passes over the composite, each at the highest bit that still
 // varies among the remaining candidates (ties in d leave only id bits), narrow them to at most 32,
 // which one warp ranks exactly. Every block that calls it with the same candidates finds the same
 // boundary whatever their order. Returns false on inconsistent data.
