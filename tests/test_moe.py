@@ -439,3 +439,33 @@ def test_swiglu_stage_reads_the_gate_and_up_rows_of_each_output(inner):
                 continue
             staged = bx * block_rows + c // 16 * 32 + c % 16
             assert w13_row[staged] == c0 + c and w13_row[staged + 16] == 1000 + c0 + c
+
+
+def test_dispatch_of_another_calls_counts_stays_in_the_calls_rows():
+    """Overlapping calls of one layer share its counters: counts summing to more or fewer than the
+    call's pairs, or a ticket past its expert's count, are not this call's. The dispatch (reference
+    and kernel alike) then keeps every row inside [0, P) and says so (MOE_DISPATCH)."""
+    from fp4kit.reference import dist as dist_ref
+
+    ids = np.array([[2, 0], [2, 3], [0, 2]], np.int32)
+    weights = np.arange(6, dtype=np.float32).reshape(3, 2)
+    counts, tickets = dist_ref.tickets(ids, 4)
+    assert ref.dispatch_is_consistent(counts, tickets, ids)
+    doubled = counts * 2  # a second call's router added its counts before this dispatch ran
+    assert not ref.dispatch_is_consistent(doubled, tickets, ids)
+    offsets, active, slot_row, row_token, row_weight = ref.dispatch(doubled, tickets, ids, weights)
+    assert offsets.tolist() == [0] * 5 and active.size == 0  # no expert runs
+    assert slot_row.tolist() == list(range(6))
+    assert row_token.tolist() == [0, 0, 1, 1, 2, 2] and row_weight.tolist() == weights.reshape(-1).tolist()
+    late = tickets.copy()
+    late[0, 0] = 7  # expert 2 holds three pairs: ticket 7 is another call's
+    assert not ref.dispatch_is_consistent(counts, late, ids)
+    offsets, active, slot_row, _, _ = ref.dispatch(counts, late, ids, weights)
+    assert offsets.tolist() == [0, 2, 2, 5, 6] and active.tolist() == [0, 2, 3]
+    assert slot_row.tolist() == [5, 0, 3, 5, 1, 4]  # the off pair at the last row, the others as before
+
+
+def test_status_has_the_moe_dispatch_flag():
+    from fp4kit.runtime import status
+
+    assert status.MOE_DISPATCH == 512 and "MoE dispatch" in status.FLAG_NAMES[status.MOE_DISPATCH]

@@ -435,6 +435,42 @@ def test_dispatch_kernel_matches_reference(rng, t, k, e):
     assert int(d_counts.sum()) == 0  # zeroed for the next call
 
 
+@pytest.mark.parametrize("case", ["counts of two calls", "a ticket of another call"])
+def test_dispatch_of_another_calls_counts_records_it_and_stays_in_bounds(rng, case):
+    """Two overlapping calls of one layer share its counters: the dispatch then records
+    MOE_DISPATCH, runs no expert (counts off) or sends the off pair to the last row (a ticket off),
+    and every row it writes lies inside the call's buffers: the reference's plan, where a row has
+    one pair."""
+    from fp4kit.reference import dist as dist_ref
+    from fp4kit.runtime import status
+
+    t, k, e = 37, 6, 64
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    counts, tickets = dist_ref.tickets(ids, e)
+    if case == "counts of two calls":
+        counts = counts * 2
+    else:
+        tickets = tickets.copy()
+        tickets[3, 2] = 10_000
+    assert not ref.dispatch_is_consistent(counts, tickets, ids)
+    plan = _plan_buffers(e, t * k)
+    d_counts = cp.asarray(counts)
+    status.clear()
+    moe_ops.dispatch(d_counts, cp.asarray(tickets), cp.asarray(ids), cp.asarray(weights), k, plan)
+    offsets, active, slot_row, row_token, row_weight = ref.dispatch(counts, tickets, ids, weights)
+    assert status.read() & status.MOE_DISPATCH
+    status.clear()
+    assert np.array_equal(cp.asnumpy(plan.offsets), offsets)
+    n = int(plan.num_active.get()[0])
+    assert n == active.size and np.array_equal(cp.asnumpy(plan.active[:n]), active)
+    assert np.array_equal(cp.asnumpy(plan.slot_row), slot_row) and slot_row.max() < t * k
+    once = np.bincount(slot_row, minlength=t * k) == 1
+    assert np.array_equal(cp.asnumpy(plan.row_token)[once], row_token[once])
+    assert np.array_equal(cp.asnumpy(plan.row_weight)[once], row_weight[once])
+    assert int(d_counts.sum()) == 0  # zeroed for the next call
+
+
 def assert_plan_equals(plan, want):
     """The device dispatch's outputs equal the reference's (offsets, active, slot_row, row_token,
     row_weight) bit for bit."""

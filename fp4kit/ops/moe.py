@@ -118,11 +118,13 @@ def _nvfp4_out(t) -> tuple:
 
 def dispatch(counts, tickets, ids, weights, top_k: int, plan) -> None:
     """Offsets, active experts, the sorted row of every (token, slot) and the token and weight of
-    every sorted row; zeroes ``counts``. One block."""
+    every sorted row; zeroes ``counts``. One block. Counts or tickets of another call (overlapping
+    calls of one layer) record `fp4kit.runtime.status.MOE_DISPATCH` and route nothing
+    (`fp4kit.reference.moe.dispatch`)."""
     e = counts.shape[0]
     loader.get_kernel(_MODULE, "moe_dispatch", block=1024)(
         1, 1024, (counts, tickets, ids, weights, _U32(e), _U32(ids.size), _U32(top_k), plan.offsets, plan.active,
-                  plan.num_active, plan.slot_row, plan.row_token, plan.row_weight))
+                  plan.num_active, plan.slot_row, plan.row_token, plan.row_weight, status.device_word()))
 
 
 #: rows of one expert that one pass of its weights serves in the grouped GEMM (8 per token tile, up

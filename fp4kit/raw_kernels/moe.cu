@@ -14,7 +14,8 @@
 //   moe_dispatch   one block of 1024 threads. Exclusive scan of counts into offsets [E + 1],
 //                  the active experts in id order (active [E], num_active [1]), each pair's row in
 //                  expert-sorted order (slot_row [T * top_k]), the token and weight of every sorted
-//                  row (row_token, row_weight); then zeroes counts for the next call.
+//                  row (row_token, row_weight); then zeroes counts for the next call. Counts or
+//                  tickets of another call or-s FP4_STATUS_MOE_DISPATCH into status [1] (dispatch_block).
 //   moe_gemm_*_<T> grid (ceil(N / 128), min(E, T * top_k)), 256 threads, the GEMM engine's shared
 //                  memory: block (i, s) computes weight rows 128i .. 128i+127 of active expert
 //                  active[s] for all its rows, 8T at a time; blocks with s >= num_active exit at once.
@@ -370,11 +371,16 @@ FP4_DEFINE_ROUTER_LOGITS(f32_bf16, float, __nv_bfloat16)
 // (its expert's offset + its ticket) with that row's token and weight; counts back to zero. Integer
 // arithmetic in a fixed order: the same outputs for any block size. The pairs' data may have been
 // written by other blocks of this launch (the router's last block), so it is read past L1.
+// Counts that do not sum to the call's pairs, or a ticket past its expert's count, are another
+// call's (two overlapping calls of one layer share its counters): FP4_STATUS_MOE_DISPATCH, and every
+// row stays inside the call's buffers. Counts off: no expert is active and pair p takes row p.
+// A ticket off: its pair takes the last row.
 template <int kPer>
 __device__ void dispatch_block(unsigned* counts, const unsigned* tickets, const int* ids, const float* weights,
                                unsigned E, unsigned pairs, unsigned top_k, unsigned* offsets, unsigned* active,
-                               unsigned* num_active, unsigned* slot_row, unsigned* row_token, float* row_weight) {
-    __shared__ unsigned sh_offsets[kMaxExperts];
+                               unsigned* num_active, unsigned* slot_row, unsigned* row_token, float* row_weight,
+                               unsigned* status) {
+    __shared__ unsigned sh_offsets[kMaxExperts + 1];
     const unsigned e0 = threadIdx.x * kPer;
     unsigned c[kPer], sum = 0, nonzero = 0;
 #pragma unroll
@@ -385,24 +391,36 @@ __device__ void dispatch_block(unsigned* counts, const unsigned* tickets, const 
     unsigned total, n_active;
     unsigned start = block_exclusive_scan(sum, total);
     unsigned rank = block_exclusive_scan(nonzero, n_active);
+    const bool ours = total == pairs;  // block-uniform
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
         const unsigned e = e0 + j;
         if (e < E) {
-            offsets[e] = sh_offsets[e] = start;
-            if (c[j] > 0) active[rank++] = e;
+            offsets[e] = sh_offsets[e] = ours ? start : 0u;
+            if (ours && c[j] > 0) active[rank++] = e;
             counts[e] = 0;  // ready for the next call (every reader of counts ran before)
         }
         start += c[j];
     }
-    if (threadIdx.x == 0) offsets[E] = total, *num_active = n_active;
+    if (threadIdx.x == 0) {
+        offsets[E] = sh_offsets[E] = ours ? total : 0u;
+        *num_active = ours ? n_active : 0u;
+        if (!ours) atomicOr(status, FP4_STATUS_MOE_DISPATCH);
+    }
     __syncthreads();
+    bool off = false;
     for (unsigned p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const unsigned row = sh_offsets[__ldcg(ids + p)] + __ldcg(tickets + p);
+        unsigned row = p;
+        if (ours) {
+            const unsigned e = (unsigned)__ldcg(ids + p);
+            row = sh_offsets[e] + __ldcg(tickets + p);
+            if (row >= sh_offsets[e + 1]) row = pairs - 1u, off = true;
+        }
         slot_row[p] = row;
         row_token[row] = p / top_k;
         row_weight[row] = __ldcg(weights + p);
     }
+    if (off) atomicOr(status, FP4_STATUS_MOE_DISPATCH);
 }
 
 extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
@@ -424,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
     __threadfence();
     static_assert(kRouterThreads * 4 >= kMaxExperts, "four experts per thread cover every expert");
     dispatch_block<4>(counts, tickets, ids, weights, E, pairs, top_k, offsets, active, num_active, slot_row, row_token,
-                      row_weight);
+                      row_weight, status);
     if (threadIdx.x == 0) *done = 0u;  // every block has arrived
 }
 
@@ -479,10 +497,11 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch(unsigned* counts
                                                                const float* weights, unsigned E, unsigned pairs,
                                                                unsigned top_k, unsigned* offsets, unsigned* active,
                                                                unsigned* num_active, unsigned* slot_row,
-                                                               unsigned* row_token, float* row_weight) {
+                                                               unsigned* row_token, float* row_weight,
+                                                               unsigned* status) {
     pdl::wait_prior();
     dispatch_block<1>(counts, tickets, ids, weights, E, pairs, top_k, offsets, active, num_active, slot_row, row_token,
-                      row_weight);
+                      row_weight, status);
 }
 
 // The grouped GEMM multiplies only the token tiles that hold rows: an expert's rows vary per block

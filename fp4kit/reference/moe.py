@@ -156,19 +156,42 @@ def dispatch(counts, tickets, ids, weights):
     them in any order). ``offsets`` is the exclusive prefix sum of ``counts``; ``active`` lists the
     experts with a pair, in id order; pair ``p`` goes to sorted row ``offsets[ids[p]] + tickets[p]``,
     which holds its token ``p // top_k`` and its routing weight.
+
+    Counts that do not sum to ``P``, or a ticket at or past its expert's count, are another call's
+    (overlapping calls of one layer share its counters; `dispatch_is_consistent` is False and the
+    kernel records ``MOE_DISPATCH``): every row stays in ``[0, P)``. Counts off: all offsets 0, no
+    active expert, pair ``p`` at row ``p``. A ticket off: its pair at row ``P - 1``. Rows written by
+    several pairs keep the last pair's token and weight (the kernel's pair order: any).
     """
     counts = np.asarray(counts).astype(np.int64)
     ids = np.asarray(ids)
     top_k = ids.shape[-1]
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-    active = np.nonzero(counts)[0].astype(np.uint32)
     flat = ids.reshape(-1).astype(np.int64)
-    slot_row = (offsets[flat].astype(np.int64) + np.asarray(tickets).reshape(-1)).astype(np.uint32)
-    row_token = np.empty(flat.size, np.uint32)
-    row_weight = np.empty(flat.size, np.float32)
-    row_token[slot_row] = np.arange(flat.size) // top_k
+    pairs = flat.size
+    if counts.sum() != pairs:
+        offsets = np.zeros(counts.size + 1, np.uint32)
+        active = np.zeros(0, np.uint32)
+        slot_row = np.arange(pairs, dtype=np.uint32)
+    else:
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+        active = np.nonzero(counts)[0].astype(np.uint32)
+        rows = offsets[flat].astype(np.int64) + np.asarray(tickets).reshape(-1)
+        slot_row = np.where(rows < offsets[flat + 1], rows, pairs - 1).astype(np.uint32)
+    row_token = np.empty(pairs, np.uint32)
+    row_weight = np.empty(pairs, np.float32)
+    row_token[slot_row] = np.arange(pairs) // top_k
     row_weight[slot_row] = np.asarray(weights, np.float32).reshape(-1)
     return offsets, active, slot_row, row_token, row_weight
+
+
+def dispatch_is_consistent(counts, tickets, ids) -> bool:
+    """Whether the counts sum to the call's pairs and every ticket lies below its expert's count
+    (else the dispatch kernel records `fp4kit.runtime.status.MOE_DISPATCH`)."""
+    counts = np.asarray(counts).astype(np.int64)
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    if counts.sum() != flat.size:
+        return False
+    return bool((np.asarray(tickets).reshape(-1).astype(np.int64) < counts[flat]).all())
 
 
 def combine(y, slot_row, weights, weighted: bool, shared=None) -> np.ndarray:

@@ -31,6 +31,10 @@ TOKEN_RANGE = 16
 KV_INPUT = 32
 #: pairs of an expert-parallel MoE call did not fit the all-to-all capacity and were dropped
 EP_CAPACITY_OVERFLOW = 1 << 8
+#: a MoE dispatch met per-expert counts that do not sum to its call's pairs, or a ticket past them:
+#: the layer's device state was shared by calls that overlapped (two streams); no expert ran, the
+#: rows were clamped into the call's buffers
+MOE_DISPATCH = 1 << 9
 
 FLAG_NAMES = {
     NONFINITE_INPUT: "non-finite input to an NVFP4 encoder, or a global scale / amax out of range",
@@ -40,6 +44,7 @@ FLAG_NAMES = {
     TOKEN_RANGE: "embedding or hash routing: a token id outside [0, vocab) (row 0 read instead)",
     KV_INPUT: "KV cache or sparse attention: a count, position or compressed length out of range (clamped)",
     EP_CAPACITY_OVERFLOW: "expert-parallel MoE: pairs beyond the all-to-all capacity were dropped",
+    MOE_DISPATCH: "MoE dispatch: counts or tickets of another call (overlapping calls of one layer); nothing routed",
 }
 
 _lock = threading.Lock()

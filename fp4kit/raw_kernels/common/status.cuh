@@ -11,3 +11,4 @@
 #define FP4_STATUS_TOKEN_RANGE 16u           // a token id outside [0, vocab) (row 0 was read instead)
 #define FP4_STATUS_KV_INPUT 32u              // a KV count, position or compressed length out of range (clamped)
 #define FP4_STATUS_EP_CAPACITY_OVERFLOW 256u // expert-parallel pairs beyond the all-to-all capacity, dropped
+#define FP4_STATUS_MOE_DISPATCH 512u         // routed counts or tickets not this call's (rows clamped, no expert run)
