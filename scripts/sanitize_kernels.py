@@ -284,6 +284,39 @@ def run_sampling(be: Backend, rng) -> None:
             raise AssertionError(f"Sampler {kw}: tokens {got}")
         if kw == {"temperature": 0.0}:
             same_bits(got, logits.argmax(-1).astype(np.int32), "greedy sampling")
+    # Rows split over several blocks (16 at batch 2 on an H100): the row barriers, the gathered
+    # top-k, top-p racing first with its verdict, the histogram path; row 1 has 700 tied top
+    # tokens, more than a boundary bin's exact cut takes, so top-p falls back to the radix passes.
+    wide = (rng.standard_normal((2, 16384)) * 3).astype(np.float32)
+    wide[1, 100:800] = 20.0
+    for kw in ({"temperature": 0.8}, {"top_k": 50}, {"top_p": 0.9}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.3},
+               {"top_k": 1000}, {"top_p": 0.95, "min_p": 0.02}):
+        sampler = Sampler(Generator(11, device=be.device), temperature=kw.get("temperature", 1.0),
+                          top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.0))
+        for _ in range(2):
+            got = be.host(sampler(be.to(wide)))
+            for row, token in enumerate(got):
+                rank, allowed = kept_rank(wide[row], int(token), **kw)
+                if not rank < allowed + 1:  # one token of slack: float64 here, fixed-point masses there
+                    raise AssertionError(f"Sampler {kw}: row {row} drew token {token} of rank {rank}, "
+                                         f"{allowed} kept")
+
+
+def kept_rank(logits: np.ndarray, token: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0) -> tuple[int, int]:
+    """The rank of ``token`` in the order larger logit first, ties to the lower id, and how many
+    tokens of that order the filters keep (top-k, then top-p over the survivors, then min-p), in
+    float64."""
+    order = np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))
+    rank = int(np.nonzero(order == token)[0][0])
+    kept = logits.size if top_k <= 0 else min(top_k, logits.size)
+    mass = np.exp((logits[order[:kept]].astype(np.float64) - float(logits.max())) / temperature)
+    if top_p < 1.0:
+        before = np.cumsum(mass) - mass
+        kept = int((before < top_p * mass.sum()).sum())
+    if min_p > 0.0:
+        kept = min(kept, int((mass >= min_p).sum()))
+    return rank, kept
 
 
 def run_elementwise(be: Backend, rng) -> None:
