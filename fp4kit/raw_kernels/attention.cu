@@ -567,9 +567,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     if (splits == 1 || !counters) return;
 
     // ---- fused combine
-    // Thread 0 counts the block's arrival behind a release fence; the block barrier before it
-    // orders the other threads' partial stores ahead of that fence (an acquire-release fence at GPU
-    // scope by one thread, where every thread's sequentially consistent __threadfence cost more).
+    // Thread 0 counts the block's arrival behind a release; the block barrier before it orders the
+    // other threads' partial stores ahead of it (common/gpu_sync.cuh).
     unsigned* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
     __syncthreads();
     if (spread) {
@@ -580,9 +579,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         if (tid == 0) {
             gpu_sync::fence_acq_rel();
             atomicAdd(counter, 1u);
-            while (gpu_sync::ld_acquire(counter) < (unsigned)splits) {
+            while (gpu_sync::ld_acquire(counter) < (unsigned)splits) {  // acquires the other splits' partials
             }
-            gpu_sync::fence_acq_rel();  // the other splits' partials are read after their arrivals
         }
         __syncthreads();
         const int quads = D / 4, items = kHeads * quads, share = (items + splits - 1) / splits;
@@ -599,9 +597,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     // the last split of this (row, head group) to arrive merges all of them
     __shared__ unsigned last_block;
     if (tid == 0) {
-        gpu_sync::fence_acq_rel();
-        last_block = atomicAdd(counter, 1u) == (unsigned)splits - 1;
-        if (last_block) gpu_sync::fence_acq_rel();  // the other splits' partials are read after their arrivals
+        // the last arrival acquires the other splits' partials
+        last_block = gpu_sync::arrive_acq_rel(counter) == (unsigned)splits - 1;
     }
     __syncthreads();
     if (!last_block) return;

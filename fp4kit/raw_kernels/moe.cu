@@ -433,13 +433,8 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
            ids, weights, counts, tickets, blockIdx.x);
     if (!done) return;
     // the dispatch in the last block to finish, instead of a launch of its own
-    __shared__ unsigned last;
-    __threadfence();  // this block's ids, weights and tickets (and its count atomics) before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;  // block-uniform
-    __threadfence();
+    __shared__ unsigned last;  // this block's ids, weights and tickets (and its count atomics) published
+    if (!gpu_sync::last_to_arrive(done, gridDim.x, &last)) return;  // block-uniform
     static_assert(kRouterThreads * 4 >= kMaxExperts, "four experts per thread cover every expert");
     dispatch_block<4>(counts, tickets, ids, weights, E, pairs, top_k, offsets, active, num_active, slot_row, row_token,
                       row_weight, status);
@@ -458,12 +453,7 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
     __shared__ unsigned last;
     const unsigned t = blockIdx.y;
     router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done + t, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;  // block-uniform
-    __threadfence();
+    if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize,
            routed_scale, ids, weights, nullptr, nullptr, t);
     if (x_amax) {
@@ -595,19 +585,18 @@ __device__ __forceinline__ void combine_finished(const CombineOut& cb, const flo
                                                  unsigned rows, bool dense, unsigned dense_first, unsigned H) {
     __shared__ unsigned finished[64], n_finished;
     if (threadIdx.x == 0) n_finished = 0;
-    __threadfence();  // this thread's rows of y before the block's arrivals
-    __syncthreads();
+    __syncthreads();  // the block's rows of y before its arrivals, which release them
     if (threadIdx.x < rows) {
         const unsigned r = row_first + threadIdx.x;
         const unsigned t = dense ? r - dense_first : __ldg(cb.row_token + r);
         const unsigned slots = cb.top_k + (cb.shared_rows ? 1u : 0u);
-        if (atomicAdd(cb.arrivals + (size_t)t * gridDim.x + blockIdx.x, 1u) == slots - 1)
+        // the arrival completing a token acquires the other blocks' rows of it
+        if (gpu_sync::arrive_acq_rel(cb.arrivals + (size_t)t * gridDim.x + blockIdx.x) == slots - 1)
             finished[atomicAdd(&n_finished, 1u)] = t;  // an expert holds a token once: distinct tokens
     }
     __syncthreads();
     const unsigned n = n_finished;
     if (n == 0) return;  // block-uniform
-    __threadfence();     // the other blocks' rows of these tokens, after their arrivals
     for (unsigned i = 0; i < n; ++i) {
         const unsigned t = finished[i];
         for (unsigned c = blockIdx.x * kBlockRows + threadIdx.x; c < min(H, (blockIdx.x + 1) * kBlockRows);
@@ -1134,13 +1123,8 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
         if (threadIdx.x == 0) out_amax[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = v_bits;
     }
     if (!lq.done) return;
-    __shared__ unsigned last;
-    __threadfence();  // this block's rows of out and its maximum before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(lq.done, 1u) == gridDim.x * gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;  // block-uniform
-    __threadfence();
+    __shared__ unsigned last;  // this block's rows of out and its maximum published
+    if (!gpu_sync::last_to_arrive(lq.done, gridDim.x * gridDim.y, &last)) return;  // block-uniform
     const float* h = static_cast<const float*>(out);
     const unsigned routed_blocks = gridDim.x * routed, blocks = gridDim.x * gridDim.y, kb = I / 16;
     const float s = encode_scale_of_amax(block_max_of_words(out_amax, routed_blocks), lq.status);

@@ -219,7 +219,8 @@ struct Smem {
     unsigned long long pick_mass_above, pick_mass_in, theta, prefix;
     unsigned pick_idx, pick_count_above, pick_count_in, found, last, nclear, nlast;
     unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
-    unsigned post[kPostSlots], bound;  // the posted thread maxima and their bound (smp_post_bound)
+    alignas(16) unsigned post[kPostSlots];  // the posted thread maxima (read as uint4: smp_post_bound)
+    unsigned bound;                          // and their bound
     unsigned long long bin_best[kBins];  // each level-0 bin's best race key (smp_race_front)
     unsigned verdict, cut_n;
     unsigned long long cut_rem;
@@ -290,9 +291,8 @@ __device__ __forceinline__ void smp_row_barrier(unsigned* arrive, unsigned targe
     if (threadIdx.x == 0) {
         gpu_sync::fence_acq_rel();
         atomicAdd(arrive, 1u);
-        while (gpu_sync::ld_acquire(arrive) < target) {
+        while (gpu_sync::ld_acquire(arrive) < target) {  // acquires what the row's blocks wrote
         }
-        gpu_sync::fence_acq_rel();
     }
     __syncthreads();
 }
@@ -900,14 +900,7 @@ __device__ __forceinline__ unsigned long long smp_race(const Tile<P>& t, Ctx& cx
 // The block's arrival at the row's finish count: everything it wrote is visible to the last block
 // to arrive, which gets sm.last (block-uniform after the barrier).
 __device__ __forceinline__ void smp_arrive(Smem& sm, const Ctx& cx) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        gpu_sync::fence_acq_rel();
-        const unsigned last = atomicAdd(cx.rs.done, 1u) == cx.G - 1u;
-        sm.last = last;
-        if (last) gpu_sync::fence_acq_rel();
-    }
-    __syncthreads();
+    gpu_sync::last_to_arrive(cx.rs.done, cx.G, &sm.last);
 }
 
 // ---- top-k by gathering
@@ -969,11 +962,16 @@ __device__ void smp_post_maxima(Smem& sm, const Ctx& cx, unsigned thread_key, un
 __device__ unsigned smp_post_bound(Smem& sm, unsigned posted, unsigned n, unsigned k) {
     if (threadIdx.x == 0) sm.bound = 0u;
     if (threadIdx.x < n) sm.post[threadIdx.x] = posted;
+    if (threadIdx.x >= n && threadIdx.x < ((n + 3u) & ~3u)) sm.post[threadIdx.x] = 0u;  // to whole uint4s: counts as no key
     __syncthreads();
     if (threadIdx.x < n) {
         unsigned at_or_above = 0u;
+        const uint4* four = reinterpret_cast<const uint4*>(sm.post);
 #pragma unroll 4
-        for (unsigned j = 0; j < n; ++j) at_or_above += sm.post[j] >= posted;
+        for (unsigned j = 0; j < (n + 3u) / 4u; ++j) {
+            const uint4 q = four[j];
+            at_or_above += (q.x >= posted) + (q.y >= posted) + (q.z >= posted) + (q.w >= posted);
+        }
         if (at_or_above >= k) atomicMax(&sm.bound, posted);
     }
     __syncthreads();
@@ -1295,9 +1293,8 @@ __device__ unsigned smp_race_verdict(Smem& sm, const Ctx& cx, unsigned b, unsign
     if (!sm.last) {  // block-uniform
         if (threadIdx.x == 0) {
             unsigned v;
-            while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {
+            while ((v = gpu_sync::ld_acquire(cx.rs.verdict)) == 0u) {  // acquires the decider's writes
             }
-            gpu_sync::fence_acq_rel();  // as every spin here: the decider's writes before the block's
             sm.verdict = v;
             if ((v & 3u) == kVerdictBin) sm.cut_n = __ldcg(cx.rs.cut_n), sm.cut_rem = __ldcg(cx.rs.cut_rem);
             atomicAdd(cx.rs.ack, 1u);  // after this the block touches the verdict no more
@@ -1621,9 +1618,8 @@ __device__ __forceinline__ void sample_rows(const T* __restrict__ logits, unsign
     for (unsigned b = group; b < B; b += rows_per_round, ++round) {
         if (round) {  // wait for the previous round's finisher to clear the scratch
             if (tid == 0) {
-                while (gpu_sync::ld_acquire(cx.rs.round) != round) {
+                while (gpu_sync::ld_acquire(cx.rs.round) != round) {  // acquires the cleared scratch
                 }
-                gpu_sync::fence_acq_rel();
             }
             __syncthreads();
         }

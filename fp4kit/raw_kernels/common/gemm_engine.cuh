@@ -21,6 +21,7 @@
 // (an atomic counter it then resets) adds them in split order, so results do not depend on timing.
 #pragma once
 
+#include "gpu_sync.cuh"
 #include "nvfp4.cuh"
 #include "pdl.cuh"
 
@@ -534,13 +535,7 @@ struct WeightGroup {
 // Called by every thread after its block's partials are written: whether this block is the last
 // split of row group `group` to arrive (it then sees every partial); `flag` is a shared word.
 __device__ __forceinline__ bool arrive_last(const SplitK& sk, unsigned group, unsigned* flag) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) *flag = atomicAdd(sk.counters + group, 1u) == sk.splits - 1;
-    __syncthreads();
-    if (!*flag) return false;
-    __threadfence();
-    return true;
+    return gpu_sync::last_to_arrive(sk.counters + group, sk.splits, flag);
 }
 
 // out = sum over splits (in order) of the fp32 partials, for the outputs of one row group: each
