@@ -43,7 +43,10 @@ grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, 
 # every kernel module compiled once, in parallel, into CuPy's disk cache before anything is timed
 run precompile "$PYTHON" scripts/precompile_kernels.py
 if has tests; then
-    run gpu-tests env FP4KIT_REQUIRE_GPU=1 "$PYTHON" -m pytest -q -m gpu tests
+    # several pytest processes at once (scripts/parallel_pytest.py; GPU_TEST_JOBS, default half the
+    # cores up to 8): the tests are mostly host work, and one process leaves the GPU idle
+    run gpu-tests env FP4KIT_REQUIRE_GPU=1 "$PYTHON" scripts/parallel_pytest.py --jobs "${GPU_TEST_JOBS:-0}" \
+        --logs "$out/gpu-tests" -m gpu tests
 fi
 if has multigpu; then  # needs 2 GPUs
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -242,3 +242,51 @@ def test_memory_trace_counts_live_bytes_by_site():
               traceback.FrameSummary(f"{root}/fp4kit/runtime/workspace.py", 125, "_growing"),
               traceback.FrameSummary("/usr/lib/python3/cupy.py", 5, "empty")]
     assert memory_trace.allocation_site(helper) == "fp4kit/ops/gemm.py:20 _stage_image"
+
+
+def _parallel(tmp_path, body: str, *args):
+    (tmp_path / "test_sample.py").write_text(body)
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "parallel_pytest.py"), "--logs", str(tmp_path / "logs"),
+                           *args, str(tmp_path / "test_sample.py")], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+
+
+SAMPLE_TESTS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(7))
+def test_many(i):
+    assert i != 5
+
+@pytest.mark.slow
+def test_marked():
+    pass
+
+def test_skipped():
+    pytest.skip("not here")
+"""
+
+
+def test_parallel_pytest_adds_up_every_process_and_fails_with_any(tmp_path):
+    done = _parallel(tmp_path, SAMPLE_TESTS, "--jobs", "3")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "9 tests in 3 processes" in done.stdout
+    assert "7 passed, 1 failed, 1 skipped" in done.stdout
+    assert "FAILED " in done.stdout and "test_many[5]" in done.stdout
+    assert len(list((tmp_path / "logs").glob("part*.log"))) == 3
+
+
+def test_parallel_pytest_passes_the_marker_and_exits_zero(tmp_path):
+    done = _parallel(tmp_path, SAMPLE_TESTS.replace("i != 5", "i >= 0"), "--jobs", "4", "-m", "not slow")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "8 tests in 4 processes" in done.stdout
+    assert "7 passed, 1 skipped" in done.stdout
+
+
+def test_parallel_pytest_reads_summary_lines():
+    import parallel_pytest
+
+    assert parallel_pytest.counts("== 3 passed, 1 failed, 2 error, 4 warnings in 1.2s ==") == \
+        {"passed": 3, "failed": 1, "errors": 2}
+    assert parallel_pytest.deal(list("abcde"), 3) == [["a", "d"], ["b", "e"], ["c"]]
+    assert parallel_pytest.deal(list("ab"), 4) == [["a"], ["b"]]
