@@ -271,3 +271,21 @@ def test_row_norms_load_their_weight_before_the_wait(kernel):
     ops = [op for _, op, _ in code]
     early = [rest for _, op, rest in code[:ops.index("ACQBULK")] if op == "LDG"]
     assert len(early) == 8 and all(".128.CONSTANT" in rest for rest in early), early
+
+
+# a spin on an acquiring load, then a fence: the load already orders what follows it
+_SPIN_THEN_FENCE = re.compile(r"while \([^{;]*gpu_sync::ld_acquire[^{;]*\{(?:\s|//[^\n]*)*\}\s*gpu_sync::fence_acq_rel\(\)")
+
+
+def test_blocks_meet_through_gpu_sync_without_a_second_fence():
+    """Blocks of a launch meet through common/gpu_sync.cuh: no kernel fences with every thread
+    (`__threadfence()`, a sequentially consistent MEMBAR each; one thread's release behind a block
+    barrier does), and no spin on an acquiring load is followed by a fence (on sm_90 a fence is a
+    round trip through the memory system, the acquire only an L1 invalidation)."""
+    sources = sorted(loader.KERNEL_DIR.rglob("*.cu")) + sorted(loader.KERNEL_DIR.rglob("*.cuh"))
+    assert sources
+    for path in sources:
+        text = path.read_text()
+        assert "__threadfence()" not in text, f"{path.name}: use gpu_sync::last_to_arrive / arrive_acq_rel"
+        assert not _SPIN_THEN_FENCE.search(text), f"{path.name}: a fence after a spin on gpu_sync::ld_acquire"
+    assert "atom.add.acq_rel.gpu" in (loader.KERNEL_DIR / "common" / "gpu_sync.cuh").read_text()
