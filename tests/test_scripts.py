@@ -290,3 +290,19 @@ def test_parallel_pytest_reads_summary_lines():
         {"passed": 3, "failed": 1, "errors": 2}
     assert parallel_pytest.deal(list("abcde"), 3) == [["a", "d"], ["b", "e"], ["c"]]
     assert parallel_pytest.deal(list("ab"), 4) == [["a"], ["b"]]
+
+
+def test_router_phases_marks_every_phase_of_the_kernel():
+    """scripts/router_phases.py finds each of its marks once in moe.cu, the recorder lands before
+    the first function that stamps, and the marked source compiles for sm_90a."""
+    import router_phases as script
+
+    from fp4kit.runtime import loader
+
+    source = script.instrumented_source(loader.kernel_source("moe"))
+    assert all(f"PHASE({i});" in source for i in range(len(script.PHASES)))
+    assert source.index("#define PHASE(i)") < source.index("PHASE(0);") < source.index("PHASE(2);")
+    with pytest.raises(ValueError, match="moe.cu: expected the text"):
+        script.instrumented_source(loader.kernel_source("moe").replace(
+            "    if (threadIdx.x < 32) {  // lane j writes pick j", "    {"))
+    _compiles_for_sm90a("moe", source)
