@@ -33,10 +33,8 @@ MARKS = (
      "    if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform\n",
      "    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);\n    PHASE(2);\n"
      "    if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform\n    PHASE(3);\n"),
-    ("    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = __ldcg(logits + (size_t)t * E + e);\n"
-     "    __syncthreads();\n",
-     "    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = __ldcg(logits + (size_t)t * E + e);\n"
-     "    __syncthreads();\n    PHASE(4);\n"),
+    ("        select[e] = bias ? bias[e] : 0.0f;\n    }\n    __syncthreads();\n",
+     "        select[e] = bias ? bias[e] : 0.0f;\n    }\n    __syncthreads();\n    PHASE(4);\n"),
     ("    if (threadIdx.x < 32) {  // lane j writes pick j", "    PHASE(5);\n    if (threadIdx.x < 32) {  // lane j writes pick j"),
     ("           routed_scale, ids, weights, nullptr, nullptr, t);\n    if (x_amax) {",
      "           routed_scale, ids, weights, nullptr, nullptr, t);\n    PHASE(6);\n    if (x_amax) {"),

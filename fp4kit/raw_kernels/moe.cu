@@ -92,31 +92,49 @@ __device__ void block_argmax(const float* vals, int n, float& best_v, int& best_
     best_v = v, best_i = i;
 }
 
+// Order-preserving key of a score (a larger value, a larger key; -0 as +0; select holds no NaN).
+__device__ __forceinline__ unsigned score_order_key(float v) {
+    unsigned u = __float_as_uint(v);
+    if (u == 0x80000000u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // The top_k best of select[0, E) in pick order into chosen (better(): the larger value, then the
-// lower index), by one warp and no block barrier: lane l keeps the best of the experts e = l mod 32,
-// a warp argmax picks, and the winning lane marks its expert taken (-inf: still a candidate, as in
-// a block-wide argmax over the array) and rescans its experts. Warp 0 calls it.
-__device__ void warp_topk(float* select, unsigned E, unsigned top_k, int* chosen) {
+// lower index), by one warp and no block barrier. Lane l holds the keys of experts l, l + 32, ..
+// in registers and its best of them; a pick is one warp maximum of the lanes' best keys and one
+// warp minimum of the expert indices holding it (redux.sync both), and the winning lane marks its
+// expert taken (-inf: still a candidate, as in a block-wide argmax over the array). Keys 0 (no
+// expert) lie below every score, -inf included. Warp 0 calls it.
+// (The shared-memory version, a shuffle argmax and a rescan of shared memory per pick, held the
+// last block of the small-T router launch ~6,000 cycles with the scores: phase stamps, H100.)
+template <int kEach>
+__device__ void warp_topk_regs(const float* select, unsigned E, unsigned top_k, int* chosen) {
     const unsigned lane = threadIdx.x & 31;
-    float best_v = -FP4_INF;
-    int best_i = 0x7FFFFFFF;
-    auto rescan = [&]() {
-        best_v = -FP4_INF, best_i = 0x7FFFFFFF;
-        for (unsigned e = lane; e < E; e += 32)
-            if (better(select[e], (int)e, best_v, best_i)) best_v = select[e], best_i = (int)e;
-    };
-    rescan();
-    for (unsigned j = 0; j < top_k; ++j) {
-        float v = best_v;
-        int at = best_i;
-        warp_argmax(v, at);
-        if (lane == 0) chosen[j] = at;
-        if ((unsigned)at % 32u == lane) {
-            select[at] = -FP4_INF;
-            rescan();
-        }
+    unsigned key[kEach];
+#pragma unroll
+    for (int j = 0; j < kEach; ++j) {
+        const unsigned e = lane + 32u * j;
+        key[j] = e < E ? score_order_key(select[e]) : 0u;
+    }
+    for (unsigned r = 0; r < top_k; ++r) {
+        unsigned best = key[0], at = 0u;  // the lane's best key and its slot (the lowest among equals)
+#pragma unroll
+        for (int j = 1; j < kEach; ++j)
+            if (key[j] > best) best = key[j], at = j;
+        const unsigned top = __reduce_max_sync(0xFFFFFFFFu, best);
+        const unsigned e = __reduce_min_sync(0xFFFFFFFFu, best == top ? lane + 32u * at : 0xFFFFFFFFu);
+        if (lane == 0) chosen[r] = (int)e;
+#pragma unroll
+        for (int j = 0; j < kEach; ++j)  // the pick's lane marks it taken
+            if (e == lane + 32u * j) key[j] = score_order_key(-FP4_INF);
     }
     __syncwarp();
+}
+
+__device__ void warp_topk(const float* select, unsigned E, unsigned top_k, int* chosen) {
+    static_assert(kMaxExperts <= 32 * 32, "32 keys a lane at most");
+    if (E <= 256u) warp_topk_regs<8>(select, E, top_k, chosen);
+    else warp_topk_regs<kMaxExperts / 32>(select, E, top_k, chosen);
 }
 
 __device__ float block_sum(float v) {
@@ -275,8 +293,12 @@ __device__ void router(const float* logits, const float* bias, const int* token_
     __shared__ float score[kMaxExperts];
     __shared__ float select[kMaxExperts];
     __shared__ int chosen[kMaxTopK];
-    // __ldcg: in moe_route the logits of the other blocks of this token were written by them
-    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) score[e] = __ldcg(logits + (size_t)t * E + e);
+    // __ldcg: in moe_route the logits of the other blocks of this token were written by them; the
+    // selection bias, a constant of the layer, is loaded alongside (held in select until used)
+    for (unsigned e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = __ldcg(logits + (size_t)t * E + e);
+        select[e] = bias ? bias[e] : 0.0f;
+    }
     __syncthreads();
     float mx = 0.0f, denom = 1.0f;
     if (score_func == kSoftmax) {
@@ -297,7 +319,7 @@ __device__ void router(const float* logits, const float* bias, const int* token_
         else s = expf(l - mx) / denom;
         score[e] = s;
         // a NaN never wins a comparison, so the top-k would pick no index for it: rank it last
-        const float sel = s + (bias ? bias[e] : 0.0f);
+        const float sel = s + select[e];  // the bias
         select[e] = isnan(sel) ? -FP4_INF : sel;
     }
     __syncthreads();
