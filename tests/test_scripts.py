@@ -306,3 +306,21 @@ def test_router_phases_marks_every_phase_of_the_kernel():
         script.instrumented_source(loader.kernel_source("moe").replace(
             "    if (threadIdx.x < 32) {  // lane j writes pick j", "    {"))
     _compiles_for_sm90a("moe", source)
+
+
+def test_moe_small_phases_marks_every_phase_of_both_launches():
+    """scripts/moe_small_phases.py finds each of its marks once in moe.cu for either launch, the
+    recorder lands before the first function that stamps, and the marked down launch compiles for
+    sm_90a."""
+    import moe_small_phases as script
+
+    from fp4kit.runtime import loader
+
+    library = loader.kernel_source("moe")
+    for launch, phases in script.PHASES.items():
+        source = script.instrumented_source(library, launch)
+        assert all(f"PHASE({i});" in source for i in range(len(phases))), launch
+        assert source.index("#define PHASE(i)") < source.index("PHASE(0);")
+    with pytest.raises(ValueError, match="moe.cu: expected the text"):
+        script.instrumented_source(library.replace("    if (threadIdx.x >= 16) return;\n", "    {}\n"), "down")
+    _compiles_for_sm90a("moe", script.instrumented_source(library, "down"))
