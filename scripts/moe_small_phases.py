@@ -4,7 +4,7 @@ copy of ``raw_kernels/moe.cu`` (`phase_probe`) in which thread 0 of each block s
 wait for the kernel before (PDL), the activation staged, its warp's GEMV done and the block's
 epilogue, in one of the two launches of a graph-replayed V4-Flash layer call (W4A16 by default).
 Thread 0 is warp 0's lane 0, so "computed" is warp 0's mainloop; the block barrier after it is the
-wait for the block's slowest warp. Only the first 256 blocks (by linear index) stamp.
+wait for the block's slowest warp. The first 1024 blocks (by linear index) stamp: every block at T = 1.
 
     PYTHONPATH=. python3 scripts/moe_small_phases.py [--launch=down|gate_up] [--tokens=1] [--mode=w4a16]
 """

@@ -10,7 +10,7 @@ import statistics
 
 import numpy as np
 
-MAX_BLOCKS = 256
+MAX_BLOCKS = 1024  # the MoE gate|up launch at T = 1 has 896 blocks
 PHASE_SLOTS = 8
 
 
