@@ -86,7 +86,8 @@ def main(argv: list[str]) -> int:
             "moe", source, lambda i: layer(xs[i % ROTATE]), lambda f: graph_us(f, calls=ROTATE))
         print(f"{launch}, T = {tokens}, {mode}: the layer call {library_us:.2f} us ({probed_us:.2f} instrumented), "
               f"{blocks} blocks stamped, on {len(set(sm[:blocks].tolist()))} SMs")
-        print("\n".join(phase_probe.summary(clock, time_ns, blocks, PHASES[launch])), flush=True)
+        print("\n".join(phase_probe.summary(clock, time_ns, blocks, PHASES[launch])))
+        print("\n".join(phase_probe.sm_summary(time_ns, sm, blocks)), flush=True)
     return 0
 
 

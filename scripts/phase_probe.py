@@ -64,6 +64,23 @@ def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list
     return lines
 
 
+def sm_summary(time_ns: np.ndarray, sm: np.ndarray, blocks: int) -> list[str]:
+    """The SMs grouped by how many of the stamped blocks they ran: per group the number of SMs and
+    when their last block finished (median and latest, µs after the first block's first stamp), to
+    tell whether a launch's tail is the SMs holding the most blocks."""
+    start = time_ns[:blocks, 0].min()
+    per_sm: dict = {}
+    for b in range(blocks):
+        end = float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3
+        count, last = per_sm.get(int(sm[b]), (0, 0.0))
+        per_sm[int(sm[b])] = (count + 1, max(last, end))
+    groups: dict = {}
+    for count, last in per_sm.values():
+        groups.setdefault(count, []).append(last)
+    return [f"  SMs with {count} blocks: {len(lasts)}, their last block done at median {statistics.median(lasts):.2f} us, "
+            f"latest {max(lasts):.2f}" for count, lasts in sorted(groups.items())]
+
+
 @contextlib.contextmanager
 def instrumented(module: str, source: str, cooperative: bool = False):
     """Inside the block, kernels of ``module`` are built from ``source`` (``cooperative``: as the

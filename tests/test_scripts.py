@@ -324,3 +324,18 @@ def test_moe_small_phases_marks_every_phase_of_both_launches():
     with pytest.raises(ValueError, match="moe.cu: expected the text"):
         script.instrumented_source(library.replace("    if (threadIdx.x >= 16) return;\n", "    {}\n"), "down")
     _compiles_for_sm90a("moe", script.instrumented_source(library, "down"))
+
+
+def test_phase_probe_groups_sms_by_their_block_count():
+    """phase_probe.sm_summary: SMs grouped by how many stamped blocks they ran, with when their last
+    block finished (from the blocks' latest stamps, after the first block's first one)."""
+    import phase_probe
+
+    time_ns = np.zeros((4, 8), np.int64)
+    time_ns[:, 0] = [1000, 1000, 1500, 1200]
+    time_ns[:, 3] = [3000, 6000, 5000, 2200]  # ends 2, 5, 4, 1.2 us after 1000 ns
+    sm = np.array([0, 0, 1, 2], np.int32)
+    assert phase_probe.sm_summary(time_ns, sm, 4) == [
+        "  SMs with 1 blocks: 2, their last block done at median 2.60 us, latest 4.00",
+        "  SMs with 2 blocks: 1, their last block done at median 5.00 us, latest 5.00",
+    ]
