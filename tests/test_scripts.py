@@ -339,3 +339,19 @@ def test_phase_probe_groups_sms_by_their_block_count():
         "  SMs with 1 blocks: 2, their last block done at median 2.60 us, latest 4.00",
         "  SMs with 2 blocks: 1, their last block done at median 5.00 us, latest 5.00",
     ]
+
+
+def test_gemm_phases_marks_every_phase_of_the_engine():
+    """scripts/gemm_phases.py finds each of its marks once in gemm.cu's engine, the recorder lands at
+    file scope before the engine's namespace, and the marked source compiles for sm_90a."""
+    import gemm_phases as script
+
+    from fp4kit.runtime import loader
+
+    library = loader.kernel_source("gemm")
+    source = script.instrumented_source(library)
+    assert all(f"PHASE({i});" in source for i in range(len(script.PHASES)))
+    assert source.index("#define PHASE(i)") < source.index("namespace gemm {") < source.index("PHASE(0);")
+    with pytest.raises(ValueError, match="gemm.cu: expected the text"):
+        script.instrumented_source(library.replace("    Ep ep = ep_in;\n", "    Ep ep(ep_in);\n"))
+    _compiles_for_sm90a("gemm", source)
