@@ -45,6 +45,12 @@ def instrument(source: str, marks, anchor: str, file: str) -> str:
     return source[:at] + recorder() + source[at:]
 
 
+def block_ends(time_ns: np.ndarray, blocks: int) -> list[float]:
+    """When each stamped block finished: its latest stamp, µs after the first block's first one."""
+    start = time_ns[:blocks, 0].min()
+    return [float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3 for b in range(blocks)]
+
+
 def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list[str]:
     """Per pair of consecutive stamps a block recorded (a path that skips a phase goes from the
     stamp before it to the one after), the median and largest cycle count over the blocks that
@@ -58,8 +64,7 @@ def summary(clock: np.ndarray, time_ns: np.ndarray, blocks: int, phases) -> list
                 steps.setdefault((j, i), []).append(cycles)
     lines = [f"  {phases[j]} -> {phases[i]}: median {statistics.median(v):.0f} cycles, max {max(v)} ({len(v)} blocks)"
              for (j, i), v in sorted(steps.items(), key=lambda kv: kv[0][::-1])]
-    start = time_ns[:blocks, 0].min()
-    ends = sorted(float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3 for b in range(blocks))
+    ends = sorted(block_ends(time_ns, blocks))
     lines.append(f"  blocks finished: first {ends[0]:.2f} us, median {ends[len(ends) // 2]:.2f}, last {ends[-1]:.2f}")
     return lines
 
@@ -68,10 +73,8 @@ def sm_summary(time_ns: np.ndarray, sm: np.ndarray, blocks: int) -> list[str]:
     """The SMs grouped by how many of the stamped blocks they ran: per group the number of SMs and
     when their last block finished (median and latest, µs after the first block's first stamp), to
     tell whether a launch's tail is the SMs holding the most blocks."""
-    start = time_ns[:blocks, 0].min()
     per_sm: dict = {}
-    for b in range(blocks):
-        end = float(time_ns[b][time_ns[b] > 0].max() - start) / 1e3
+    for b, end in enumerate(block_ends(time_ns, blocks)):
         count, last = per_sm.get(int(sm[b]), (0, 0.0))
         per_sm[int(sm[b])] = (count + 1, max(last, end))
     groups: dict = {}
