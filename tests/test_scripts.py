@@ -256,7 +256,7 @@ import pytest
 
 @pytest.mark.parametrize("i", range(7))
 def test_many(i):
-    assert i != 5
+    assert i != 5, "the message of a failure, kept whole however long its line grows" + "." * 60
 
 @pytest.mark.slow
 def test_marked():
@@ -274,6 +274,9 @@ def test_parallel_pytest_adds_up_every_process_and_fails_with_any(tmp_path):
     assert "7 passed, 1 failed, 1 skipped" in done.stdout
     assert "FAILED " in done.stdout and "test_many[5]" in done.stdout
     assert len(list((tmp_path / "logs").glob("part*.log"))) == 3
+    # the failure's message whole (pytest cuts summary lines to the terminal's width), and what it raised
+    assert "the message of a failure, kept whole however long its line grows" in done.stdout
+    assert "first error: E " in done.stdout
 
 
 def test_parallel_pytest_passes_the_marker_and_exits_zero(tmp_path):
@@ -290,6 +293,8 @@ def test_parallel_pytest_reads_summary_lines():
         {"passed": 3, "failed": 1, "errors": 2}
     assert parallel_pytest.deal(list("abcde"), 3) == [["a", "d"], ["b", "e"], ["c"]]
     assert parallel_pytest.deal(list("ab"), 4) == [["a"], ["b"]]
+    log = ["x", "E   cupy.cuda.memory.OutOfMemoryError: out of memory", "E   more", "FAILED t - E"]
+    assert parallel_pytest.first_errors(log, 1) == ["E   cupy.cuda.memory.OutOfMemoryError: out of memory"]
 
 
 def test_router_phases_marks_every_phase_of_the_kernel():
