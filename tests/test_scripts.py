@@ -360,3 +360,24 @@ def test_gemm_phases_marks_every_phase_of_the_engine():
     with pytest.raises(ValueError, match="gemm.cu: expected the text"):
         script.instrumented_source(library.replace("    Ep ep = ep_in;\n", "    Ep ep(ep_in);\n"))
     _compiles_for_sm90a("gemm", source)
+
+
+def test_ab_step_reads_settings_and_refuses_what_does_not_exist():
+    import ab_step
+
+    assert ab_step.parse_setting("base") == ("base", {})
+    label, values = ab_step.parse_setting("off:ops.gemm.GEMV_EARLY_RELEASE=False, ops.gemm.GEMV_FETCH_TILES=8")
+    assert label == "off" and values == {("ops.gemm", "GEMV_EARLY_RELEASE"): False, ("ops.gemm", "GEMV_FETCH_TILES"): 8}
+    from fp4kit.ops import gemm as gemm_ops
+
+    assert ab_step.resolve(values) == [(gemm_ops, "GEMV_EARLY_RELEASE", False), (gemm_ops, "GEMV_FETCH_TILES", 8)]
+    for bad, message in [("x:GEMV=1", "expected module.ATTR=value"), (":ops.gemm.USE_GEMV=1", "expected LABEL"),
+                         ("x:ops.gemm.USE_GEMV=yes please", "not a Python literal")]:
+        with pytest.raises(ValueError, match=message):
+            ab_step.parse_setting(bad)
+    with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
+        ab_step.resolve(ab_step.parse_setting("x:ops.gemm.NOPE=1")[1])
+    with pytest.raises(ValueError, match="no module fp4kit.nomodule"):
+        ab_step.resolve(ab_step.parse_setting("x:nomodule.A=1")[1])
+    with pytest.raises(SystemExit, match="two or more settings"):
+        ab_step.main(["base"])
