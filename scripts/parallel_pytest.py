@@ -5,8 +5,8 @@ The GPU tests are mostly host work (the numpy references, data generation, launc
 kernels), so one process leaves the GPU and most CPU cores idle: on an H200 with 16 cores the
 GPU test files (1,467 tests) ran in ≈ 4 minutes as 10-12 processes. The selected tests are
 collected once and dealt out in turn, so each process gets a share of every file. Each process
-writes its own log; the script prints every process's summary line, the failed tests, and the
-totals, and exits non-zero when any process failed (a process that collected nothing, pytest's
+writes its own log; the script prints every process's summary line, the failed tests with their
+messages, the first exception lines of each failing process, and the totals, and exits non-zero when any process failed (a process that collected nothing, pytest's
 exit 5, counts as passed).
 
     .venv/bin/python scripts/parallel_pytest.py [--jobs N] [--logs DIR] [-m EXPR] [PATH ...]
@@ -38,6 +38,12 @@ def collect(python: str, marker: str | None, paths: list[str]) -> list[str]:
     if done.returncode not in (0, 5):  # 5: nothing selected
         raise RuntimeError(f"pytest collection failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
     return [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def first_errors(lines: list[str], limit: int = 4) -> list[str]:
+    """The first ``limit`` exception lines ("E   ...") of a pytest log: what the first failure raised,
+    which tells one bug from a process that lost its GPU context or memory."""
+    return [line for line in lines if line.startswith("E ")][:limit]
 
 
 def deal(ids: list[str], jobs: int) -> list[list[str]]:
@@ -77,12 +83,14 @@ def main(argv=None) -> int:
     print(f"{len(ids)} tests in {len(shares)} processes; logs in {logs}", flush=True)
     start = time.perf_counter()
     running = []
+    # a wide terminal for the children: pytest cuts its "FAILED id - message" lines to the width
+    env = {**os.environ, "COLUMNS": "400"}
     for i, share in enumerate(shares):
         log = (logs / f"part{i}.log").open("w")
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *share]
         if args.marker:
             cmd += ["-m", args.marker]
-        running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     total: dict[str, int] = {}
     failed_parts = 0
     for i, (proc, log) in enumerate(running):
@@ -94,6 +102,9 @@ def main(argv=None) -> int:
         for line in lines:
             if line.startswith(("FAILED ", "ERROR ")):
                 print(f"    {line}")
+        if rc not in (0, 5):
+            for line in first_errors(lines):
+                print(f"    first error: {line}")
         for word, n in counts(summary).items():
             total[word] = total.get(word, 0) + n
         failed_parts += rc not in (0, 5)

@@ -166,6 +166,50 @@ def test_graph_replay_equals_eager(rng, capture_stream):
         assert cp.array_equal(e.view(cp.uint32), o.view(cp.uint32))
 
 
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("release", [True, False])
+def test_gemv_chain_released_early_in_a_graph_gives_the_same_bits(rng, capture_stream, monkeypatch, m, release):
+    """With `GEMV_EARLY_RELEASE` a single-wave GEMV lets the next kernel launch once its first weights
+    are in flight (common/pdl.cuh): a captured chain of GEMMs, each reading the one before's output
+    (8-warp, 16-warp, resident and grouped GEMV builds; at M = 8 the 4096-row links take the tiled
+    kernels), replayed, gives the bits of the chain launched eagerly (each next kernel still waits
+    for the GEMV's completion before it reads)."""
+    from fp4kit.runtime import loader
+
+    monkeypatch.setattr(gemm_ops, "GEMV_EARLY_RELEASE", release)
+    links = [(4096, 4096), (2048, 4096), (2 * 1024, 1024), (4096, 2048)]  # (N, K); the third is 2 groups of K
+    ws = [tiled(weight(rng, n, k)) for n, k in links]
+    x = cp.asarray(rng.standard_normal((m, 4096)).astype(BF16))
+    bufs = [cp.empty((m, n), BF16) for n, _ in links]
+
+    def chain():
+        gemm(x, ws[0], out=bufs[0])
+        gemm(bufs[0], ws[1], out=bufs[1])
+        gemm_ops.gemm_grouped(bufs[1], ws[2], 2, out=bufs[2])
+        gemm(bufs[2], ws[3], out=bufs[3])
+
+    dense = [gemm_ops.gemv_launch(m, n, k) for n, k in links[:2] + links[3:]]
+    assert dense[1] is not None  # the 16-warp GEMV at either M
+    for shape in filter(None, dense):  # the GEMV links are single waves, so they release when asked
+        kernel = loader.get_kernel("gemm", f"gemm_{shape.kernel}_bf16")
+        assert shape.row_groups * shape.splits <= kernel.resident_blocks(32 * shape.warps, shape.shared_bytes)
+    chain()
+    want = [cp.asnumpy(b).view(np.uint16).copy() for b in bufs]
+    stream = capture_stream()
+    with stream:
+        chain()  # first use on this stream allocates its split-K scratch outside the graph
+        stream.begin_capture()
+        chain()
+        graph = stream.end_capture()
+        for _ in range(3):
+            for b in bufs:
+                b.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            for b, w in zip(bufs, want):
+                np.testing.assert_array_equal(cp.asnumpy(b).view(np.uint16), w)
+
+
 def test_large_m_prefill_and_decode(rng):
     m, n, k = 4096, 1040, 7168
     w, x = weight(rng, n, k), rng.standard_normal((m, k)).astype(BF16)

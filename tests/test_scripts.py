@@ -256,7 +256,7 @@ import pytest
 
 @pytest.mark.parametrize("i", range(7))
 def test_many(i):
-    assert i != 5
+    assert i != 5, "the message of a failure, kept whole however long its line grows" + "." * 60
 
 @pytest.mark.slow
 def test_marked():
@@ -274,6 +274,9 @@ def test_parallel_pytest_adds_up_every_process_and_fails_with_any(tmp_path):
     assert "7 passed, 1 failed, 1 skipped" in done.stdout
     assert "FAILED " in done.stdout and "test_many[5]" in done.stdout
     assert len(list((tmp_path / "logs").glob("part*.log"))) == 3
+    # the failure's message whole (pytest cuts summary lines to the terminal's width), and what it raised
+    assert "the message of a failure, kept whole however long its line grows" in done.stdout
+    assert "first error: E " in done.stdout
 
 
 def test_parallel_pytest_passes_the_marker_and_exits_zero(tmp_path):
@@ -290,6 +293,8 @@ def test_parallel_pytest_reads_summary_lines():
         {"passed": 3, "failed": 1, "errors": 2}
     assert parallel_pytest.deal(list("abcde"), 3) == [["a", "d"], ["b", "e"], ["c"]]
     assert parallel_pytest.deal(list("ab"), 4) == [["a"], ["b"]]
+    log = ["x", "E   cupy.cuda.memory.OutOfMemoryError: out of memory", "E   more", "FAILED t - E"]
+    assert parallel_pytest.first_errors(log, 1) == ["E   cupy.cuda.memory.OutOfMemoryError: out of memory"]
 
 
 def test_router_phases_marks_every_phase_of_the_kernel():
@@ -355,3 +360,24 @@ def test_gemm_phases_marks_every_phase_of_the_engine():
     with pytest.raises(ValueError, match="gemm.cu: expected the text"):
         script.instrumented_source(library.replace("    Ep ep = ep_in;\n", "    Ep ep(ep_in);\n"))
     _compiles_for_sm90a("gemm", source)
+
+
+def test_ab_step_reads_settings_and_refuses_what_does_not_exist():
+    import ab_step
+
+    assert ab_step.parse_setting("base") == ("base", {})
+    label, values = ab_step.parse_setting("off:ops.gemm.GEMV_EARLY_RELEASE=False, ops.gemm.GEMV_FETCH_TILES=8")
+    assert label == "off" and values == {("ops.gemm", "GEMV_EARLY_RELEASE"): False, ("ops.gemm", "GEMV_FETCH_TILES"): 8}
+    from fp4kit.ops import gemm as gemm_ops
+
+    assert ab_step.resolve(values) == [(gemm_ops, "GEMV_EARLY_RELEASE", False), (gemm_ops, "GEMV_FETCH_TILES", 8)]
+    for bad, message in [("x:GEMV=1", "expected module.ATTR=value"), (":ops.gemm.USE_GEMV=1", "expected LABEL"),
+                         ("x:ops.gemm.USE_GEMV=yes please", "not a Python literal")]:
+        with pytest.raises(ValueError, match=message):
+            ab_step.parse_setting(bad)
+    with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
+        ab_step.resolve(ab_step.parse_setting("x:ops.gemm.NOPE=1")[1])
+    with pytest.raises(ValueError, match="no module fp4kit.nomodule"):
+        ab_step.resolve(ab_step.parse_setting("x:nomodule.A=1")[1])
+    with pytest.raises(SystemExit, match="two or more settings"):
+        ab_step.main(["base"])

@@ -170,6 +170,14 @@ GEMV_RESIDENT_NVFP4_ACTIVATION = False
 GEMV_RESIDENT_PIPELINED = True
 #: the block widths (warps) that take the pipelined build; gemm.cu builds it for 8 and 16
 GEMV_RESIDENT_PIPELINED_WARPS = (_WIDE_WARPS,)
+#: a GEMV launch whose grid is a single wave releases the next kernel once its first weights are in
+#: flight (common/pdl.cuh; in a captured graph): the next kernel's blocks take the SMs it leaves
+#: free or frees first and issue their weights while it drains, instead of after its last block.
+#: H100, the replayed v4-flash-slice step at batch 1, three rounds in one process: 573.0, 583.7,
+#: 584.4 -> 564.8, 570.0, 572.7 µs; batch 8 within the noise (1543-1552 -> 1540-1549). The same
+#: release from the attention kernel (into the output projection) and the MoE's router and down
+#: launches measured 4-8 µs slower at batch 1; from the tiled kernels, within the noise
+GEMV_EARLY_RELEASE = True
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -722,6 +730,10 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
             _U32(shape.splits), _U32(shape.chunks_per_split))
     if shape.gemv and kind == "bf16":  # the activation's row stride and the rows per weight group
         args += tuple(_U32(v) for v in (grouped or (0, 0)))
+    if shape.gemv:
+        blocks = shape.row_groups * shape.splits * shape.token_chunks
+        single_wave = blocks <= kernel.resident_blocks(32 * shape.warps, shape.shared_bytes)
+        args += (np.int32(GEMV_EARLY_RELEASE and single_wave),)
     kernel.launch((shape.row_groups, shape.splits, shape.token_chunks), 32 * shape.warps, args,
                   shared_mem=shape.shared_bytes)
 

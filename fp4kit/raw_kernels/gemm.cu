@@ -90,23 +90,25 @@ FP4_DEFINE_GEMM_TILED(8, 1, 4, 8x1)
 // F weight tiles per fetch. Grid (ceil(N / (16 RT)), splits), 32 W threads, dynamic shared memory
 // gemm.py `gemv_shared_bytes`; the same arguments as the tiled kernels, and for bf16 the
 // activation's row stride (0: K) and the weight rows per group of a grouped GEMM (0: none; gemm.py
-// `gemm_grouped`).
+// `gemm_grouped`); last, `release`: let the next kernel launch once the first weights are in flight
+// (a single-wave grid only: gemm.py `GEMV_EARLY_RELEASE`).
 #define FP4_DEFINE_GEMV_W(RT, F, W, NAME) FP4_DEFINE_GEMV_KERNELS(RT, F, W, false, false, false, NAME)
 #define FP4_DEFINE_GEMV_KERNELS(RT, F, W, WHOLE, RES, PIPE, NAME)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_bf16(                      \
         const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* act, const float* act_global,        \
-        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS, unsigned act_ld, unsigned group_rows) {                   \
+        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS, unsigned act_ld, unsigned group_rows, int release) {      \
         Epilogue ep = FP4_EPILOGUE;                                                                            \
         gemv_block<RT, F, WarpActBf16<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales, WarpActBf16<F>{act, act_ld, group_rows}, \
-                                                    ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT);           \
+                                                    ep, M, N, K, blockIdx.x, blockIdx.y, FP4_SPLIT, release);  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * W, 16 / W) gemm_gemv_##NAME##_nvfp4(                     \
         const uint4* w_codes, const uint2* w_scales, const unsigned char* act_packed,                          \
-        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) { \
+        const unsigned char* act_scales, const float* act_global, FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS,  \
+        int release) {                                                                                         \
         Epilogue ep = FP4_EPILOGUE;                                                                              \
         gemv_block<RT, F, WarpActNvfp4<F>, W, WHOLE, RES, PIPE>(w_codes, w_scales,                                      \
                                                      WarpActNvfp4<F>{act_packed, act_scales, nullptr}, ep, M, N, K, \
-                                                     blockIdx.x, blockIdx.y, FP4_SPLIT);                       \
+                                                     blockIdx.x, blockIdx.y, FP4_SPLIT, release);              \
     }
 #define FP4_DEFINE_GEMV(RT, F) FP4_DEFINE_GEMV_W(RT, F, 8, RT##f##F)
 

@@ -131,12 +131,21 @@ class Kernel:
     def __call__(self, grid: int, block: int, args: tuple) -> None:
         self.launch((grid,), block, args)
 
-    def launch(self, grid: tuple, block: int, args: tuple, shared_mem: int = 0) -> None:
-        """Launch on a 1- to 3-D grid with ``shared_mem`` bytes of dynamic shared memory, raising the
-        kernel's limit first when it is above 48 KB (a function attribute, not a stream operation:
-        fine under graph capture)."""
+    def resident_blocks(self, block: int, shared_mem: int = 0) -> int:
+        """Blocks of ``block`` threads with ``shared_mem`` bytes of dynamic shared memory that the
+        current device holds at once (a grid of at most this many is a single wave)."""
+        self._allow_shared(shared_mem)
+        return _resident_blocks(self.function.kernel.ptr, int(block), int(shared_mem), current_sm_count())
+
+    def _allow_shared(self, shared_mem: int) -> None:
+        # a function attribute, not a stream operation: fine under graph capture
         if shared_mem and self.function.max_dynamic_shared_size_bytes < shared_mem:
             self.function.max_dynamic_shared_size_bytes = shared_mem
+
+    def launch(self, grid: tuple, block: int, args: tuple, shared_mem: int = 0) -> None:
+        """Launch on a 1- to 3-D grid with ``shared_mem`` bytes of dynamic shared memory, raising the
+        kernel's limit first when it is above 48 KB."""
+        self._allow_shared(shared_mem)
         grid = tuple(int(g) for g in grid)
         if self.pdl and launch.enabled():
             import cupy
@@ -148,6 +157,13 @@ class Kernel:
                 launch.launch(self.function.kernel.ptr, grid, (int(block),), args, shared_mem, stream.ptr)
                 return
         self.function(grid, (int(block),), args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _resident_blocks(function_ptr: int, block: int, shared_mem: int, sms: int) -> int:
+    from cupy.cuda import driver
+
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(function_ptr, block, shared_mem) * sms
 
 
 @functools.cache

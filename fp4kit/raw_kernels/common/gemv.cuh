@@ -129,7 +129,8 @@ struct WarpActNvfp4 {
 template <int RT, int F, class Act, int W = kWarps, bool kWhole = false, bool kResident = false,
           bool kPipelined = false>
 __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act, const Epilogue& ep_in, unsigned M,
-                           unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk) {
+                           unsigned N, unsigned K, unsigned block_row, unsigned split, const SplitK& sk,
+                           bool release) {
     static_assert(W % RT == 0 && W >= kWarps, "whole K slices per row tile; the code table needs 256 threads");
     // kWhole: the launcher guarantees that every slice is whole fetches (F = 4 tiles, one scale
     // group, over a K of whole groups), so no tile of a fetch is past the slice's end and the
@@ -208,6 +209,9 @@ __device__ void gemv_block(const uint4* w_codes, const uint2* w_scales, Act act,
         fetch(c_begin, first_group);
         if (c_begin + F < c_end) fetch(c_begin + F, second);
     }
+    // a single-wave launch may let the next kernel's blocks in now (common/pdl.cuh): they take the SMs
+    // this grid leaves free or frees, and issue their own weights while this one drains
+    if (release) pdl::release_next();
     pdl::wait_prior();  // the weights are in flight; everything below may depend on the kernel before
     // The raw output factors and bias of this lane's two rows (g, g + 8), loaded now so that their
     // round trip overlaps the mainloop instead of following it (`Epilogue::preload`)

@@ -13,12 +13,14 @@
 // A kernel that reads nothing ahead of its inputs waits as its first statement. Launched without
 // the attribute (eager launches, or FP4KIT_PDL=0), the wait is a no-op.
 //
-// The one exception to the second rule: the small row kernels of elementwise.cu (one block per
-// row) and hyper.cu's hc_pre_norm, when their grid is a single wave, may release the next kernel
-// at their start (`release_next`, when their launch asks for it: ops/elementwise.py
-// `EARLY_RELEASE`), so that the next kernel's blocks, on the SMs
-// they leave free, issue their weight loads ahead of their own wait while the row kernel runs. The
-// next kernel's `wait_prior` still waits for the row kernel's completion.
+// The exceptions to the second rule, all for a grid that is a single wave (every block already
+// resident, so no waiting block can take a later block's slot): the small row kernels of
+// elementwise.cu (one block per row) and hyper.cu's hc_pre_norm release the next kernel at their
+// start, and the GEMV kernels of gemm.cu once their first weights are in flight (`release_next`,
+// when their launch asks for it: ops/elementwise.py `EARLY_RELEASE`, ops/gemm.py
+// `GEMV_EARLY_RELEASE`). The next kernel's blocks then take the SMs left free or freed first and
+// issue their weight loads ahead of their own wait while this kernel runs or drains. The next
+// kernel's `wait_prior` still waits for this kernel's completion.
 #pragma once
 
 namespace pdl {
