@@ -346,6 +346,39 @@ def test_phase_probe_groups_sms_by_their_block_count():
     ]
 
 
+def test_phase_probe_prebuilds_both_modules_once(monkeypatch):
+    """phase_probe.prebuild compiles the library's module and the instrumented source side by side
+    (two processes), once per process and source."""
+    import concurrent.futures
+
+    import phase_probe
+
+    assert phase_probe.prebuild_jobs("gemm", "src", False) == [("gemm", None, False), ("gemm", "src", False)]
+    maps = []
+
+    class Pool:
+        def __init__(self, workers, mp_context=None):
+            assert workers == 2 and mp_context.get_start_method() == "spawn"  # no fork of a CUDA process
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, jobs):
+            maps.append((fn, list(jobs)))
+            return []
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(phase_probe, "_prebuilt", set())
+    for _ in range(2):
+        phase_probe.prebuild("moe", "instrumented moe")
+    phase_probe.prebuild("moe", "another source")
+    assert maps == [(phase_probe._build, phase_probe.prebuild_jobs("moe", "instrumented moe")),
+                    (phase_probe._build, phase_probe.prebuild_jobs("moe", "another source"))]
+
+
 def test_gemm_phases_marks_every_phase_of_the_engine():
     """scripts/gemm_phases.py finds each of its marks once in gemm.cu's engine, the recorder lands at
     file scope before the engine's namespace, and the marked source compiles for sm_90a."""
