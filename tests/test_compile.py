@@ -226,13 +226,13 @@ def _sass_by_kernel(cubin: bytes) -> dict[str, list[tuple[int, str, str]]]:
 # global memory instructions (loads, stores, atomics, reductions, async and bulk copies)
 _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "LD",
                "ST"}
-# kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
-# routers: their gate weight; the residual norms: their norm weight)
 # the kernels that may release the next kernel before they exit, when their launch asks for it and
 # their grid is a single wave (common/pdl.cuh): the row kernels at their start, the GEMVs once their
 # first weights are in flight
 _RELEASING = re.compile(r"^(rmsnorm_rope_bf16|rmsnorm_rope2_bf16|add_rmsnorm_bf16|embed_rmsnorm_bf16|hc_pre_norm|"
                         r"gemm_gemv_\w+)$")
+# kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
+# routers: their gate weight; the residual norms: their norm weight)
 _PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
                           r"embed_rmsnorm_bf16$|hc_)")
 
