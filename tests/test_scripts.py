@@ -395,12 +395,16 @@ def test_gemm_phases_marks_every_phase_of_the_engine():
     _compiles_for_sm90a("gemm", source)
 
 
-def test_ab_step_reads_settings_and_refuses_what_does_not_exist():
+def test_ab_step_reads_settings_and_refuses_what_does_not_exist(tmp_path):
     import ab_step
 
-    assert ab_step.parse_setting("base") == ("base", {})
-    label, values = ab_step.parse_setting("off:ops.gemm.GEMV_EARLY_RELEASE=False, ops.gemm.GEMV_FETCH_TILES=8")
+    assert ab_step.parse_setting("base") == ("base", {}, None)
+    assert ab_step.parse_setting("m:ops.gemm.GEMV_MAX_BLOCKS_PER_SM={1: 3.0, 8: 1.0},ops.gemm.USE_GEMV='a,b'")[1] == {
+        ("ops.gemm", "GEMV_MAX_BLOCKS_PER_SM"): {1: 3.0, 8: 1.0}, ("ops.gemm", "USE_GEMV"): "a,b"}
+    label, values, kernels = ab_step.parse_setting(
+        f"off:ops.gemm.GEMV_EARLY_RELEASE=False, ops.gemm.GEMV_FETCH_TILES=8,kernels={tmp_path}")
     assert label == "off" and values == {("ops.gemm", "GEMV_EARLY_RELEASE"): False, ("ops.gemm", "GEMV_FETCH_TILES"): 8}
+    assert kernels == tmp_path
     from fp4kit.ops import gemm as gemm_ops
 
     assert ab_step.resolve(values) == [(gemm_ops, "GEMV_EARLY_RELEASE", False), (gemm_ops, "GEMV_FETCH_TILES", 8)]
@@ -414,3 +418,34 @@ def test_ab_step_reads_settings_and_refuses_what_does_not_exist():
         ab_step.resolve(ab_step.parse_setting("x:nomodule.A=1")[1])
     with pytest.raises(SystemExit, match="two or more settings"):
         ab_step.main(["base"])
+
+
+def test_ab_step_kernel_overlays_build_only_the_modules_they_change(tmp_path):
+    """A setting's kernels=DIR replaces library files in a copy of the kernel folder; the builds are
+    every library module plus, per overlay, the modules whose expanded source changed (a header
+    changes every module that includes it); an overlay file the library lacks is refused."""
+    import ab_step
+    from fp4kit.runtime import loader
+
+    overlay = tmp_path / "late"
+    (overlay / "common").mkdir(parents=True)
+    (overlay / "attention.cu").write_text((loader.KERNEL_DIR / "attention.cu").read_text() + "\n// late\n")
+    (overlay / "common" / "pdl.cuh").write_text((loader.KERNEL_DIR / "common" / "pdl.cuh").read_text() + "\n// x\n")
+    trees = tmp_path / "trees"
+    trees.mkdir()
+    tree = ab_step.kernel_tree(overlay, trees)
+    assert (tree / "attention.cu").read_text().endswith("// late\n")
+    assert (tree / "moe.cu").read_text() == (loader.KERNEL_DIR / "moe.cu").read_text()
+    jobs = ab_step.builds([None, tree])
+    library = [j for j in jobs if j[0] is None]
+    assert {n for _, n, _ in library} == set(loader.kernel_names()) and (None, "sampling", True) in library
+    changed = {(n, c) for t, n, c in jobs if t == tree}
+    pdl_users = {n for n in loader.kernel_names() if "begin common/pdl.cuh" in loader.kernel_source(n)}
+    assert changed == {(n, c) for _, n, c in library if n in pdl_users | {"attention"}}
+    assert len(pdl_users) > 3 and "moe" in pdl_users  # the header reaches beyond the file edited
+    assert loader.KERNEL_DIR == loader._library_kernel_dir  # restored after reading the overlay's sources
+    (overlay / "nope.cu").write_text("")
+    with pytest.raises(ValueError, match="nope.cu replaces no file"):
+        ab_step.kernel_tree(overlay, trees)
+    with pytest.raises(ValueError, match="not a folder"):
+        ab_step.kernel_tree(tmp_path / "missing", trees)
