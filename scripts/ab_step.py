@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import ast
 import importlib
-import multiprocessing
 import shutil
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import phase_probe  # noqa: E402
 
 
 def split_items(body: str) -> list[str]:
@@ -114,38 +114,25 @@ def use_kernels(tree: Path | None) -> None:
     loader._kernels = type(loader._kernels)()  # handles are cached by name, not by source
 
 
-def builds(trees: list[Path | None]) -> list[tuple[Path | None, str, bool]]:
-    """``(tree, module, cooperative)`` for every module build the settings need: each of the
-    library's, and each module of a replacement tree whose source differs from the library's."""
+def builds(trees: list[Path | None]) -> list[tuple[str, str | None, bool]]:
+    """``(module, source, cooperative)`` for every module build the settings need
+    (`phase_probe.build_side_by_side`): each of the library's (source None), and each module of a
+    replacement tree whose source differs from the library's."""
     from fp4kit.runtime import loader
     from precompile_kernels import COOPERATIVE_MODULES
 
     names = loader.kernel_names()
-    library_jobs = [(None, n, False) for n in names] + [(None, n, True) for n in COOPERATIVE_MODULES if n in names]
-    library = {n: loader.kernel_source(n) for n in names}
-    jobs = list(library_jobs)
+    library = [(n, None, False) for n in names] + [(n, None, True) for n in COOPERATIVE_MODULES if n in names]
+    sources = {n: loader.kernel_source(n) for n in names}
+    jobs = list(library)
     for tree in dict.fromkeys(filter(None, trees)):
         use_kernels(tree)
         try:
-            changed = {n for n in names if loader.kernel_source(n) != library[n]}
+            changed = {n: src for n in names if (src := loader.kernel_source(n)) != sources[n]}
         finally:
             use_kernels(None)
-        jobs += [(tree, n, c) for _, n, c in library_jobs if n in changed]
+        jobs += [(n, changed[n], c) for n, _, c in library if n in changed]
     return jobs
-
-
-def _build(job: tuple) -> None:
-    tree, module, cooperative = job
-    from fp4kit.runtime import loader
-
-    use_kernels(tree)
-    loader.get_module(module, cooperative=cooperative)
-
-
-def prebuild(jobs: list[tuple], workers: int = 14) -> None:
-    """Compile ``jobs`` (`builds`) side by side in spawned processes into CuPy's disk cache."""
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_build, jobs))
 
 
 def main(argv: list[str]) -> int:
@@ -158,7 +145,7 @@ def main(argv: list[str]) -> int:
     rounds = int(opts.get("rounds", 3))
     scratch = Path(tempfile.mkdtemp(prefix="ab_step_"))
     trees = {label: kernel_tree(kernels, scratch) if kernels else None for label, _, kernels in settings}
-    prebuild(builds(list(trees.values())))
+    phase_probe.build_side_by_side(builds(list(trees.values())))
 
     import cupy as cp
 

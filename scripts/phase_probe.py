@@ -145,19 +145,25 @@ def prebuild_jobs(module: str, source: str, cooperative: bool = False) -> list[t
 _prebuilt: set = set()
 
 
-def prebuild(module: str, source: str, cooperative: bool = False) -> None:
-    """Compile the library's ``module`` and the instrumented ``source`` at the same time, in two
-    fresh processes, into CuPy's disk cache, from which this process then loads both: the GEMM and
-    MoE modules take about two minutes each to compile, one after the other otherwise. Once per
-    process and source."""
+def build_side_by_side(jobs: list[tuple], workers: int = 14) -> None:
+    """Compile ``(module, source or None for the library's, cooperative)`` jobs at the same time, in
+    fresh (spawned: no fork of a CUDA process) processes, into CuPy's disk cache, from which this
+    process then loads them."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_build, jobs))
+
+
+def prebuild(module: str, source: str, cooperative: bool = False) -> None:
+    """The library's ``module`` and the instrumented ``source`` compiled side by side
+    (`build_side_by_side`): the GEMM and MoE modules take about two minutes each to compile, one
+    after the other otherwise. Once per process and source."""
     key = (module, hash(source), cooperative)
     if key in _prebuilt:
         return
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_build, prebuild_jobs(module, source, cooperative)))
+    build_side_by_side(prebuild_jobs(module, source, cooperative))
     _prebuilt.add(key)
 
 
