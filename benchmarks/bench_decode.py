@@ -216,15 +216,19 @@ def breakdown(model, state, copy: float) -> Table:
         weights = model.layer_weight_bytes(i, 0)
         add(f"layer {i} attention (ratio {blk.attn.ratio})", replay_ms(lambda: blk.attn(h, caches)),
             weights["attention"] + runner.layer_kv_bytes(cfg, blk.attn.ratio, b, CONTEXT))
-        ms = replay_ms(lambda: blk.moe(h, token_ids=state.tokens))
+        # with the residual step into the next norm, which the step runs in the MoE's last launch
+        then_norm = ew.ResidualNorm(state.resid, model.norm, cfg.eps)
+        ms = replay_ms(lambda: blk.moe(h, token_ids=state.tokens, then_norm=then_norm))
         weights = model.layer_weight_bytes(i, runner.experts_touched(model, b)[i])  # the replays' experts
-        add(f"layer {i} MoE{' (hash)' if i < cfg.hash_layers else ''} + shared expert", ms,
+        add(f"layer {i} MoE{' (hash)' if i < cfg.hash_layers else ''} + shared expert + residual step", ms,
             weights["shared"] + weights["routed"] + weights["router"])
     lm_head = model.weight_bytes([0] * cfg.layers)["lm_head"]
     add("lm_head", replay_ms(lambda: model.lm_head(h)), lm_head)
     logits = model.lm_head(h)
     add("sampler", replay_ms(lambda: model.sampler(logits)), logits.nbytes)
-    norms = 2 * cfg.layers + 1  # each reads its residual row (fp32), the delta (bf16) and the weight
+    # the post-attention ones (the others run in the MoE's last launch); each reads its residual row
+    # (fp32), the delta (bf16) and the weight
+    norms = cfg.layers
     add(f"residual add + RMSNorm x {norms}", replay_ms(lambda: [
         ew.add_rmsnorm(state.resid, h, model.norm) for _ in range(norms)]),
         norms * (state.resid.nbytes + h.nbytes + model.norm.nbytes))

@@ -108,6 +108,47 @@ def test_shared_expert_is_added(rng):
     assert np.allclose(diff, shared(x).astype(np.float32), rtol=2e-2, atol=2e-2 * np.abs(diff).max())
 
 
+def test_residual_step_after_the_layer_is_add_rmsnorm_of_its_output(rng):
+    """``then_norm``: the call returns `add_rmsnorm` of the layer's output into the residual stream
+    (updated in place), on numpy as the device's fused launch must (tests/test_moe_gpu.py)."""
+    from fp4kit.ops import elementwise as ew
+
+    gate, w1, w3, w2 = _weights(rng)
+    layer = MoE(gate, _stack(w2), RoutingConfig(top_k=2), w13=ExpertStack.fuse_gate_up(_stack(w1), _stack(w3)),
+                mode="w4a16")
+    x = rng.standard_normal((3, 64)).astype(BF16)
+    base = rng.standard_normal((3, 64)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    resid, expect_resid = base.copy(), base.copy()
+    got = layer(x, then_norm=ew.ResidualNorm(resid, weight, 1e-5))
+    expect = ew.add_rmsnorm(expect_resid, layer(x), weight, eps=1e-5)
+    assert got.dtype == BF16 and np.array_equal(got, expect)
+    assert np.array_equal(resid, expect_resid) and not np.array_equal(resid, base)
+    assert layer(x[:0], then_norm=ew.ResidualNorm(np.zeros((0, 64), np.float32), weight)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("norm, error, message", [
+    ("a tuple", TypeError, "then_norm: expected a fp4kit.ops.elementwise.ResidualNorm"),
+    (dict(resid=np.zeros((3, 48), np.float32)), ValueError, r"then_norm.resid: expected float32 \[2, 64\]"),
+    (dict(resid=np.zeros((2, 64), BF16)), TypeError, "then_norm.resid: expected float32, got bfloat16"),
+    (dict(weight=np.ones(48, np.float32)), ValueError, r"then_norm.weight: expected float32 \[64\]"),
+    (dict(weight=np.ones((1, 64), np.float32)), ValueError, "then_norm.weight: expected 1 dimensions"),
+])
+def test_bad_residual_step(rng, norm, error, message):
+    from fp4kit.ops import elementwise as ew
+
+    gate, w1, w3, w2 = _weights(rng)
+    layer = MoE(gate, _stack(w2), RoutingConfig(top_k=2), w13=ExpertStack.fuse_gate_up(_stack(w1), _stack(w3)))
+    resid = np.zeros((2, 64), np.float32)
+    if norm == "a tuple":
+        then_norm = (resid, np.ones(64, np.float32))
+    else:
+        then_norm = ew.ResidualNorm(**{"resid": resid, "weight": np.ones(64, np.float32), **norm})
+    with pytest.raises(error, match=message):
+        layer(np.zeros((2, 64), BF16), then_norm=then_norm)
+    assert not resid.any()  # nothing written before the error
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -8,6 +8,7 @@ import pytest
 
 from fp4kit.layers import ExpertStack, MoE, RoutingConfig, SharedExpert
 from fp4kit.layers import moe as moe_layer
+from fp4kit.ops import elementwise as ew
 from fp4kit.ops import moe as moe_ops
 from fp4kit.reference import gemm as gref
 from fp4kit.reference import moe as ref
@@ -406,6 +407,73 @@ def test_layer_in_a_cuda_graph(rng, path, capture_stream):
         with cp.cuda.Stream(non_blocking=True):
             expect = cp.asnumpy(dev(cp.asarray(xn)).copy()).astype(np.float32)
         assert gref.calc_diff(got, expect) == 0  # replay = eager, bit for bit
+
+
+# -- the residual step in the layer's last launch (``then_norm``) --------------------------------------
+
+def _residual(base, aligned: bool):
+    """``base`` on the device as the residual stream: 16-byte aligned rows (the step's quad layout)
+    or a view one element off (channel by channel, as `add_rmsnorm` takes such rows)."""
+    if aligned:
+        return cp.asarray(base)
+    view = cp.empty(base.size + 1, cp.float32)[1:].reshape(base.shape)
+    view.set(base)
+    return view
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("t", [1, 3, 8, 64])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_residual_step_in_the_last_launch_gives_the_bits_of_its_own_launch(rng, path, monkeypatch, mode, t, aligned):
+    """`MoE(x, then_norm=...)` (`FUSE_RESIDUAL_NORM`: the step in the combine's block of each token
+    on the sorted path; its own launch on the small-T path and with the combine in the down GEMM)
+    returns the bits of the layer's output then `add_rmsnorm`, and leaves the residual stream with
+    the same bits, in either thread layout of the row, call after call."""
+    monkeypatch.setattr(moe_layer, "FUSE_RESIDUAL_NORM", True)
+    e, h, i = 32, 2048, 256
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((i, h), (i, h), (h, i))]
+    shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
+    dev, _ = build(rng, e, h, i, V4, limit=10.0, mode=mode, shared=shared)
+    weight = cp.asarray(rng.uniform(0.5, 1.5, h).astype(np.float32))
+    for _ in range(2):
+        x = cp.asarray((rng.standard_normal((t, h)) * 2).astype(BF16))
+        base = (rng.standard_normal((t, h)) * 3).astype(np.float32)
+        apart, fused = _residual(base, aligned), _residual(base, aligned)
+        assert ew.quad_rows(h, apart) == aligned
+        want = ew.add_rmsnorm(apart, dev(x), weight, eps=1e-5)
+        got = dev(x, then_norm=ew.ResidualNorm(fused, weight, 1e-5))
+        assert got.shape == (t, h) and got.dtype == BF16
+        assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
+        assert cp.array_equal(fused.view(cp.uint32), apart.view(cp.uint32))
+        assert not cp.array_equal(fused, cp.asarray(base))
+
+
+def test_residual_step_in_a_cuda_graph(rng, path, monkeypatch, capture_stream):
+    """The layer with its residual step captured once and replayed with new inputs and residual
+    streams equals the eager layer then `add_rmsnorm`, bit for bit."""
+    monkeypatch.setattr(moe_layer, "FUSE_RESIDUAL_NORM", True)
+    e, h, i, t = 64, 1024, 256, 4
+    dev, _ = build(rng, e, h, i, V4, limit=10.0)
+    weight = cp.asarray(rng.uniform(0.5, 1.5, h).astype(np.float32))
+    x, resid = cp.zeros((t, h), BF16), cp.zeros((t, h), cp.float32)
+    dev(x, then_norm=ew.ResidualNorm(resid, weight))  # eager first call: compiles, allocates the layer's buffers
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        y = dev(x, then_norm=ew.ResidualNorm(resid, weight))
+        graph = stream.end_capture()
+    for _ in range(3):
+        xn, rn = rng.standard_normal((t, h)).astype(BF16), rng.standard_normal((t, h)).astype(np.float32)
+        x.set(xn, stream=stream)
+        resid.set(rn, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        with cp.cuda.Stream(non_blocking=True) as side:
+            r = cp.asarray(rn)
+            want = ew.add_rmsnorm(r, dev(cp.asarray(xn)), weight)
+            side.synchronize()
+        assert cp.array_equal(y.view(cp.uint16), want.view(cp.uint16))
+        assert cp.array_equal(resid.view(cp.uint32), r.view(cp.uint32))
 
 
 # -- dispatch and combine kernels against their specification (fp4kit.reference.moe) -----------------

@@ -607,16 +607,12 @@ class Model:
             return self._forward_hc(st, sync)
         # the embedding and the first layer's norm in one launch
         h = ew.embed_rmsnorm(self.embed, st.tokens, self.blocks[0].attn_norm, eps=self.cfg.eps, resid=st.resid)
-        delta = None
         for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
-            if i:
-                h = ew.add_rmsnorm(st.resid, delta, blk.attn_norm, eps=self.cfg.eps)
             sync("resid", 2 * i, st.resid)
             h = blk.attn(sync("attn.in", i, h), caches)
             h = ew.add_rmsnorm(st.resid, sync("attn.out", i, h), blk.ffn_norm, eps=self.cfg.eps)
             sync("resid", 2 * i + 1, st.resid)
-            delta = sync("moe.out", i, blk.moe(sync("moe.in", i, h), token_ids=st.tokens))
-        h = ew.add_rmsnorm(st.resid, delta, self.norm, eps=self.cfg.eps)
+            h = self._moe_then_norm(i, sync("moe.in", i, h), st.tokens, st.resid, None if tap is None else sync)
         st.logits = sync("logits", 0, self.lm_head(sync("head.in", 0, h)))
         return st.logits
 
@@ -691,13 +687,22 @@ class Model:
             return h, x
         x = xp.empty((rows, cfg.hidden), np.float32)
         h = ew.embed_rmsnorm(self.embed, tokens, self.blocks[0].attn_norm, eps=cfg.eps, resid=x)
-        delta = None
         for i, (blk, caches) in enumerate(zip(self.blocks, st.layers)):
-            if i:
-                h = ew.add_rmsnorm(x, delta, blk.attn_norm, eps=cfg.eps)
             h = ew.add_rmsnorm(x, attend(blk, h, caches), blk.ffn_norm, eps=cfg.eps)
-            delta = blk.moe(h, token_ids=tokens)
-        return select(ew.add_rmsnorm(x, delta, self.norm, eps=cfg.eps)), x
+            h = self._moe_then_norm(i, h, tokens, x)
+        return select(h), x
+
+    def _moe_then_norm(self, i: int, h, tokens, resid, sync=None):
+        """Block ``i``'s MoE on its normed input ``h``, then the residual step into the next block's
+        input norm (the head's after the last block), returned: in the MoE's last launch
+        (`MoE.__call__`'s ``then_norm``) unless ``sync`` (a tap, `forward`) must see the MoE's output
+        or the layer is expert-parallel."""
+        blk = self.blocks[i]
+        weight = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
+        if sync is None and isinstance(blk.moe, MoE):
+            return blk.moe(h, token_ids=tokens, then_norm=ew.ResidualNorm(resid, weight, self.cfg.eps))
+        delta = blk.moe(h, token_ids=tokens)
+        return ew.add_rmsnorm(resid, delta if sync is None else sync("moe.out", i, delta), weight, eps=self.cfg.eps)
 
     def prefill(self, st: DecodeState, tokens):
         """The prompt ``tokens [B, T]`` through each layer once, as T tokens per sequence (batched

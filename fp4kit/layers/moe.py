@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import formats
 from ..formats import Nvfp4Tensor, interleave_rows
+from ..ops import elementwise as ew_ops
 from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
 from ..reference import fp32
@@ -115,6 +116,15 @@ ROUTER_DISPATCH_MAX_PAIRS = 256
 #: adds them in slot order, bit for bit `moe_combine`, instead of a launch of its own. Off: H100,
 #: the decode step at batch 32 3.56 -> 3.585 ms (two rounds, both slower), one launch per layer fewer
 GROUPED_COMBINE_IN_GEMM = False
+#: a call with ``then_norm`` on the expert-sorted path runs the residual step
+#: (`fp4kit.ops.elementwise.add_rmsnorm`) in each token's block of the combine instead of a launch of
+#: its own (the same bits): one launch per layer fewer. H100, the decode step at batch 32 (every layer
+#: on the sorted path): 69 -> 65 kernels, 3567 -> 3550 / 3565 us (two runs; within the noise). Not on
+#: the small-T path: run by the down launch's last block of each token (a per-token arrival counter,
+#: the next kernel released first) the step was slower than its own launch, +4 us a step at batch 1
+#: on the H100 and +8 on the H200, equal at batch 8 (the arrival's round trip and the tail it adds
+#: to the launch outweigh the launch it saves). False: the step's own launch on every path
+FUSE_RESIDUAL_NORM = True
 
 
 def check_token_ids(token_ids, x, tid2eid):
@@ -411,9 +421,14 @@ class MoE:
         self._route_device(x, token_ids, plan)
         return plan.ids, plan.weights
 
-    def __call__(self, x, token_ids=None):
+    def __call__(self, x, token_ids=None, *, then_norm: ew_ops.ResidualNorm | None = None):
         """``[T, H]`` (bf16 or fp32) to ``[T, H]`` bf16. On the device the result is a buffer owned by
-        the layer (one per T), overwritten by the next call with the same T."""
+        the layer (one per T), overwritten by the next call with the same T.
+
+        ``then_norm`` (`fp4kit.ops.elementwise.ResidualNorm`): the call returns
+        ``add_rmsnorm(then_norm.resid, moe(x), then_norm.weight)`` instead (``resid`` updated in place,
+        the result a new bf16 array); on the expert-sorted path in the layer's last launch
+        (`FUSE_RESIDUAL_NORM`): the next layer's input without a launch of its own."""
         x = arrays.as_array(x, "x")
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [tokens, {self.hidden}], got shape {tuple(x.shape)}")
@@ -421,11 +436,22 @@ class MoE:
             raise TypeError(f"x: expected bfloat16 or float32, got {x.dtype}")
         arrays.check_contiguous("x", x)
         token_ids = check_token_ids(token_ids, x, self.tid2eid)
-        if x.shape[0] == 0:  # no tokens: an empty result, as quantize gives for an empty tensor
-            return arrays.array_module(x).empty((0, self.hidden), arrays.BF16)
-        if not arrays.is_device_array(x):
-            return self._forward_reference(x, token_ids)
-        return self._forward_device(x, token_ids)
+        if then_norm is not None:
+            then_norm = ew_ops.check_residual_norm(then_norm, x.shape[0], self.hidden)
+            arrays.check_same_device(x=x, resid=then_norm.resid)
+        if x.shape[0] == 0 or not arrays.is_device_array(x):
+            if x.shape[0] == 0:  # no tokens: an empty result, as quantize gives for an empty tensor
+                y = arrays.array_module(x).empty((0, self.hidden), arrays.BF16)
+            else:
+                y = self._forward_reference(x, token_ids)
+            return y if then_norm is None else ew_ops.add_rmsnorm(then_norm.resid, y, then_norm.weight,
+                                                                  eps=then_norm.eps)
+        if then_norm is None:
+            return self._forward_device(x, token_ids, None)
+        out = self._forward_device(x, token_ids, then_norm if FUSE_RESIDUAL_NORM else None)
+        if out is self._plan(x).out:  # the layer's own output: its last launch did not take the step
+            out = ew_ops.add_rmsnorm(then_norm.resid, out, then_norm.weight, eps=then_norm.eps)
+        return out
 
     # -- numpy reference --------------------------------------------------------------------------
     def _experts(self, stack: ExpertStack):
@@ -535,7 +561,9 @@ class MoE:
         if not in_router:
             moe_ops.dispatch(self._counts, plan.tickets, plan.ids, plan.weights, self.routing.top_k, plan)
 
-    def _forward_device(self, x, token_ids):
+    def _forward_device(self, x, token_ids, then_norm):
+        """The layer's launches; ``then_norm`` (a `ResidualNorm`) or None: the residual step in the
+        combine of the sorted path, which then returns the RMSNorm (else the layer's output)."""
         plan = self._plan(x)
         if self.mode == "w4a16" and x.dtype != arrays.BF16:
             raise TypeError("x: mode 'w4a16' takes bfloat16 input")
@@ -550,7 +578,7 @@ class MoE:
             dense = (sh.gate_up.weight, sh.gate_up.row_decode, pairs, t, sh.limit) if plan.fold else None
             moe_ops.grouped_gemm(act, self.w13, plan.h_act, plan=plan, gather=True, max_rows=rows,
                                  swiglu=(row_scale, self.limit), dense=dense)
-            return self._down_and_combine(x, act, plan, plan.h_act, rows)
+            return self._down_and_combine(x, act, plan, plan.h_act, rows, then_norm)
         if self.fused:
             moe_ops.grouped_gemm(act, self.w13, plan.h, plan=plan, gather=True, max_rows=rows)
             layout = "interleaved"
@@ -563,12 +591,13 @@ class MoE:
                                               out=plan.h_act)
         else:
             h_act = quant_ops.swiglu(plan.h, layout=layout, limit=self.limit, row_scale=row_scale, out=plan.h_act)
-        return self._down_and_combine(x, act, plan, h_act, rows)
+        return self._down_and_combine(x, act, plan, h_act, rows, then_norm)
 
-    def _down_and_combine(self, x, act, plan: _Plan, h_act, rows: int):
+    def _down_and_combine(self, x, act, plan: _Plan, h_act, rows: int, then_norm):
         """The sorted path after SwiGLU: the shared expert (run apart, or as one more expert of the
         down GEMM whose rows the combine adds last), the down projection's grouped GEMM and the
-        combine back to token order (in the down GEMM with `GROUPED_COMBINE_IN_GEMM`)."""
+        combine back to token order (in the down GEMM with `GROUPED_COMBINE_IN_GEMM`, which takes no
+        residual step), then the residual step (``then_norm``) in the combine."""
         pairs, t, sh = plan.slot_row.size, x.shape[0], self.shared
         dense = (sh.down.weight, sh.down.row_decode, pairs, t, None) if plan.fold else None
         shared = None if plan.fold else self._shared(x, act)  # before the down GEMM, whose blocks may combine
@@ -578,9 +607,12 @@ class MoE:
                                  combine=(plan.arrivals, weighted, shared, plan.fold, plan.out))
             return plan.out
         moe_ops.grouped_gemm(h_act, self.w2, plan.y, plan=plan, gather=False, max_rows=rows, dense=dense)
+        # the RMSNorm's output made just before the combine that writes it, as its own launch would
+        normed = None if then_norm is None else arrays.array_module(plan.out).empty_like(plan.out)
         moe_ops.combine(plan.y, plan.slot_row, plan.weights, weighted, shared, plan.out,
-                        shared_rows=plan.y[pairs:] if plan.fold else None)
-        return plan.out
+                        shared_rows=plan.y[pairs:] if plan.fold else None,
+                        then_norm=None if then_norm is None else (then_norm, normed))
+        return plan.out if normed is None else normed
 
     def _shared(self, x, act):
         """The shared expert's output; a W4A4 `SharedExpert` with a dynamic input scale reuses the

@@ -204,6 +204,31 @@ def _window_ring(window, x1, positions, out1):
     return window, positions
 
 
+class ResidualNorm(NamedTuple):
+    """The residual stream step after a sublayer, `add_rmsnorm` of its output: ``resid`` (fp32
+    ``[B, D]``) += the output, in place, then the bf16 RMSNorm of ``resid`` with fp32 ``weight [D]``.
+    A layer that takes one (`fp4kit.layers.MoE`'s ``then_norm``) returns that RMSNorm, and may run
+    the step inside its own last launch."""
+    resid: object
+    weight: object
+    eps: float = 1e-6
+
+
+def check_residual_norm(norm: ResidualNorm, rows: int, width: int) -> ResidualNorm:
+    """``norm`` validated for a sublayer output of bf16 ``[rows, width]``: `add_rmsnorm`'s checks,
+    before any launch."""
+    if not isinstance(norm, ResidualNorm):
+        raise TypeError(f"then_norm: expected a fp4kit.ops.elementwise.ResidualNorm, got {type(norm).__name__}")
+    resid = _check("then_norm.resid", norm.resid, np.float32, (2,))
+    if resid.shape != (rows, width):
+        raise ValueError(f"then_norm.resid: expected float32 [{rows}, {width}], got {arrays.describe(resid)}")
+    weight = _check("then_norm.weight", norm.weight, np.float32, (1,))
+    if weight.shape[0] != width:
+        raise ValueError(f"then_norm.weight: expected float32 [{width}], got {arrays.describe(weight)}")
+    arrays.check_same_device(resid=resid, weight=weight)
+    return ResidualNorm(resid, weight, float(norm.eps))
+
+
 def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
     """``resid += delta`` (fp32 ``[B, D]`` in place; ``delta`` bf16 ``[B, D]`` or None), then the
     bf16 RMSNorm of ``resid`` with fp32 ``weight [D]``."""
@@ -220,15 +245,15 @@ def add_rmsnorm(resid, delta, weight, *, eps: float = 1e-6, out=None):
         return arrays.host_result(ref.add_rmsnorm(resid, delta, weight, eps=eps), out)
     out = arrays.device_out("out", out, resid.shape, arrays.BF16, resid)
     if resid.size:
-        vec = _quad_rows(resid.shape[1], resid, weight, out, delta)
+        vec = quad_rows(resid.shape[1], resid, weight, out, delta)
         loader.get_kernel(_MODULE, "add_rmsnorm_bf16")(
             resid.shape[0], _THREADS, (resid, 0 if delta is None else delta, weight, out, _U32(resid.shape[1]),
                                        np.float32(eps), np.int32(vec), _release()))
     return out
 
 
-#: the row kernels' quad path (raw_kernels/elementwise.cu ``kRowQuads``): rows of up to this many
-#: channels, a multiple of 4, held in registers, the weight loaded before the wait
+#: the row kernels' quad path (raw_kernels/common/residual_norm.cuh ``kRowQuads``): rows of up to
+#: this many channels, a multiple of 4, held in registers, the weight loaded before the wait
 QUAD_ROW_MAX = 4 * _THREADS * 8
 
 
@@ -237,9 +262,10 @@ def _aligned16(*arrays_) -> bool:
     return all(a is None or a.data.ptr % 16 == 0 for a in arrays_)
 
 
-def _quad_rows(d: int, *arrays_) -> bool:
+def quad_rows(d: int, *arrays_) -> bool:
     """Whether rows of ``d`` channels of these device arrays (fp32 rows 16-byte, bf16 rows 8-byte
-    aligned when their start is) take the kernels' quad path."""
+    aligned when their start is) take the kernels' quad path (the residual step's layout: a launch
+    that ends with it must choose as `add_rmsnorm` does, for the same bits)."""
     return d % 4 == 0 and d <= QUAD_ROW_MAX and _aligned16(*arrays_)
 
 
@@ -259,7 +285,7 @@ def embed_rmsnorm(table, tokens, weight, *, eps: float = 1e-6, resid=None, out=N
     if device:
         resid = arrays.device_out("resid", resid, (tokens.shape[0], h), np.float32, table)
         out = arrays.device_out("out", out, (tokens.shape[0], h), arrays.BF16, table)
-    if not device or not _quad_rows(h, table, weight, resid, out):  # numpy, or rows off the quad path
+    if not device or not quad_rows(h, table, weight, resid, out):  # numpy, or rows off the quad path
         return add_rmsnorm(embed(table, tokens, out=resid), None, weight, eps=eps, out=out)
     if tokens.shape[0]:
         loader.get_kernel(_MODULE, "embed_rmsnorm_bf16")(

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..formats import GROUP_CHUNKS, TILE_K, Nvfp4Tensor
 from ..runtime import arrays, loader, status
+from . import elementwise as ew_ops
 from . import gemm as gemm_ops
 
 _MODULE = "moe"
@@ -421,6 +422,18 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     return grid
 
 
+def residual_norm_args(then_norm, out) -> tuple:
+    """The kernel arguments of the residual step a launch that writes ``out`` (bf16 ``[T, H]``, the
+    sublayer's output) ends with: ``then_norm = (ResidualNorm, y)`` (validated by the layer: ``resid``
+    fp32 ``[T, H]`` updated in place, ``y`` the bf16 ``[T, H]`` RMSNorm written) or None (no step).
+    The quad or channel layout is chosen as `add_rmsnorm` chooses it (the same bits)."""
+    if then_norm is None:
+        return (0, 0, 0, np.float32(0.0), _I32(0))
+    norm, y = then_norm
+    quads = ew_ops.quad_rows(out.shape[1], norm.resid, norm.weight, y, out)
+    return (norm.resid, norm.weight, y, np.float32(norm.eps), _I32(quads))
+
+
 def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, shared=None, h_amax=None,
                amax_blocks: tuple | None = None) -> None:
     """The small-T path's second launch: ``out[t] = sum over slots j (in order) of alpha * act[t, j] @
@@ -451,13 +464,16 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     kernel.launch((h // 16, t), 256, args, shared_mem=slots * _tile_chunks(inner) * TILE_K * 2)
 
 
-def combine(y, slot_row, weights, weighted: bool, shared, out, shared_rows=None) -> None:
+def combine(y, slot_row, weights, weighted: bool, shared, out, shared_rows=None, then_norm=None) -> None:
     """``out[t] = sum_j y[slot_row[t, j]] (* weight) + shared[t]``; ``shared_rows`` (fp32 ``[T, H]``,
-    instead of the bf16 ``shared``): a folded shared expert's rows of ``y``, rounded to bf16 first."""
+    instead of the bf16 ``shared``): a folded shared expert's rows of ``y``, rounded to bf16 first.
+    ``then_norm = (ResidualNorm, y)``: each token's block then runs the residual step on its row of
+    ``out`` (`residual_norm_args`)."""
     t, h = out.shape
     top_k = slot_row.size // t
     loader.get_kernel(_MODULE, "moe_combine")(
-        t, 256, (y, slot_row, weights, _I32(weighted), _opt(shared), _opt(shared_rows), out, _U32(h), _U32(top_k)))
+        t, 256, (y, slot_row, weights, _I32(weighted), _opt(shared), _opt(shared_rows), out, _U32(h), _U32(top_k),
+                 *residual_norm_args(then_norm, out)))
 
 
 def _kernel_and_args(act, name: str, common: tuple, nvfp4_extra: tuple = ()):

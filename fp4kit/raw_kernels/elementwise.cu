@@ -11,22 +11,10 @@
 
 #include "common/status.cuh"
 #include "common/pdl.cuh"
+#include "common/residual_norm.cuh"
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-
-// Sum of v over the block, the same value in every thread.
-__device__ __forceinline__ float ew_block_sum(float v, float* smem) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();  // smem may still be read by a previous call
-    if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += smem[w];
-    return total;
-}
+// the block sum, the quad layout of rows and the residual step (shared with moe.cu)
+using namespace rownorm;
 
 // Rotation of the pair (a, b) at channel pair i of the last rope_dim channels by position p:
 // angle = p * inv_freq[i] (the pair's inverse frequency, theta^(-2i / rope_dim) or YaRN-scaled,
@@ -58,7 +46,7 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
             const float2 v = __bfloat1622float2(xr[j]);
             ss = __fadd_rn(ss, __fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)));
         }
-        const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
+        const float mean = __fdiv_rn(block_sum(ss, smem), (float)D);
         inv = __frsqrt_rn(__fadd_rn(mean, eps));
     }
     const int p = rope_dim ? pos[row / heads] : 0;
@@ -109,72 +97,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
 }
 
 // The residual stream step: resid[r] += delta[r] (delta may be null), then
-// y[r] = bf16(resid[r] * rsqrt(mean(resid[r]^2) + eps) * w).
-// Rows of D = 4 * kThreads * q channels (q <= kRowQuads, 16-byte aligned: `vec`) are held in
-// registers as quads, thread t owning quads t, t + kThreads, ...: every load of the row is one
-// 16-byte (fp32) or 8-byte (bf16) load, all in flight at once, and the weight's quads are loaded
-// before the wait for the kernel before (a constant of the layer: its DRAM round trip overlaps that
-// kernel). Other rows take the loop below. Each thread sums its channels in index order.
-constexpr int kRowQuads = 8;  // D <= 8192 on the quad path
-
-struct RowQuads {
-    float4 q[kRowQuads];
-};
-
-__device__ __forceinline__ bool quad_live(int i, unsigned D) { return 4u * (threadIdx.x + i * kThreads) < D; }
-
-// The weight's quads of this thread, unpredicated and in a branch of their own (a quad past the
-// row re-reads the last one, then reads as zero): predicated loads in straight-line code were
-// scheduled after the wait by the compiler (tests/test_compile.py reads where they land).
-__device__ __forceinline__ RowQuads load_weight_quads(const float* __restrict__ w, unsigned D) {
-    RowQuads wq;
-    const unsigned last = D / 4 - 1;
-    if (D >= 4) {
-#pragma unroll
-        for (int i = 0; i < kRowQuads; ++i)
-            wq.q[i] = __ldg(reinterpret_cast<const float4*>(w) + min(threadIdx.x + i * kThreads, last));
-    }
-#pragma unroll
-    for (int i = 0; i < kRowQuads; ++i)
-        if (!quad_live(i, D)) wq.q[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    return wq;
-}
-
-__device__ __forceinline__ float4 bf16x4_to_float4(uint2 raw) {
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
-
-// y_row = bf16(v * rsqrt(mean(v^2) + eps) * w) for a row held as quads.
-__device__ __forceinline__ void norm_store_quads(const RowQuads& v, const RowQuads& wq, __nv_bfloat16* y_row,
-                                                 unsigned D, float eps, float* smem) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRowQuads; ++i) {
-        if (!quad_live(i, D)) break;
-        const float4 x = v.q[i];
-        ss = __fadd_rn(ss, __fmul_rn(x.x, x.x));
-        ss = __fadd_rn(ss, __fmul_rn(x.y, x.y));
-        ss = __fadd_rn(ss, __fmul_rn(x.z, x.z));
-        ss = __fadd_rn(ss, __fmul_rn(x.w, x.w));
-    }
-    const float inv = __frsqrt_rn(__fadd_rn(__fdiv_rn(ew_block_sum(ss, smem), (float)D), eps));
-#pragma unroll
-    for (int i = 0; i < kRowQuads; ++i) {
-        if (!quad_live(i, D)) break;
-        const float4 x = v.q[i], g = wq.q[i];
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(x.x, inv), g.x),
-                                                        __fmul_rn(__fmul_rn(x.y, inv), g.y));
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(x.z, inv), g.z),
-                                                        __fmul_rn(__fmul_rn(x.w, inv), g.w));
-        uint2 packed;
-        packed.x = *reinterpret_cast<const unsigned*>(&lo);
-        packed.y = *reinterpret_cast<const unsigned*>(&hi);
-        reinterpret_cast<uint2*>(y_row)[threadIdx.x + i * kThreads] = packed;
-    }
-}
-
+// y[r] = bf16(resid[r] * rsqrt(mean(resid[r]^2) + eps) * w) (common/residual_norm.cuh). On the quad
+// path (`vec`) the row is held in registers: every load of the row is one 16-byte (fp32) or 8-byte
+// (bf16) load, all in flight at once, and the weight's quads are loaded before the wait for the
+// kernel before (a constant of the layer: its DRAM round trip overlaps that kernel).
 extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         float* __restrict__ resid, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ w,
         __nv_bfloat16* __restrict__ y, unsigned D, float eps, int vec, int release) {
@@ -200,29 +126,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
 #pragma unroll
             for (int i = 0; i < kRowQuads; ++i) {
                 if (!quad_live(i, D)) break;
-                const float4 dv = bf16x4_to_float4(d[i]);
-                float4& x = v.q[i];
-                x = make_float4(__fadd_rn(x.x, dv.x), __fadd_rn(x.y, dv.y), __fadd_rn(x.z, dv.z), __fadd_rn(x.w, dv.w));
-                reinterpret_cast<float4*>(r)[threadIdx.x + i * kThreads] = x;
+                v.q[i] = add4(v.q[i], bf16x4_to_float4(d[i]));
+                reinterpret_cast<float4*>(r)[threadIdx.x + i * kThreads] = v.q[i];
             }
         }
         norm_store_quads(v, wq, y + row * D, D, eps, smem);
         return;
     }
     pdl::wait_prior();
-    float ss = 0.0f;
-    for (unsigned j = threadIdx.x; j < D; j += kThreads) {
-        float v = r[j];
-        if (delta) {
-            v = __fadd_rn(v, __bfloat162float(delta[row * D + j]));
-            r[j] = v;  // re-read below by this same thread only
-        }
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
-    }
-    const float mean = __fdiv_rn(ew_block_sum(ss, smem), (float)D);
-    const float inv = __frsqrt_rn(__fadd_rn(mean, eps));
-    for (unsigned j = threadIdx.x; j < D; j += kThreads)
-        y[row * D + j] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(r[j], inv), w[j]));
+    add_rmsnorm_channels(r, delta ? delta + row * D : nullptr, w, y + row * D, D, eps, smem);
 }
 
 // The table row of token b (an id outside [0, vocab) reads row 0 and records

@@ -42,6 +42,7 @@ constexpr int kMaxTopK = 16;
 #include "common/status.cuh"
 #include "common/nvfp4.cuh"
 #include "common/pdl.cuh"
+#include "common/residual_norm.cuh"
 
 enum ScoreFunc { kSqrtSoftplus = 0, kSigmoid = 1, kSoftmax = 2 };
 
@@ -800,11 +801,13 @@ FP4_DEFINE_MOE_GEMM_COMBINE(2, 3, 3, _occ3)
 
 // out[t, :] = sum_j y[slot_row[t, j], :] * (weighted ? weight[t, j] : 1) (+ shared[t, :]), slot order.
 // shared_f32 (instead of shared): the folded shared expert's fp32 rows [T, H], rounded to bf16 as
-// its dense GEMM's output would be.
-extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, const unsigned* slot_row,
-                                                              const float* weights, int weighted,
-                                                              const __nv_bfloat16* shared, const float* shared_f32,
-                                                              __nv_bfloat16* out, unsigned H, unsigned top_k) {
+// its dense GEMM's output would be. With norm_resid (else null), the block then takes its token's
+// row through the residual step (common/residual_norm.cuh): norm_resid[t] += out[t], norm_y[t] its
+// RMSNorm with norm_w, in the quad layout where norm_quads (ops/elementwise.py `quad_rows`).
+extern "C" __global__ void __launch_bounds__(rownorm::kThreads) moe_combine(
+        const float* y, const unsigned* slot_row, const float* weights, int weighted, const __nv_bfloat16* shared,
+        const float* shared_f32, __nv_bfloat16* out, unsigned H, unsigned top_k, float* norm_resid,
+        const float* norm_w, __nv_bfloat16* norm_y, float norm_eps, int norm_quads) {
     pdl::wait_prior();
     const unsigned t = blockIdx.x;
     for (unsigned c = threadIdx.x; c < H; c += blockDim.x) {
@@ -817,6 +820,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* y, co
         if (shared_f32) acc = __fadd_rn(acc, __bfloat162float(__float2bfloat16_rn(shared_f32[(size_t)t * H + c])));
         out[(size_t)t * H + c] = __float2bfloat16_rn(acc);
     }
+    if (norm_resid == nullptr) return;
+    __syncthreads();  // the block's row of out, re-read by other threads
+    const size_t row = (size_t)t * H;
+    rownorm::add_rmsnorm_row(norm_resid + row, out + row, norm_w, norm_y + row, H, norm_eps, norm_quads);
 }
 
 // ---------------------------------------------------------------------------------------------
