@@ -7,7 +7,8 @@ GPU test files (1,467 tests) ran in ≈ 4 minutes as 10-12 processes. The select
 collected once and dealt out in turn, so each process gets a share of every file. Each process
 writes its own log; the script prints every process's summary line, the failed tests with their
 messages, the first exception lines of each failing process, and the totals, and exits non-zero when any process failed (a process that collected nothing, pytest's
-exit 5, counts as passed).
+exit 5, counts as passed). Tests marked ``alone`` (they read device-wide state, such as the free
+memory that the other processes change) run after the others, in one process of their own.
 
     .venv/bin/python scripts/parallel_pytest.py [--jobs N] [--logs DIR] [-m EXPR] [PATH ...]
 """
@@ -38,6 +39,12 @@ def collect(python: str, marker: str | None, paths: list[str]) -> list[str]:
     if done.returncode not in (0, 5):  # 5: nothing selected
         raise RuntimeError(f"pytest collection failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
     return [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def split_alone(python: str, marker: str | None, paths: list[str], ids: list[str]) -> tuple[list[str], list[str]]:
+    """``ids`` as (the tests to deal out, the tests marked ``alone``, in collection order)."""
+    alone = set(collect(python, f"({marker}) and alone" if marker else "alone", paths))
+    return [i for i in ids if i not in alone], [i for i in ids if i in alone]
 
 
 def first_errors(lines: list[str], limit: int = 4) -> list[str]:
@@ -77,28 +84,33 @@ def main(argv=None) -> int:
     if not ids:
         print("no tests selected")
         return 0
-    shares = deal(ids, jobs)
+    together, alone = split_alone(python, args.marker, args.paths, ids)
+    shares = deal(together, jobs)
     logs = Path(args.logs) if args.logs else Path(os.environ.get("TMPDIR", "/tmp")) / f"parallel-pytest-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"{len(ids)} tests in {len(shares)} processes; logs in {logs}", flush=True)
+    print(f"{len(ids)} tests in {len(shares)} processes{f', then {len(alone)} alone' if alone else ''}; logs in {logs}",
+          flush=True)
     start = time.perf_counter()
-    running = []
     # a wide terminal for the children: pytest cuts its "FAILED id - message" lines to the width
     env = {**os.environ, "COLUMNS": "400"}
-    for i, share in enumerate(shares):
-        log = (logs / f"part{i}.log").open("w")
+
+    def launch(name: str, share: list[str]):
+        log = (logs / f"{name}.log").open("w")
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *share]
         if args.marker:
             cmd += ["-m", args.marker]
-        running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        return name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
     total: dict[str, int] = {}
     failed_parts = 0
-    for i, (proc, log) in enumerate(running):
+
+    def report(name: str, proc, log) -> None:
+        nonlocal failed_parts
         rc = proc.wait()
         log.close()
-        lines = (logs / f"part{i}.log").read_text(errors="replace").splitlines()
+        lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         summary = next((line for line in reversed(lines) if line.strip()), "")
-        print(f"part {i}: exit {rc}: {summary}")
+        print(f"{name.replace('part', 'part ')}: exit {rc}: {summary}")
         for line in lines:
             if line.startswith(("FAILED ", "ERROR ")):
                 print(f"    {line}")
@@ -108,8 +120,14 @@ def main(argv=None) -> int:
         for word, n in counts(summary).items():
             total[word] = total.get(word, 0) + n
         failed_parts += rc not in (0, 5)
+
+    for running in [launch(f"part{i}", share) for i, share in enumerate(shares)]:
+        report(*running)
+    if alone:  # once every other process has finished
+        report(*launch("alone", alone))
     words = ", ".join(f"{total[w]} {w}" for w in OUTCOMES if total.get(w))
-    print(f"{words or 'no outcome'} in {time.perf_counter() - start:.1f}s ({len(shares)} processes)")
+    print(f"{words or 'no outcome'} in {time.perf_counter() - start:.1f}s ({len(shares)} processes"
+          f"{', then one alone' if alone else ''})")
     return 1 if failed_parts else 0
 
 

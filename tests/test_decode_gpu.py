@@ -115,6 +115,7 @@ def test_v4_flash_slice_two_layers_graph_equals_eager():
     assert np.isfinite(runs["graph"][1]).all()
 
 
+@pytest.mark.alone  # the device's free memory: other test processes change it
 def test_no_memory_growth_over_1000_replays():
     cfg = configs.tiny(max_context=4096)
     model, _ = runner.build(cfg, device=True, seed=1)

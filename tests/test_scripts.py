@@ -286,6 +286,34 @@ def test_parallel_pytest_passes_the_marker_and_exits_zero(tmp_path):
     assert "7 passed, 1 skipped" in done.stdout
 
 
+ALONE_TESTS = """
+import pathlib
+import time
+
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_together(i):
+    time.sleep(0.5)
+    pathlib.Path(f"done{i}").write_text("")
+
+@pytest.mark.alone
+def test_alone():
+    assert all(pathlib.Path(f"done{i}").exists() for i in range(4)), "ran beside the others"
+"""
+
+
+def test_parallel_pytest_runs_the_alone_tests_after_the_others(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: run after the others\n")
+    done = _parallel(tmp_path, ALONE_TESTS, "--jobs", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "5 tests in 4 processes, then 1 alone" in done.stdout
+    assert "alone: exit 0: 1 passed" in done.stdout and "5 passed" in done.stdout
+    assert "(4 processes, then one alone)" in done.stdout
+    done = _parallel(tmp_path, ALONE_TESTS, "--jobs", "2", "-m", "not alone")
+    assert "4 tests in 2 processes;" in done.stdout and "alone:" not in done.stdout
+
+
 def test_parallel_pytest_reads_summary_lines():
     import parallel_pytest
 
