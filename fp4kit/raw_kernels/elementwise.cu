@@ -113,15 +113,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) add_rmsnorm_bf16(
         pdl::wait_prior();
         RowQuads v;
         uint2 d[kRowQuads];
-#pragma unroll
-        for (int i = 0; i < kRowQuads; ++i) {
-            const unsigned j = threadIdx.x + i * kThreads;
-            const bool live = quad_live(i, D);
-            v.q[i] = live ? reinterpret_cast<const float4*>(r)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            // coherent loads (the kernel before wrote them): a read-only load may be scheduled
-            // ahead of the wait, as the weight's are on purpose
-            d[i] = live && delta ? __ldcg(reinterpret_cast<const uint2*>(delta + row * D) + j) : make_uint2(0u, 0u);
-        }
+        load_row_quads(r, delta, row, D, v, d);
         if (delta) {
 #pragma unroll
             for (int i = 0; i < kRowQuads; ++i) {

@@ -88,6 +88,20 @@ __device__ __forceinline__ void store_normed_quad(__nv_bfloat16* y_row, unsigned
     reinterpret_cast<uint2*>(y_row)[j] = packed;
 }
 
+// This thread's quads of the row r (v) and of row `delta_row` of delta (d; zero where delta is
+// null), every load in flight at once. delta: coherent loads through L2 (the kernel before, or other
+// threads of this one, wrote it; a read-only load could be scheduled ahead of a wait).
+__device__ __forceinline__ void load_row_quads(const float* r, const __nv_bfloat16* delta, size_t delta_row, unsigned D,
+                                               RowQuads& v, uint2 (&d)[kRowQuads]) {
+#pragma unroll
+    for (int i = 0; i < kRowQuads; ++i) {
+        const unsigned j = threadIdx.x + i * kThreads;
+        const bool live = quad_live(i, D);
+        v.q[i] = live ? reinterpret_cast<const float4*>(r)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        d[i] = live && delta ? __ldcg(reinterpret_cast<const uint2*>(delta + delta_row * D) + j) : make_uint2(0u, 0u);
+    }
+}
+
 // y_row = bf16(v * rsqrt(mean(v^2) + eps) * w) for a row held as quads.
 __device__ __forceinline__ void norm_store_quads(const RowQuads& v, const RowQuads& wq, __nv_bfloat16* y_row,
                                                  unsigned D, float eps, float* smem) {
@@ -112,13 +126,7 @@ __device__ __forceinline__ void add_rmsnorm_quads(float* r, const __nv_bfloat16*
                                                   __nv_bfloat16* y_row, unsigned D, float eps, float* smem) {
     RowQuads v;
     uint2 d[kRowQuads];
-#pragma unroll
-    for (int i = 0; i < kRowQuads; ++i) {
-        const unsigned j = threadIdx.x + i * kThreads;
-        const bool live = quad_live(i, D);
-        v.q[i] = live ? reinterpret_cast<const float4*>(r)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        d[i] = live && delta ? __ldcg(reinterpret_cast<const uint2*>(delta) + j) : make_uint2(0u, 0u);
-    }
+    load_row_quads(r, delta, 0, D, v, d);
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < kRowQuads; ++i) {
