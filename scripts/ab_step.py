@@ -10,7 +10,8 @@ for that setting. Everything else keeps the library's values and files:
     PYTHONPATH=. python3 scripts/ab_step.py [--batches=1,8] [--rounds=3] [--mode=w4a16] \\
         base "no-release:ops.gemm.GEMV_EARLY_RELEASE=False" "late:kernels=/tmp/late_release"
 
-Attributes are named under ``fp4kit.`` and must exist; values are Python literals (dicts and
+Attributes are named under ``fp4kit.`` (the example model's under ``dsv4.``, e.g.
+``dsv4.model.NORM_QUERY_IN_ATTENTION``) and must exist; values are Python literals (dicts and
 tuples too); a replacement file must replace one of the library's. Every kernel module a setting
 needs is compiled first, side by side in spawned processes, into CuPy's disk cache. Prints each
 measurement as it comes and a table of every round's µs per step and the kernels in the graph.
@@ -77,12 +78,16 @@ def resolve(values: dict[tuple[str, str], object]) -> list[tuple[object, str, ob
     attribute that does not exist (a typo would otherwise time the library's own setting)."""
     out = []
     for (module, attr), value in values.items():
+        # the example model's modules by their own name (dsv4.model), the library's under fp4kit.
+        name = module if module.split(".")[0] == "dsv4" else f"fp4kit.{module}"
+        if name.startswith("dsv4") and str(ROOT / "examples") not in sys.path:
+            sys.path.insert(0, str(ROOT / "examples"))
         try:
-            mod = importlib.import_module(f"fp4kit.{module}")
+            mod = importlib.import_module(name)
         except ImportError as e:
-            raise ValueError(f"no module fp4kit.{module}") from e
+            raise ValueError(f"no module {name}") from e
         if not hasattr(mod, attr):
-            raise ValueError(f"fp4kit.{module} has no attribute {attr!r}")
+            raise ValueError(f"{name} has no attribute {attr!r}")
         out.append((mod, attr, value))
     return out
 

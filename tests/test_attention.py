@@ -496,3 +496,37 @@ def test_prefill_bad_input_gets_a_clear_error(rng, change, exc, message):
     with pytest.raises(exc, match=message):
         ops.sparse_prefill_attention(a["q"], a["kv"], a["start"], a["window"], a["comp"], a["comp_len"],
                                      a["indices"], a["sink"])
+
+
+# -- the query's RMSNorm + RoPE in the attention call (QueryNorm) -------------------------------------
+
+def test_query_norm_is_rmsnorm_rope_of_the_raw_query_first(rng):
+    """``query_norm``: the raw projection ``q`` is normed and rotated at ``positions + offset`` by
+    `fp4kit.ops.elementwise.rmsnorm_rope` before the attention (numpy: literally that)."""
+    from fp4kit.ops import elementwise as ew
+
+    args = case(rng, b=3, hq=4, d=32)
+    positions = np.array([5, 0, 1000], np.int32)
+    raw = (args["q"].astype(np.float32) * 7).astype(BF16)
+    normed = ew.rmsnorm_rope(raw, None, positions - 1, eps=1e-5, rope_dim=8, theta=500.0)
+    want = sparse_decode_attention(**{**args, "q": normed})
+    got = sparse_decode_attention(**{**args, "q": raw},
+                                  query_norm=ops.QueryNorm(positions, 1e-5, 8, 500.0, offset=-1))
+    assert np.array_equal(got, want)
+    assert not np.array_equal(sparse_decode_attention(**{**args, "q": raw}), want)
+
+
+@pytest.mark.parametrize("norm, exc, message", [
+    ("a tuple", TypeError, "query_norm: expected a fp4kit.ops.attention.QueryNorm"),
+    (dict(positions=np.zeros(3, np.int32)), ValueError, r"query_norm.positions"),
+    (dict(positions=np.zeros(2, np.int64)), TypeError, r"query_norm.positions"),
+    (dict(rope_dim=7), ValueError, r"query_norm.rope_dim: expected an even number in \[0, 16\]"),
+    (dict(rope_dim=18), ValueError, r"query_norm.rope_dim: expected an even number in \[0, 16\]"),
+    (dict(offset=0.5), ValueError, "query_norm.offset: expected a small integer"),
+])
+def test_bad_query_norm(rng, norm, exc, message):
+    args = case(rng, b=2, hq=3, d=16)
+    query_norm = (np.zeros(2, np.int32),) if norm == "a tuple" else ops.QueryNorm(
+        **{"positions": np.zeros(2, np.int32), "rope_dim": 4, **norm})
+    with pytest.raises(exc, match=message):
+        sparse_decode_attention(**args, query_norm=query_norm)

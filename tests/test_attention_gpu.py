@@ -526,3 +526,28 @@ def test_prefill_indices_none_equals_every_index(rng):
     got = [ops.sparse_prefill_attention(q, kv, first, window, comp, comp_len, i, sink, out_dtype=np.float32)
            for i in (None, ew.all_entries(comp_len, cap))]
     assert np.array_equal(_bits(got[0]), _bits(got[1]))
+
+
+@pytest.mark.parametrize("b, hq, d, rope_dim, splits", [
+    (1, 64, 512, 64, 10),  # the decode step's shape and split count
+    (3, 64, 512, 64, 1),
+    (2, 20, 80, 16, 4),    # a partial head group, D not a multiple of 64
+    (5, 17, 48, 48, 3),    # RoPE over the whole head
+    (2, 16, 512, 0, 7),    # no RoPE
+    (4, 128, 512, 64, 20),
+])
+def test_query_norm_in_the_launch_gives_the_bits_of_the_norm_launch(rng, b, hq, d, rope_dim, splits):
+    """``query_norm``: the kernel's RMSNorm + RoPE of the raw query heads (in the fragments it loads)
+    gives the bits of `rmsnorm_rope` then the attention, at positions from 0 to 2**30 (the sine and
+    cosine's slow path), fused combine and split output alike."""
+    from fp4kit.ops import elementwise as ew
+
+    args = inputs(rng, b, hq=hq, d=d, w=min(W, 64), n=33, c=64)
+    raw = (args["q"].astype(np.float32) * 5).astype(BF16)
+    dev = to_device(args)
+    normed = ew.rmsnorm_rope(cp.asarray(raw), None, dev["pos"] - 1, eps=1e-6, rope_dim=rope_dim, theta=10000.0)
+    want = sparse_decode_attention(**{**dev, "q": normed}, num_splits=splits)
+    got = sparse_decode_attention(**{**dev, "q": cp.asarray(raw)}, num_splits=splits,
+                                  query_norm=ops.QueryNorm(dev["pos"], 1e-6, rope_dim, 10000.0, offset=-1))
+    assert np.array_equal(_bits(got), _bits(want))
+    check(got, {**args, "q": cp.asnumpy(normed)})

@@ -236,3 +236,20 @@ def test_step_bytes_are_the_sum_of_the_layers():
     hc_model, _ = runner.build(hc_cfg, device=False, seed=3)
     site, head = 24 * 4 * hc_cfg.hidden + 3 + 24, 4 * 4 * hc_cfg.hidden + 1 + 4  # fn, scale, base (fp32)
     assert hc_model.weight_bytes([1, 1])["hyper"] == 4 * (2 * 2 * site + head)
+
+
+def test_query_norm_in_the_attention_call_gives_the_same_tokens_and_logits(monkeypatch):
+    """`model.NORM_QUERY_IN_ATTENTION`: a decode step hands the raw query to the attention with its
+    RMSNorm + RoPE (`fp4kit.ops.attention.QueryNorm`, at the cache's position less the token just
+    appended): every layer kind (ratios 0, 4, 128) gives the logits of the RMSNorm + RoPE launch."""
+    from dsv4 import model as model_module
+
+    cfg = configs.tiny()
+    assert {0, 4, 128} <= set(cfg.compress_ratios)
+    prompt = runner.random_prompt(2, 5, cfg.vocab, seed=3)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(model_module, "NORM_QUERY_IN_ATTENTION", on)
+        runs[on] = tiny_run(cfg, prompt, 4)
+    np.testing.assert_array_equal(runs[True][2], runs[False][2])
+    np.testing.assert_array_equal(np.stack(runs[True][3]), np.stack(runs[False][3]))

@@ -318,3 +318,24 @@ def test_speculative_decoding_on_the_gpu(hc):
     plain, _, _ = runner.run(model, prompt, int(emitted.max()))
     for s, tokens in enumerate(graph_tokens):
         np.testing.assert_array_equal(tokens, plain[s, : len(tokens)])
+
+
+@pytest.mark.parametrize("hc", [False, True])
+def test_query_norm_in_the_attention_launch_gives_the_same_bits(monkeypatch, hc):
+    """`model.NORM_QUERY_IN_ATTENTION`: the attention launch norms and rotates the raw query itself
+    (the RMSNorm + RoPE launch after the query projection gone, or rotating the indexer's query
+    alone): graph-replayed tokens and logits equal, bit for bit, those of the launch of its own,
+    on every layer kind of the tiny model (ratios 0, 4, 128), with and without hyper-connections."""
+    from dsv4 import model as model_module
+
+    cfg = configs.tiny(hc_mult=4) if hc else configs.tiny()
+    prompt = runner.random_prompt(2, 5, cfg.vocab, seed=3)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(model_module, "NORM_QUERY_IN_ATTENTION", on)
+        model, _ = runner.build(cfg, device=True, seed=3)
+        model.generator.set_state(11, 0)
+        tokens, logits, _ = runner.run(model, prompt, 4, use_graph=True, keep_logits=True)
+        runs[on] = (tokens, np.stack(logits))
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    assert np.array_equal(runs[True][1].view(np.uint32), runs[False][1].view(np.uint32))

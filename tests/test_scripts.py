@@ -444,6 +444,12 @@ def test_ab_step_reads_settings_and_refuses_what_does_not_exist(tmp_path):
         ab_step.resolve(ab_step.parse_setting("x:ops.gemm.NOPE=1")[1])
     with pytest.raises(ValueError, match="no module fp4kit.nomodule"):
         ab_step.resolve(ab_step.parse_setting("x:nomodule.A=1")[1])
+    resolved = ab_step.resolve(ab_step.parse_setting("q:dsv4.model.NORM_QUERY_IN_ATTENTION=True")[1])
+    from dsv4 import model as model_module  # the example's modules by their own name
+
+    assert resolved == [(model_module, "NORM_QUERY_IN_ATTENTION", True)]
+    with pytest.raises(ValueError, match="dsv4.model has no attribute 'NOPE'"):
+        ab_step.resolve(ab_step.parse_setting("x:dsv4.model.NOPE=1")[1])
     with pytest.raises(SystemExit, match="two or more settings"):
         ab_step.main(["base"])
 

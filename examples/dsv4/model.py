@@ -44,6 +44,7 @@ from fp4kit.layers import (ExpertStack, Generator, Indexer, KVCache, Linear, MoE
                            SharedExpert, SparseAttention)
 from fp4kit.layers.kv_cache import append_compressed
 from fp4kit.layers.linear import split_columns
+from fp4kit.ops import attention as attention_ops
 from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import hyper
@@ -62,6 +63,11 @@ FUSE_PROJECTIONS = True
 #: a concatenated projection's GEMM writes its parts apart, each C-contiguous (`Linear.call_split`:
 #: column blocks), instead of one output split by a launch of its own at more than one row
 SPLIT_IN_GEMM = True
+#: in a decode step the attention launch applies the query's per-head RMSNorm and RoPE as it loads
+#: the heads (`fp4kit.ops.attention.QueryNorm`: the bits of the row kernel), instead of the RMSNorm +
+#: RoPE launch after the query projection (on ratio-4 layers that launch then rotates the indexer's
+#: query alone). Off until timed on a GPU
+NORM_QUERY_IN_ATTENTION = False
 
 
 def _untapped(name, i, value):
@@ -315,15 +321,21 @@ class Attention:
         of_qr = dict(zip(self.of_qr.names, self.of_qr(qr)))
         wq_b = of_qr["wq_b"].reshape(b * t, cfg.heads, cfg.head_dim)
         iq = w = None
+        # in a decode step with NORM_QUERY_IN_ATTENTION, the attention launch norms and rotates q itself
+        defer_q = decode and NORM_QUERY_IN_ATTENTION
         if self.ratio == 4:  # the indexer's query, rotated at the same positions
             iq = of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim)
-            q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
-                                         ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
-                                         eps=cfg.eps, theta=self.theta)
+            if defer_q:
+                q = wq_b
+                iq = ew.rmsnorm_rope(iq, None, positions, normalize=False, **rope)
+            else:
+                q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
+                                             ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
+                                             eps=cfg.eps, theta=self.theta)
             if self.qat is not None:
                 iq = self.qat.index(iq)
         else:
-            q = ew.rmsnorm_rope(wq_b, None, positions, **rope)
+            q = wq_b if defer_q else ew.rmsnorm_rope(wq_b, None, positions, **rope)
         compressor = [of_h[f"compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio else []
         # the indexer's key cache: its compressor only (its window is never read: no append)
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
@@ -354,7 +366,10 @@ class Attention:
         b = h.shape[0]
         positions = None if self.qat is None else cache.pos.copy()  # the query's, for the de-rotation
         q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
-        o = self._attend(q, iq, w, st)
+        query_norm = None
+        if NORM_QUERY_IN_ATTENTION:  # q is the raw projection; cache.pos has moved past the token since
+            query_norm = attention_ops.QueryNorm(cache.pos, self.cfg.eps, self.cfg.rope_dim, self.theta, offset=-1)
+        o = self._attend(q, iq, w, st, query_norm=query_norm)
         if self.qat is not None:
             o = self.qat.derotate(o, positions)
         return self._project_out(o)
@@ -378,10 +393,10 @@ class Attention:
             o = self.qat.derotate(o, positions)
         return self._project_out(o)
 
-    def _attend(self, q, iq, w, st: dict, out=None):
+    def _attend(self, q, iq, w, st: dict, out=None, query_norm=None):
         """The attention of one token per sequence (queries ``q [B, heads, D]``; on ratio-4 layers the
         indexer's query and head weights) over the caches as they are (its token appended last),
-        into ``out`` when given."""
+        into ``out`` when given; ``query_norm``: ``q`` raw, normed and rotated by the attention."""
         cache = st["kv"]
         if self.ratio == 4:
             keys = st["index"]
@@ -391,7 +406,7 @@ class Attention:
             indices, comp, comp_len = None, cache.comp, cache.comp_len
         else:
             indices, comp, comp_len = st["indices"], st["comp"], st["comp_len"]
-        return self.attn(q, cache.swa, cache.pos, comp, comp_len, indices, out=out)  # [B, heads, D]
+        return self.attn(q, cache.swa, cache.pos, comp, comp_len, indices, out=out, query_norm=query_norm)  # [B, heads, D]
 
     def _project_out(self, o):
         """The grouped low-rank output projection of the attention output ``o [rows, heads, D]``."""

@@ -84,7 +84,7 @@ class SparseAttention:
             self._sink_copies[where] = copy
         return copy
 
-    def __call__(self, q, swa, pos, comp, comp_len, indices, *, out=None):
+    def __call__(self, q, swa, pos, comp, comp_len, indices, *, out=None, query_norm=None):
         """Attention output ``[B, heads, head_dim]`` for one decode token per sequence.
 
         Arguments as in `fp4kit.ops.attention.sparse_decode_attention` (``q`` bf16
@@ -93,6 +93,8 @@ class SparseAttention:
         live entry). On the device,
         without ``out`` the result is a buffer owned by the layer and overwritten by the next call
         with the same batch size (what a captured decode step wants); pass ``out`` to keep results.
+        ``query_norm`` (`fp4kit.ops.attention.QueryNorm`): ``q`` is the raw projection, normed and
+        rotated by the attention launch itself.
         """
         q = arrays.as_array(q, "q")
         if q.ndim != 3 or tuple(q.shape[1:]) != (self.heads, self.head_dim):
@@ -102,7 +104,8 @@ class SparseAttention:
         sink = self._sink_for(q)
         if not arrays.is_device_array(q):
             return attention_ops.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale=self.scale,
-                                                         out=out, out_dtype=self.out_dtype if out is None else None)
+                                                         out=out, out_dtype=self.out_dtype if out is None else None,
+                                                         query_norm=query_norm)
         import cupy
 
         swa = arrays.as_array(swa, "swa")
@@ -123,7 +126,7 @@ class SparseAttention:
         if size:
             ws = self._buffers.get(("workspace", device, batch, splits), lambda: cupy.empty(size, np.float32))
         return attention_ops.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale=self.scale,
-                                                     out=out, num_splits=splits, workspace=ws)
+                                                     out=out, num_splits=splits, workspace=ws, query_norm=query_norm)
 
     def prefill(self, q, kv, start, window: int, comp, comp_len, indices, *, out=None):
         """Attention output ``[T, heads, head_dim]`` of T consecutive prompt tokens of one sequence

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 from ..reference import attention as ref
+from ..reference import elementwise as ew_ref
 from ..runtime import arrays, loader, status
 from ..runtime import workspace as scratch
+from . import elementwise as ew_ops
 
 _MODULE = "attention"
 _THREADS = 256
@@ -246,8 +249,37 @@ def _check_workspace(ws, needed: int, like):
     return ws
 
 
+class QueryNorm(NamedTuple):
+    """The RMSNorm (no weight) and RoPE a query gets between its projection and the attention,
+    `fp4kit.ops.elementwise.rmsnorm_rope(q, None, positions + offset, eps=eps, rope_dim=rope_dim,
+    theta=theta)`: ``positions`` int32 ``[B]`` read on the device, ``offset`` added to each (e.g.
+    the attention's own ``pos``, tokens written, with ``offset=-1``: the query is the last token
+    written), ``theta`` the RoPE base or the channel pairs' inverse frequencies
+    (`fp4kit.ops.elementwise.rope_table`)."""
+    positions: object
+    eps: float = 1e-6
+    rope_dim: int = 0
+    theta: object = 10000.0
+    offset: int = 0
+
+
+def _check_query_norm(norm, q) -> QueryNorm:
+    if not isinstance(norm, QueryNorm):
+        raise TypeError(f"query_norm: expected a fp4kit.ops.attention.QueryNorm, got {type(norm).__name__}")
+    batch, _, head_dim = q.shape
+    positions = _take("query_norm.positions", norm.positions, np.int32, f"[B={batch}]", (batch,))
+    rope_dim = int(norm.rope_dim)
+    if rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
+        raise ValueError(f"query_norm.rope_dim: expected an even number in [0, {head_dim}], got {norm.rope_dim}")
+    if not isinstance(norm.offset, numbers.Integral) or abs(int(norm.offset)) > _I32_MAX // 2:
+        raise ValueError(f"query_norm.offset: expected a small integer, got {norm.offset!r}")
+    arrays.check_same_device(q=q, **{"query_norm.positions": positions})
+    arrays.check_aligned("query_norm.positions", positions, 4)
+    return QueryNorm(positions, float(norm.eps), rope_dim, norm.theta, int(norm.offset))
+
+
 def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale: float | None = None, out=None,
-                            out_dtype=None, num_splits: int | None = None, workspace=None):
+                            out_dtype=None, num_splits: int | None = None, workspace=None, query_norm=None):
     """One decode step of DeepSeek-V4 sparse attention (MQA over a shared latent, K = V).
 
     For each sequence ``b`` and head ``h``: one softmax over the valid window slots and the valid
@@ -288,6 +320,10 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
         Device path, ``num_splits > 1``: scratch for the partial results. Without it a per-stream
         buffer of `fp4kit.runtime.workspace` is used, which a later, larger call may replace:
         pass one explicitly for a call captured in a CUDA graph.
+    query_norm : `QueryNorm`, optional
+        ``q`` is the query projection's raw output: each head gets its RMSNorm and RoPE first, as
+        `fp4kit.ops.elementwise.rmsnorm_rope` computes them (the same bits); on the device inside
+        this launch, as each block loads its heads (one launch less).
 
     Returns
     -------
@@ -297,6 +333,8 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     stream without a host synchronisation.
     """
     q, swa, pos, comp, comp_len, indices, sink = _validate(q, swa, pos, comp, comp_len, indices, sink)
+    if query_norm is not None:
+        query_norm = _check_query_norm(query_norm, q)
     head_dim = q.shape[2]
     candidates = swa.shape[1] + _selected(indices, comp.shape[1])
     scale = _scale_value(scale, head_dim)
@@ -311,17 +349,27 @@ def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale
     if not arrays.is_device_array(q):
         if workspace is not None:
             _check_workspace(workspace, 0, q)
+        if query_norm is not None:
+            q = ew_ref.rmsnorm_rope(q, None, query_norm.positions + np.int32(query_norm.offset), eps=query_norm.eps,
+                                    rope_dim=query_norm.rope_dim, theta=query_norm.theta)
         result = ref.sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, scale)
         return arrays.host_result(result.astype(dtype), out)
 
     return _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace,
-                   window=swa.shape[1], capacity=comp.shape[1])
+                   window=swa.shape[1], capacity=comp.shape[1], query_norm=query_norm)
 
 
 def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, splits, workspace, *, window: int,
-            capacity: int, start=None, kv_rows: int = 0):
+            capacity: int, start=None, kv_rows: int = 0, query_norm: QueryNorm | None = None):
     """The device launches of a validated call (``start``: the prefill form, see attention.cu)."""
     import cupy
+
+    if query_norm is None:
+        norm_args = (0, _I32(0), 0, _I32(0), _F32(0.0))
+    else:
+        norm_args = (query_norm.positions, _I32(query_norm.offset),
+                     ew_ops.rope_table(query_norm.theta, query_norm.rope_dim, q, "query_norm.theta"),
+                     _I32(query_norm.rope_dim), _F32(query_norm.eps))
 
     batch, heads, head_dim = q.shape
     selected = _selected(indices, capacity)
@@ -355,7 +403,8 @@ def _launch(q, swa, pos, comp, comp_len, indices, sink, scale, dtype, out, split
                                    0 if indices is None else indices, sink, out, part_o,
                                    part_ml, _I32(heads), _I32(head_dim), _I32(window), _I32(capacity),
                                    _I32(selected), _I32(chunk), scale_log2, out_f32, status.device_word(),
-                                   0 if start is None else start, _I32(kv_rows), counters, _I32(spread)),
+                                   0 if start is None else start, _I32(kv_rows), counters, _I32(spread),
+                                   *norm_args),
                   shared_mem=shared)
     if splits > 1 and not fused:
         combine = loader.get_kernel(_MODULE, "sparse_decode_combine", block=_COMBINE_THREADS)

@@ -23,6 +23,11 @@
 //                                compressed cache, comp_len and indices are per query (its visible entries)
 //   spread    int                with counters: 1 = every split merges a share (the whole grid must be
 //                                resident at once), 0 = the last split to arrive merges everything
+//   q_pos     int32 [B] or null  given: q is a projection's raw output, and the kernel applies the
+//                                RMSNorm (no weight, q_eps) and the RoPE of its last q_rope_dim
+//                                channels at position q_pos[b] + q_pos_offset (frequencies q_inv_freq, float64
+//                                [q_rope_dim / 2]) to each head as it loads it, with the bits of
+//                                elementwise.cu's rmsnorm_rope_bf16 (one launch less); decode only
 // Positions, lengths and indices are read on the device only; the grid is sized from shapes.
 //
 // Launch geometry of sparse_decode_attention: grid (S, ceil(Hq / 16), B), 256 threads (8 warps;
@@ -57,6 +62,7 @@
 
 #include "common/gpu_sync.cuh"
 #include "common/pdl.cuh"
+#include "common/rope.cuh"
 #include "common/status.cuh"
 
 constexpr int kThreads = 256;
@@ -320,6 +326,89 @@ __device__ __forceinline__ void merge_item(const float* part_o, const float* par
     store_quad(out, out_row * D + d, acc, out_f32);
 }
 
+// ---- the query's RMSNorm + RoPE, applied to the fragments as they are loaded (q_pos given)
+constexpr int kQueryPairs = kThreads;  // channel pairs of a head the reduction covers: D / 2 <= 256
+static_assert(kHeads * (kQueryPairs + 1) <= kWarps * kHeads * kScoreLd, "the query's squares fit the score partials");
+static_assert(kQueryPairs * 2 >= kWarps * kMaxChunksPerWarp * 16, "every pair of D <= 512 has a thread");
+
+// x^2 + y^2 of the bf16 pair (x, y) in the low and high half of u, as the row kernel sums a pair
+__device__ __forceinline__ float pair_square(unsigned u) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+    return __fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y));
+}
+
+// The pair (x, y) of u times inv, rotated by (c, s) where rot, rounded back to a bf16 pair.
+__device__ __forceinline__ unsigned norm_rope_pair(unsigned u, float inv, bool rot, float c, float s) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+    float a = __fmul_rn(v.x, inv), b = __fmul_rn(v.y, inv);
+    if (rot) rope_apply(a, b, c, s);
+    const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+
+// The block's 16 heads of query row b (this warp's fragments qa, all 8 warps together) through the
+// RMSNorm without weight and the RoPE of the last rope_dim channels at position p, with the bits
+// elementwise.cu's rmsnorm_rope_bf16 gives a [B, Hq, D] query (one head a block, 256 threads): the
+// sum of squares in that kernel's order (pair j's square is thread j's partial, then the xor tree
+// over each 32 pairs, then those sums in order), the same products, rotation and rounding.
+// scratch: kHeads * (kQueryPairs + 1) floats of shared memory free until the tile loop.
+__device__ __forceinline__ void norm_rope_query(unsigned (&qa)[kMaxChunksPerWarp][4], int D, float eps, int rope_dim,
+                                                int p, const double* inv_freq, float* scratch) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int dchunks = D / 16, pairs = D / 2;
+    float* sq = scratch;                        // [kHeads][kQueryPairs]: each head's pair squares
+    float* inv = scratch + kHeads * kQueryPairs;  // [kHeads]
+    // fragment i of chunk c holds columns c * 16 + 2t (+ 8): pairs c * 8 + t (+ 4) of heads g, g + 8
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+        const int c = warp + kWarps * i;
+        if (c >= dchunks) break;
+        const int j = c * 8 + t;
+        sq[g * kQueryPairs + j] = pair_square(qa[i][0]);
+        sq[(g + 8) * kQueryPairs + j] = pair_square(qa[i][1]);
+        sq[g * kQueryPairs + j + 4] = pair_square(qa[i][2]);
+        sq[(g + 8) * kQueryPairs + j + 4] = pair_square(qa[i][3]);
+    }
+    __syncthreads();
+    // warp w: heads 2w and 2w + 1, the eight 32-pair sums of each in flight together
+    constexpr int kGroups = kQueryPairs / 32;
+#pragma unroll
+    for (int k = 0; k < kHeads / kWarps; ++k) {
+        const int h = (kHeads / kWarps) * warp + k;
+        float v[kGroups];
+#pragma unroll
+        for (int grp = 0; grp < kGroups; ++grp) {
+            const int j = grp * 32 + lane;
+            v[grp] = j < pairs ? sq[h * kQueryPairs + j] : 0.0f;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int grp = 0; grp < kGroups; ++grp) v[grp] += __shfl_xor_sync(0xffffffffu, v[grp], o);
+        float total = 0.0f;
+#pragma unroll
+        for (int grp = 0; grp < kGroups; ++grp) total += v[grp];
+        if (lane == 0) inv[h] = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)D), eps));
+    }
+    __syncthreads();
+    const float inv_lo = inv[g], inv_hi = inv[g + 8];
+    const int first_rope_pair = (D - rope_dim) / 2;
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerWarp; ++i) {
+        const int c = warp + kWarps * i;
+        if (c >= dchunks) break;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int j = c * 8 + 4 * half + t;
+            const bool rot = j >= first_rope_pair;
+            float cs = 1.0f, sn = 0.0f;
+            if (rot) rope_cos_sin(p, (unsigned)(j - first_rope_pair), inv_freq, cs, sn);
+            qa[i][2 * half] = norm_rope_pair(qa[i][2 * half], inv_lo, rot, cs, sn);
+            qa[i][2 * half + 1] = norm_rope_pair(qa[i][2 * half + 1], inv_hi, rot, cs, sn);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
 sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ swa,
                         const int* __restrict__ pos, const __nv_bfloat16* __restrict__ comp,
@@ -328,7 +417,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
                         float* __restrict__ part_ml, int Hq, int D, int W, int C, int N, int chunk,
                         float scale_log2, int out_f32, unsigned* __restrict__ status,
                         const int* __restrict__ start, int kv_rows, unsigned* __restrict__ counters,
-                        int spread) {
+                        int spread, const int* __restrict__ q_pos, int q_pos_offset,
+                        const double* __restrict__ q_inv_freq, int q_rope_dim, float q_eps) {
     pdl::wait_prior();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + 8;
@@ -413,6 +503,8 @@ sparse_decode_attention(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
         qa[i][2] = load_pair(lo + 8, active && head_lo);
         qa[i][3] = load_pair(hi + 8, active && head_hi);
     }
+    // q_pos given: q is the raw projection, normed and rotated here (spart is free until the tiles)
+    if (q_pos != nullptr && !bad) norm_rope_query(qa, D, q_eps, q_rope_dim, q_pos[b] + q_pos_offset, q_inv_freq, spart);
 
     float oacc[kMaxChunksPerWarp][2][4];
 #pragma unroll

@@ -12,22 +12,10 @@
 #include "common/status.cuh"
 #include "common/pdl.cuh"
 #include "common/residual_norm.cuh"
+#include "common/rope.cuh"
 
 // the block sum, the quad layout of rows and the residual step (shared with moe.cu)
 using namespace rownorm;
-
-// Rotation of the pair (a, b) at channel pair i of the last rope_dim channels by position p:
-// angle = p * inv_freq[i] (the pair's inverse frequency, theta^(-2i / rope_dim) or YaRN-scaled,
-// computed on the host in float64), in double as in kv_cache.cu, then fp32.
-__device__ __forceinline__ void ew_rope(float& a, float& b, int p, unsigned i, const double* inv_freq) {
-    const double angle = (double)p * inv_freq[i];
-    double sn, cs;
-    sincos(angle, &sn, &cs);
-    const float c = (float)cs, s = (float)sn;
-    const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    a = ra, b = rb;
-}
 
 // y_row = rope(x[r] * rsqrt(mean(x[r]^2) + eps) * w) for row r of D channels (D even), one block.
 // normalize = 0 skips the norm (RoPE only); w may be null (no weight); rope_dim = 0 skips RoPE,
@@ -56,7 +44,7 @@ __device__ __forceinline__ void rmsnorm_rope_row(const __nv_bfloat16* x, const f
         const float2 v = __bfloat1622float2(xr[j]);
         float a = __fmul_rn(v.x, inv), b = __fmul_rn(v.y, inv);
         if (w) a = __fmul_rn(a, w[2 * j]), b = __fmul_rn(b, w[2 * j + 1]);
-        if (j >= first_rope_pair) ew_rope(a, b, p, j - first_rope_pair, inv_freq);
+        if (j >= first_rope_pair) rope_rotate(a, b, p, j - first_rope_pair, inv_freq);
         yr[j] = __floats2bfloat162_rn(a, b);
     }
 }
