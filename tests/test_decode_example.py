@@ -241,12 +241,14 @@ def test_step_bytes_are_the_sum_of_the_layers():
 def test_query_norm_in_the_attention_call_gives_the_same_tokens_and_logits(monkeypatch):
     """`model.NORM_QUERY_IN_ATTENTION`: a decode step hands the raw query to the attention with its
     RMSNorm + RoPE (`fp4kit.ops.attention.QueryNorm`, at the cache's position less the token just
-    appended): every layer kind (ratios 0, 4, 128) gives the logits of the RMSNorm + RoPE launch."""
+    appended; the indexer's query rotated by its scoring): every layer kind (ratios 0, 4, 128) gives
+    the tokens and logits of the RMSNorm + RoPE launch."""
     from dsv4 import model as model_module
 
     cfg = configs.tiny()
     assert {0, 4, 128} <= set(cfg.compress_ratios)
-    prompt = runner.random_prompt(2, 5, cfg.vocab, seed=3)
+    # past index_topk * 4 tokens, so the indexer's scores (its query's rotation) pick the entries
+    prompt = runner.random_prompt(2, 4 * cfg.index_topk + 8, cfg.vocab, seed=3)
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(model_module, "NORM_QUERY_IN_ATTENTION", on)

@@ -350,3 +350,33 @@ def test_bad_input_writes_nothing():
     with pytest.raises(ValueError, match="out_scores"):
         _call(out_indices=out, out_scores=np.zeros((2, 3), np.float32))
     assert (out == -7).all()
+
+
+def test_query_rope_rotates_the_raw_query_first(rng):
+    """``query_rope``: the raw index query's last ``rope_dim`` channels are rotated at ``positions +
+    offset`` as `fp4kit.ops.elementwise.rmsnorm_rope` (``normalize=False``) rotates them, then scored."""
+    from fp4kit.ops import elementwise as ew
+
+    q, w, keys = exact_inputs(rng, 3, 16, 64, 120)
+    lengths = np.array([120, 40, 7], np.int32)
+    positions = np.array([9, 1, 100000], np.int32)
+    rotated = ew.rmsnorm_rope(q, None, positions - 1, normalize=False, rope_dim=32, theta=10000.0)
+    want = ops.score_topk(rotated, w, keys, lengths, 20)
+    got = ops.score_topk(q, w, keys, lengths, 20, query_rope=ops.QueryRope(positions, 32, 10000.0, offset=-1))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
+    assert ops.score_topk(q, w, keys, lengths, 20)[1].tobytes() != want[1].tobytes()
+
+
+@pytest.mark.parametrize("rope, exc, message", [
+    ("a tuple", TypeError, "query_rope: expected a fp4kit.ops.indexer.QueryRope"),
+    (dict(positions=np.zeros(3, np.int32)), ValueError, r"query_rope.positions: expected int32 \[2\]"),
+    (dict(rope_dim=0), ValueError, r"query_rope.rope_dim: expected an even number in \[2, 32\]"),
+    (dict(rope_dim=33), ValueError, r"query_rope.rope_dim: expected an even number in \[2, 32\]"),
+    (dict(offset=True), ValueError, "query_rope.offset: expected a small integer"),
+])
+def test_bad_query_rope(rng, rope, exc, message):
+    q, w, keys = exact_inputs(rng, 2, 8, 32, 40)
+    query_rope = (np.zeros(2, np.int32), 8) if rope == "a tuple" else ops.QueryRope(
+        **{"positions": np.zeros(2, np.int32), "rope_dim": 8, **rope})
+    with pytest.raises(exc, match=message):
+        ops.score_topk(q, w, keys, np.array([40, 3], np.int32), 4, query_rope=query_rope)

@@ -530,3 +530,24 @@ def test_indexer_layer_uses_its_key_range(rng):
     got = layer.score_topk(*args).get()
     assert not layer.buffers(bsz).key_range.any()
     assert np.array_equal(got, ops.score_topk(*args, k)[0].get())
+
+
+@pytest.mark.parametrize("bsz, heads, dim, rope_dim", [(1, 64, 128, 64), (8, 64, 128, 64), (3, 8, 32, 32), (2, 16, 64, 2)])
+def test_query_rope_in_the_scoring_gives_the_bits_of_the_rope_launch(rng, bsz, heads, dim, rope_dim):
+    """``query_rope``: the scoring launch's RoPE of the raw index query (as it stages it) gives the
+    scores, indices and values of `rmsnorm_rope` (``normalize=False``) then `score_topk`, at
+    positions up to 2**30 (the sine and cosine's slow path)."""
+    from fp4kit.ops import elementwise as ew
+
+    q, w, keys = float_inputs(rng, bsz, 2048, heads, dim)
+    lengths = rng.integers(0, 2049, bsz).astype(np.int32)
+    positions = cp.asarray(rng.integers(1, 2**30, bsz).astype(np.int32))
+    qd, wd, kd, ld = cp.asarray(q), cp.asarray(w), cp.asarray(keys), cp.asarray(lengths)
+    rotated = ew.rmsnorm_rope(qd, None, positions - 1, normalize=False, rope_dim=rope_dim, theta=10000.0)
+    work_a, work_b = cp.full((bsz, 2048), np.nan, cp.float32), cp.full((bsz, 2048), np.nan, cp.float32)
+    want = ops.score_topk(rotated, wd, kd, ld, 100, workspace=work_a)
+    got = ops.score_topk(qd, wd, kd, ld, 100, workspace=work_b,
+                         query_rope=ops.QueryRope(positions, rope_dim, 10000.0, offset=-1))
+    for a, b in zip(got, want):
+        assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes()
+    assert cp.asnumpy(work_a).tobytes() == cp.asnumpy(work_b).tobytes()

@@ -48,6 +48,7 @@ from fp4kit.ops import attention as attention_ops
 from fp4kit.ops import elementwise as ew
 from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops import hyper
+from fp4kit.ops import indexer as indexer_ops
 from fp4kit.ops import moe as moe_ops
 from fp4kit.ops import qat
 from fp4kit.ops import sampling as sampling_ops
@@ -64,9 +65,10 @@ FUSE_PROJECTIONS = True
 #: column blocks), instead of one output split by a launch of its own at more than one row
 SPLIT_IN_GEMM = True
 #: in a decode step the attention launch applies the query's per-head RMSNorm and RoPE as it loads
-#: the heads (`fp4kit.ops.attention.QueryNorm`: the bits of the row kernel), instead of the RMSNorm +
-#: RoPE launch after the query projection (on ratio-4 layers that launch then rotates the indexer's
-#: query alone). Off until timed on a GPU
+#: the heads (`fp4kit.ops.attention.QueryNorm`) and the indexer's scoring the RoPE of its query as it
+#: stages it (`fp4kit.ops.indexer.QueryRope`), with the bits of the row kernel, instead of the
+#: RMSNorm + RoPE launch after the query projection (one launch a layer fewer; with the activation
+#: simulation the indexer's query keeps its rotation launch). Off until timed on a GPU
 NORM_QUERY_IN_ATTENTION = False
 
 
@@ -327,7 +329,8 @@ class Attention:
             iq = of_qr["indexer.wq"].reshape(b * t, cfg.index_heads, cfg.index_head_dim)
             if defer_q:
                 q = wq_b
-                iq = ew.rmsnorm_rope(iq, None, positions, normalize=False, **rope)
+                if not self._index_query_raw(decode):
+                    iq = ew.rmsnorm_rope(iq, None, positions, normalize=False, **rope)
             else:
                 q, iq = ew.rmsnorm_rope_pair(ew.NormRope(wq_b, rope_dim=cfg.rope_dim),
                                              ew.NormRope(iq, normalize=False, rope_dim=cfg.rope_dim), positions,
@@ -341,6 +344,11 @@ class Attention:
         index = [of_h[f"indexer.compressor.{n}"].reshape(b, t, -1) for n in ("wkv", "wgate")] if self.ratio == 4 else []
         w = of_h["indexer.weights_proj"] if self.ratio == 4 else None
         return q, kv, iq, w, compressor, index
+
+    def _index_query_raw(self, decode: bool) -> bool:
+        """Whether the indexer's query reaches its scoring unrotated (rotated there): in a decode step
+        with `NORM_QUERY_IN_ATTENTION`, unless the activation simulation reads the rotated query."""
+        return decode and NORM_QUERY_IN_ATTENTION and self.ratio == 4 and self.qat is None
 
     def _append(self, st: dict, kv, compressor: list, index: list, t: int, decode: bool) -> None:
         """Appends ``t`` tokens per sequence: the latents ``kv [b, t, D]`` (None where ``decode``
@@ -366,10 +374,12 @@ class Attention:
         b = h.shape[0]
         positions = None if self.qat is None else cache.pos.copy()  # the query's, for the de-rotation
         q, _, iq, w = self._project_in(h, st, cache.pos, b, 1, decode=True)  # cache.pos: this token's position
-        query_norm = None
-        if NORM_QUERY_IN_ATTENTION:  # q is the raw projection; cache.pos has moved past the token since
+        query_norm = index_rope = None
+        if NORM_QUERY_IN_ATTENTION:  # the raw queries; cache.pos has moved past the token since
             query_norm = attention_ops.QueryNorm(cache.pos, self.cfg.eps, self.cfg.rope_dim, self.theta, offset=-1)
-        o = self._attend(q, iq, w, st, query_norm=query_norm)
+            if self._index_query_raw(decode=True):
+                index_rope = indexer_ops.QueryRope(cache.pos, self.cfg.rope_dim, self.theta, offset=-1)
+        o = self._attend(q, iq, w, st, query_norm=query_norm, index_rope=index_rope)
         if self.qat is not None:
             o = self.qat.derotate(o, positions)
         return self._project_out(o)
@@ -393,14 +403,16 @@ class Attention:
             o = self.qat.derotate(o, positions)
         return self._project_out(o)
 
-    def _attend(self, q, iq, w, st: dict, out=None, query_norm=None):
+    def _attend(self, q, iq, w, st: dict, out=None, query_norm=None, index_rope=None):
         """The attention of one token per sequence (queries ``q [B, heads, D]``; on ratio-4 layers the
         indexer's query and head weights) over the caches as they are (its token appended last),
-        into ``out`` when given; ``query_norm``: ``q`` raw, normed and rotated by the attention."""
+        into ``out`` when given; ``query_norm`` / ``index_rope``: ``q`` / ``iq`` raw, normed and
+        rotated by the attention / rotated by the indexer's scoring."""
         cache = st["kv"]
         if self.ratio == 4:
             keys = st["index"]
-            indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale)
+            indices = self.indexer.score_topk(iq, w, keys.comp, keys.comp_len, w_scale=self.index_w_scale,
+                                              query_rope=index_rope)
             comp, comp_len = cache.comp, cache.comp_len
         elif self.ratio == 128:  # every live entry: the kernel walks them, no index list is built
             indices, comp, comp_len = None, cache.comp, cache.comp_len

@@ -83,14 +83,16 @@ class Indexer:
                              f"got {arrays.describe(keys)}")
         return q, keys
 
-    def score_topk(self, q, w, keys, lengths, *, w_scale: float = 1.0, return_scores: bool = False):
+    def score_topk(self, q, w, keys, lengths, *, w_scale: float = 1.0, return_scores: bool = False,
+                   query_rope=None):
         """Selected indices int32 ``[B, k]`` (ascending, ``-1`` padded) for q ``[B, H, D]`` bf16,
         w ``[B, H]`` fp32 or bf16 (times ``w_scale``), keys ``[B, C, D]`` (or ``[1, C, D]``, one
         cache for every row) bf16 and lengths ``[B]`` int32 (see `fp4kit.ops.indexer.score_topk`).
 
         On the device the result is the layer's buffer for this batch size, overwritten by the
         next call with the same batch size; with ``return_scores`` the selected scores buffer is
-        returned too, as ``(indices, scores)``.
+        returned too, as ``(indices, scores)``. ``query_rope`` (`fp4kit.ops.indexer.QueryRope`): ``q``
+        is the raw projection, rotated by the scoring launch itself.
         """
         q, keys = self._check_config(q, keys)
         if arrays.is_device_array(q):
@@ -102,7 +104,9 @@ class Indexer:
                                                      out_indices=buf.indices, out_scores=buf.scores,
                                                      workspace=buf.workspace,
                                                      key_range=buf.key_range
-                                                     if self.capacity <= indexer_ops.KEY_RANGE_MAX_CAPACITY else None)
+                                                     if self.capacity <= indexer_ops.KEY_RANGE_MAX_CAPACITY else None,
+                                                     query_rope=query_rope)
         else:
-            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale)
+            indices, scores = indexer_ops.score_topk(q, w, keys, lengths, self.k, w_scale=w_scale,
+                                                     query_rope=query_rope)
         return (indices, scores) if return_scores else indices

@@ -21,11 +21,14 @@ the same value in the host word.
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
+from ..reference import elementwise as ew_ref
 from ..reference import indexer as ref
 from ..runtime import arrays, loader, status
+from . import elementwise as ew_ops
 
 _MODULE = "indexer"
 _SCORE_THREADS = 128
@@ -174,8 +177,37 @@ def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 9
     return "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
 
 
+class QueryRope(NamedTuple):
+    """The RoPE an index query gets between its projection and the scores (no norm),
+    `fp4kit.ops.elementwise.rmsnorm_rope(q, None, positions + offset, normalize=False,
+    rope_dim=rope_dim, theta=theta)`: ``positions`` int32 ``[B]`` read on the device, ``offset``
+    added to each, ``theta`` the RoPE base or the channel pairs' inverse frequencies."""
+    positions: object
+    rope_dim: int
+    theta: object = 10000.0
+    offset: int = 0
+
+
+def _check_query_rope(rope, q) -> QueryRope:
+    if not isinstance(rope, QueryRope):
+        raise TypeError(f"query_rope: expected a fp4kit.ops.indexer.QueryRope, got {type(rope).__name__}")
+    batch, _, dim = q.shape
+    positions = arrays.as_array(rope.positions, "query_rope.positions")
+    if positions.dtype != np.int32 or positions.shape != (batch,):
+        raise ValueError(f"query_rope.positions: expected int32 [{batch}], got {arrays.describe(positions)}")
+    arrays.check_contiguous("query_rope.positions", positions)
+    rope_dim = rope.rope_dim
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or not 0 < rope_dim <= dim \
+            or rope_dim % 2:
+        raise ValueError(f"query_rope.rope_dim: expected an even number in [2, {dim}], got {rope_dim!r}")
+    if isinstance(rope.offset, bool) or not isinstance(rope.offset, numbers.Integral) or abs(int(rope.offset)) > 2**30:
+        raise ValueError(f"query_rope.offset: expected a small integer, got {rope.offset!r}")
+    arrays.check_same_device(q=q, **{"query_rope.positions": positions})
+    return QueryRope(positions, int(rope_dim), rope.theta, int(rope.offset))
+
+
 def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices=None, out_scores=None,
-               workspace=None, key_range=None):
+               workspace=None, key_range=None, query_rope=None):
     """Indices and scores of the ``k`` highest-scoring live keys of each sequence.
 
     Parameters
@@ -211,6 +243,11 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
         live scores differ instead of at the sign bit (one pass fewer where the scores share their
         sign and exponent, as they do here); the selection is the same bit for bit. One buffer per
         concurrent call (a stream), like ``workspace``. Without it the passes cover every bit.
+    query_rope : `QueryRope`, optional
+        ``q`` is the index query projection's raw output: each head's last ``rope_dim`` channels are
+        rotated first, as `fp4kit.ops.elementwise.rmsnorm_rope` with ``normalize=False`` rotates
+        them (the same bits); on the device by the scoring launch as it stages the query (one
+        launch less).
 
     Returns
     -------
@@ -232,7 +269,12 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     out_indices, out_scores, workspace = _outputs(out_indices, out_scores, workspace, bsz, capacity, k, q)
     if key_range is not None:
         arrays.check_out("key_range", key_range, (bsz, 2), np.uint32, q)
+    if query_rope is not None:
+        query_rope = _check_query_rope(query_rope, q)
     if not arrays.is_device_array(q):
+        if query_rope is not None:
+            q = ew_ref.rmsnorm_rope(q, None, query_rope.positions + np.int32(query_rope.offset), normalize=False,
+                                    rope_dim=query_rope.rope_dim, theta=query_rope.theta)
         w32 = w.astype(np.float32) * np.float32(w_scale)  # as the kernel: bf16 -> fp32 exactly, one fp32 product
         s = ref.scores(q, w32, np.broadcast_to(keys, (bsz, *keys.shape[1:])), lengths)
         n = ref.live_lengths(lengths, capacity)
@@ -251,8 +293,15 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
     grid = (-(-capacity // _KEYS_PER_BLOCK), bsz)
     w_bf16 = _I32(w.dtype == arrays.BF16)
     ranges = key_range if key_range is not None else np.uint64(0)  # null: passes over every bit
+    if query_rope is None:
+        rope_args = (0, _I32(0), 0, _U32(0))
+    else:
+        rope_args = (query_rope.positions, _I32(query_rope.offset),
+                     ew_ops.rope_table(query_rope.theta, query_rope.rope_dim, q, "query_rope.theta"),
+                     _U32(query_rope.rope_dim))
     scores_kernel.launch(grid, _SCORE_THREADS, (q, w, w_bf16, np.float32(w_scale), keys, lengths, workspace,
-                                               _U32(heads), _U32(dim), _U32(capacity), _U32(shared), ranges))
+                                               _U32(heads), _U32(dim), _U32(capacity), _U32(shared), ranges,
+                                               *rope_args))
     device = arrays.device_id(q)
     name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
     threads = _SMALL_TOPK_THREADS if name == "indexer_topk_registers_small" else _TOPK_THREADS

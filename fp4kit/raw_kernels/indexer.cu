@@ -13,6 +13,11 @@
 //   values   fp32  [B, k]      their canonical scores (NaN -> -inf, -0 -> +0), then -inf
 //   status   uint32 [1]        FP4_STATUS_INDEXER_INPUT (2) is or-ed in when a live score is NaN or a length
 //                              lies outside [0, C]
+//   q_pos    int32 [B]         or null; given, q is the raw projection and indexer_scores rotates the
+//                              last q_rope_dim channels of each head (RoPE alone, no norm) at position
+//                              q_pos[b] + q_pos_offset (frequencies q_inv_freq, float64 [q_rope_dim / 2])
+//                              as it stages the query: the bits of elementwise.cu's rmsnorm_rope_bf16
+//                              with normalize = 0 (one launch less); decode only
 //   key_range uint32 [B, 2]    or null; zero between calls: indexer_scores gathers each row's lowest
 //                              (stored complemented) and highest score key by atomicMax, the select
 //                              reads them, starts its radix passes at the highest bit in which they
@@ -54,6 +59,7 @@
 #include "common/block_scan.cuh"
 #include "common/status.cuh"
 #include "common/pdl.cuh"
+#include "common/rope.cuh"
 
 #define IDX_NEG_INF __int_as_float(0xFF800000)
 
@@ -102,6 +108,43 @@ __device__ __forceinline__ float key_score(unsigned key) {
 // ReLU that keeps a NaN a NaN (fmaxf would drop it and hide a broken input).
 __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
 
+constexpr int kStageEach = kMaxChunks * kMaxHeadTiles * 32 / kScoreThreads;  // query words per thread
+
+// The query words this thread stages (8 channels each: head h, channels d .. d + 7, as indexer_scores
+// lays them out) with their pairs among the last rope_dim channels rotated at position p, as
+// rmsnorm_rope_bf16 rotates them with normalize = 0 (each pair's cosine and sine once per block,
+// in cs, by the first rope_dim / 2 threads).
+__device__ __forceinline__ void rotate_query(uint4 (&qv)[kStageEach], unsigned D, unsigned rope_dim, int p,
+                                             const double* inv_freq, unsigned head_tiles, unsigned staged,
+                                             float2* cs) {
+    if (threadIdx.x < rope_dim / 2) {
+        float c, s;
+        rope_cos_sin(p, threadIdx.x, inv_freq, c, s);
+        cs[threadIdx.x] = make_float2(c, s);
+    }
+    __syncthreads();
+    const unsigned first_rope_pair = (D - rope_dim) / 2;
+#pragma unroll
+    for (int i = 0; i < kStageEach; ++i) {
+        const unsigned e = threadIdx.x + i * kScoreThreads;
+        const unsigned l = e & 31, tile_id = e >> 5;
+        const unsigned d = (tile_id / head_tiles) * 32 + 8 * (l & 3);
+        if (e >= staged || d + 8 <= 2 * first_rope_pair) continue;  // no rotated pair in this word
+        unsigned* words = reinterpret_cast<unsigned*>(&qv[i]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned j = d / 2 + k;
+            if (j < first_rope_pair) continue;
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[k]));
+            float a = v.x, bb = v.y;
+            const float2 r = cs[j - first_rope_pair];
+            rope_apply(a, bb, r.x, r.y);
+            const __nv_bfloat162 out = __floats2bfloat162_rn(a, bb);
+            words[k] = *reinterpret_cast<const unsigned*>(&out);
+        }
+    }
+}
+
 // The MMA's k order is a permutation of the head dimension, the same for both operands, so the
 // dot products are unchanged: in a 32-wide chunk, lane group member t (lane & 3) holds elements
 // 8t .. 8t+7 of its row as one 16-byte word (x, y, z, w). MMA step 0 takes (x, y), step 1 (z, w):
@@ -110,7 +153,8 @@ __device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f
 extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ w, int w_bf16, float w_scale,
     const __nv_bfloat16* __restrict__ keys, const int* __restrict__ lengths, float* __restrict__ scores, unsigned H,
-    unsigned D, unsigned C, unsigned shared_keys, unsigned* __restrict__ key_range) {
+    unsigned D, unsigned C, unsigned shared_keys, unsigned* __restrict__ key_range, const int* __restrict__ q_pos,
+    int q_pos_offset, const double* __restrict__ q_inv_freq, unsigned q_rope_dim) {
     pdl::wait_prior();
     const unsigned b = blockIdx.y;
     const unsigned n = live_length(lengths, b, C);
@@ -119,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
 
     __shared__ uint4 sq[kMaxChunks * kMaxHeadTiles * 32];  // query B fragments, [chunk][head tile][lane]
     __shared__ float sw[kMaxHeadTiles * 8];
+    __shared__ float2 rope_cs[kMaxChunks * 32 / 2];  // the query's RoPE: (cos, sin) of each rotated pair
     const unsigned head_tiles = H / 8, chunks = D / 32;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned first = tile + warp * kKeysPerWarp;
@@ -142,7 +187,6 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
     }
 
     // all of a thread's query words loaded before any is stored: one L2 round trip, not a chain
-    constexpr int kStageEach = kMaxChunks * kMaxHeadTiles * 32 / kScoreThreads;
     const __nv_bfloat16* qb = q + (size_t)b * H * D;
     const unsigned staged = chunks * head_tiles * 32;
     uint4 qv[kStageEach];
@@ -154,6 +198,8 @@ extern "C" __global__ void __launch_bounds__(kScoreThreads) indexer_scores(
         const unsigned d = (tile_id / head_tiles) * 32 + 8 * (l & 3);
         if (e < staged) qv[i] = *reinterpret_cast<const uint4*>(qb + (size_t)h * D + d);
     }
+    if (q_pos != nullptr) rotate_query(qv, D, q_rope_dim, q_pos[b] + q_pos_offset, q_inv_freq, head_tiles, staged,
+                                       rope_cs);
 #pragma unroll
     for (int i = 0; i < kStageEach; ++i) {
         const unsigned e = threadIdx.x + i * kScoreThreads;
