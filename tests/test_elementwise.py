@@ -119,10 +119,12 @@ def test_rmsnorm_rope_pair_is_two_single_calls(rng):
     assert np.array_equal(got[1].view(np.uint16), ew.rmsnorm_rope(iq, None, pos, normalize=False, rope_dim=8).view(np.uint16))
 
 
-def test_rmsnorm_rope_pair_writes_the_second_part_into_a_window_ring(rng):
+@pytest.mark.parametrize("advance", [False, True])
+def test_rmsnorm_rope_pair_writes_the_second_part_into_a_window_ring(rng, advance):
     """``window``: the second part's rows land where `KVCache.append` writes a decode token's row
     (slot position % W of each sequence's ring, the other slots untouched), and advancing the
-    cache leaves it where the append would: a decode step without its window-append launch."""
+    cache (or ``advance``: the call itself) leaves it where the append would: a decode step without
+    its window-append launch."""
     from fp4kit.layers import KVCache
 
     b, w, d = 3, 5, 32
@@ -133,9 +135,11 @@ def test_rmsnorm_rope_pair_writes_the_second_part_into_a_window_ring(rng):
         cache.swa[...] = rng.standard_normal(cache.swa.shape).astype(BF16)
         cache.pos[...] = [0, 7, 123]
     apart.swa[...] = fused.swa
-    ya, ring = ew.rmsnorm_rope_pair(ew.NormRope(a), ew.NormRope(kv, wkv, rope_dim=8), fused.pos, window=fused.swa)
+    ya, ring = ew.rmsnorm_rope_pair(ew.NormRope(a), ew.NormRope(kv, wkv, rope_dim=8), fused.pos, window=fused.swa,
+                                    advance=advance)
     assert ring is fused.swa
-    fused.advance(1)
+    if not advance:
+        fused.advance(1)
     ya2, yk = ew.rmsnorm_rope_pair(ew.NormRope(a), ew.NormRope(kv, wkv, rope_dim=8), apart.pos)
     apart.append(yk[:, None, :])
     assert np.array_equal(ya.view(np.uint16), ya2.view(np.uint16))
@@ -170,6 +174,10 @@ _POS2 = np.zeros(2, np.int32)
      r"positions: expected int32 \[2\] \(the sequences of the window\)"),
     (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8), _POS2, outs=(None, _X8), window=_RING),
      r"outs\[1\]: the second part goes into the window"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8), ew.NormRope(_X8, rope_dim=2), _POS2, advance=True),
+     r"advance: moves the positions of a window ring \(window=...\) on, .* got window=None"),
+    (lambda: ew.rmsnorm_rope_pair(ew.NormRope(_X8, rope_dim=2), ew.NormRope(_X8), _POS2, window=_RING, advance=True),
+     r"advance: .* first.rope_dim=2"),
 ])
 def test_rmsnorm_rope_pair_bad_inputs_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -105,9 +105,11 @@ def test_rmsnorm_rope_pair_is_bit_identical_to_two_launches(rng, rows, capture_s
         assert graph_kernels(graph) == ["rmsnorm_rope2_bf16"]
 
 
-def test_rmsnorm_rope_pair_into_a_window_equals_the_window_append(rng):
+@pytest.mark.parametrize("advance", [False, True])
+def test_rmsnorm_rope_pair_into_a_window_equals_the_window_append(rng, advance):
     """``window=cache.swa``: the latent rows written by the norm kernel itself are the bits the
-    separate window append writes (every slot of the ring compared, positions past the window)."""
+    separate window append writes (every slot of the ring compared, positions past the window);
+    ``advance``: the kernel moves the positions on itself, as the cache's advance launch would."""
     from fp4kit.layers import KVCache
 
     b, w, d = 5, 128, 512
@@ -121,9 +123,10 @@ def test_rmsnorm_rope_pair_into_a_window_equals_the_window_append(rng):
         cache.pos[...] = cp.asarray(pos)
     kw = dict(eps=1e-6, theta=10000.0)
     parts = (ew.NormRope(qr, wq), ew.NormRope(kv, wkv, rope_dim=64))
-    y0, ring = ew.rmsnorm_rope_pair(*parts, fused.pos, window=fused.swa, **kw)
+    y0, ring = ew.rmsnorm_rope_pair(*parts, fused.pos, window=fused.swa, advance=advance, **kw)
     assert ring is fused.swa
-    fused.advance(1)
+    if not advance:
+        fused.advance(1)
     z0, z1 = ew.rmsnorm_rope_pair(*parts, apart.pos, **kw)
     apart.append(z1[:, None, :])
     assert cp.array_equal(y0.view(cp.uint16), z0.view(cp.uint16))

@@ -68,7 +68,8 @@ SPLIT_IN_GEMM = True
 #: the heads (`fp4kit.ops.attention.QueryNorm`) and the indexer's scoring the RoPE of its query as it
 #: stages it (`fp4kit.ops.indexer.QueryRope`), with the bits of the row kernel, instead of the
 #: RMSNorm + RoPE launch after the query projection (one launch a layer fewer; with the activation
-#: simulation the indexer's query keeps its rotation launch). Off until timed on a GPU
+#: simulation the indexer's query keeps its rotation launch); and on a layer without compression the
+#: latent's norm launch moves the positions on (no kv_advance launch). Off until timed on a GPU
 NORM_QUERY_IN_ATTENTION = False
 
 
@@ -313,7 +314,8 @@ class Attention:
         # the norms (and RoPE) of the parts of one projection's output in one launch each
         qr, kv = ew.rmsnorm_rope_pair(ew.NormRope(of_h["wq_a"], self.q_norm),
                                       ew.NormRope(of_h["wkv"], self.kv_norm, rope_dim=cfg.rope_dim), positions,
-                                      eps=cfg.eps, theta=self.theta, window=cache.swa if decode else None)
+                                      eps=cfg.eps, theta=self.theta, window=cache.swa if decode else None,
+                                      advance=self._advances_in_norm(decode))
         if self.qat is not None:  # the latent's channels outside RoPE through E4M3, where it was written
             if decode:
                 self.qat.latent_window(cache, positions)
@@ -345,6 +347,13 @@ class Attention:
         w = of_h["indexer.weights_proj"] if self.ratio == 4 else None
         return q, kv, iq, w, compressor, index
 
+    def _advances_in_norm(self, decode: bool) -> bool:
+        """Whether the latent's norm launch, writing a decode token's window row, also moves the
+        positions on (`rmsnorm_rope_pair`'s ``advance``): on a layer without compression (which would
+        move them), where nothing after reads the old positions (the query's RoPE in the attention
+        with `NORM_QUERY_IN_ATTENTION`; without the activation simulation's window pass)."""
+        return decode and NORM_QUERY_IN_ATTENTION and not self.ratio and self.qat is None
+
     def _index_query_raw(self, decode: bool) -> bool:
         """Whether the indexer's query reaches its scoring unrotated (rotated there): in a decode step
         with `NORM_QUERY_IN_ATTENTION`, unless the activation simulation reads the rotated query."""
@@ -357,7 +366,8 @@ class Attention:
         if self.qat is not None and self.ratio:  # the counts before the compressors emit
             before = [c.comp_len.copy() for c in (cache, st.get("index")) if c is not None]
         if decode and not self.ratio:
-            cache.advance(t)  # the window rows are written
+            if not self._advances_in_norm(decode):  # else the norm launch moved the positions on
+                cache.advance(t)  # the window rows are written
         elif decode and index:  # both caches' compressors in one launch
             append_compressed((cache, *compressor), (st["index"], *index))
         else:

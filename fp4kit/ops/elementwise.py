@@ -136,7 +136,7 @@ class NormRope(NamedTuple):
 
 
 def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps: float = 1e-6,
-                      theta=10000.0, outs=None, window=None) -> tuple:
+                      theta=10000.0, outs=None, window=None, advance: bool = False) -> tuple:
     """`rmsnorm_rope` of two arrays in one launch (e.g. two parts of one concatenated projection's
     output), each exactly as `rmsnorm_rope` computes it, with the same ``positions``, ``eps`` and
     ``theta``. Returns ``(y0, y1)``; ``outs``: their buffers (bf16, the shapes of the inputs).
@@ -144,7 +144,10 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
     ``window``: a sliding-window ring bf16 ``[B, W, D]`` (`KVCache.swa`) that takes the second
     part's rows instead of a new array: ``second.x`` is one row per sequence ``[B, D]``, and row b
     goes to slot ``positions[b] % W`` of sequence b, where `KVCache.append` puts a decode token's
-    row (the cache is then appended with ``kv=None``). ``y1`` is then ``window``."""
+    row (the cache is then appended with ``kv=None``). ``y1`` is then ``window``. ``advance`` (with
+    ``window``, and ``first`` without RoPE): ``positions`` then move on by one, as
+    `KVCache.advance(1)` would after the write (one launch less; nothing launched after may expect
+    the old positions)."""
     parts = []
     for name, part in (("first", first), ("second", second)):
         if not isinstance(part, NormRope):
@@ -159,6 +162,9 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
     (x0, w0, n0, r0), (x1, w1, n1, r1) = parts
     if window is not None:
         window, positions = _window_ring(window, x1, positions, outs[1])
+    if advance and (window is None or r0):
+        raise ValueError("advance: moves the positions of a window ring (window=...) on, and the first part must not "
+                         f"read them (rope_dim 0), got window={'None' if window is None else 'a ring'}, first.rope_dim={r0}")
     arrays.check_same_device(**{"first.x": x0, "first.weight": w0, "second.x": x1, "second.weight": w1,
                                 "positions": positions, "outs[0]": outs[0], "outs[1]": outs[1], "window": window})
     if not arrays.is_device_array(x0):
@@ -168,6 +174,8 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
         if window is None:
             return ys
         kv_ref.append_swa(window, positions, ys[1][:, None, :])
+        if advance:
+            kv_ref.advance(positions, 1)
         return ys[0], window
     tables = (rope_table(theta, r0, x0), rope_table(theta, r1, x1))
     ys = (arrays.device_out("outs[0]", outs[0], x0.shape, arrays.BF16, x0),
@@ -180,7 +188,7 @@ def rmsnorm_rope_pair(first: NormRope, second: NormRope, positions=None, *, eps:
             (x0, 0 if w0 is None else w0, ys[0], _U32(rows0), _U32(heads[0]), _U32(x0.shape[-1]), np.int32(n0),
              _U32(r0), x1, 0 if w1 is None else w1, ys[1], _U32(heads[1]), _U32(x1.shape[-1]), np.int32(n1), _U32(r1),
              0 if positions is None else positions, np.float32(eps), *tables,
-             _U32(0 if window is None else window.shape[1]), _release()))
+             _U32(0 if window is None else window.shape[1]), np.int32(bool(advance)), _release()))
     return ys
 
 

@@ -65,12 +65,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope_bf16(
 // rmsnorm_rope_bf16 runs it, with the same positions and eps: grid rows0 + rows1, block r
 // < rows0 takes row r of part 0, the others row r - rows0 of part 1. window1 > 0: part 1 is one row
 // per sequence (heads1 = 1) and y1 a sliding-window ring [rows1, window1, D1]: row b goes to slot
-// pos[b] % window1, the slot kv_append_swa writes a decode token's row to (one launch less).
+// pos[b] % window1, the slot kv_append_swa writes a decode token's row to (one launch less); with
+// advance1, that row's block then moves pos[b] on by one as kv_advance does (another launch less;
+// part 0 must not read positions: rope_dim0 = 0, checked on the host).
 extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const __nv_bfloat16* x0, const float* w0, __nv_bfloat16* y0, unsigned rows0, unsigned heads0, unsigned D0,
         int normalize0, unsigned rope_dim0, const __nv_bfloat16* x1, const float* w1, __nv_bfloat16* y1,
-        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, const int* pos, float eps,
-        const double* inv_freq0, const double* inv_freq1, unsigned window1, int release) {
+        unsigned heads1, unsigned D1, int normalize1, unsigned rope_dim1, int* pos, float eps,
+        const double* inv_freq0, const double* inv_freq1, unsigned window1, int advance1, int release) {
     if (release) pdl::release_next();
     pdl::wait_prior();
     __shared__ float smem[kWarps];
@@ -81,6 +83,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) rmsnorm_rope2_bf16(
         const unsigned r1 = r - rows0;
         const size_t dst = window1 ? (size_t)r1 * window1 + (unsigned)pos[r1] % window1 : r1;
         rmsnorm_rope_row(x1, w1, pos, y1 + dst * D1, r1, heads1, D1, eps, normalize1, rope_dim1, inv_freq1, smem);
+        if (advance1) {  // no other block reads pos[r1]
+            __syncthreads();  // every thread of the block has read it
+            if (threadIdx.x == 0) pos[r1] += 1;
+        }
     }
 }
 
