@@ -82,6 +82,13 @@ def rope_one_ahead(model, monkeypatch):
     rope = model_mod.ew.rmsnorm_rope
     monkeypatch.setattr(model_mod.ew, "rmsnorm_rope",
                         lambda x, w, pos=None, **kw: rope(x, w, None if pos is None else pos + 1, **kw))
+    # the queries' RoPE where the attention and the indexer's scoring apply it (NORM_QUERY_IN_ATTENTION)
+    deferred = model_mod.Attention._deferred_ropes
+
+    def ahead(self, cache):
+        return tuple(None if r is None else r._replace(offset=r.offset + 1) for r in deferred(self, cache))
+
+    monkeypatch.setattr(model_mod.Attention, "_deferred_ropes", ahead)
 
 
 def window_without_newest(model, monkeypatch):
