@@ -523,6 +523,8 @@ def test_query_norm_is_rmsnorm_rope_of_the_raw_query_first(rng):
     (dict(rope_dim=7), ValueError, r"query_norm.rope_dim: expected an even number in \[0, 16\]"),
     (dict(rope_dim=18), ValueError, r"query_norm.rope_dim: expected an even number in \[0, 16\]"),
     (dict(offset=0.5), ValueError, "query_norm.offset: expected a small integer"),
+    (dict(offset=True), ValueError, "query_norm.offset: expected a small integer"),
+    (dict(positions=np.zeros((2, 1), np.int32)), ValueError, r"query_norm.positions: expected int32 \[2\]"),
 ])
 def test_bad_query_norm(rng, norm, exc, message):
     args = case(rng, b=2, hq=3, d=16)

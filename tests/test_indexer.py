@@ -370,6 +370,8 @@ def test_query_rope_rotates_the_raw_query_first(rng):
 @pytest.mark.parametrize("rope, exc, message", [
     ("a tuple", TypeError, "query_rope: expected a fp4kit.ops.indexer.QueryRope"),
     (dict(positions=np.zeros(3, np.int32)), ValueError, r"query_rope.positions: expected int32 \[2\]"),
+    (dict(positions=np.zeros(2, np.int64)), TypeError, r"query_rope.positions: expected int32 \[2\]"),
+    (dict(offset=2**31), ValueError, "query_rope.offset: expected a small integer"),
     (dict(rope_dim=0), ValueError, r"query_rope.rope_dim: expected an even number in \[2, 32\]"),
     (dict(rope_dim=33), ValueError, r"query_rope.rope_dim: expected an even number in \[2, 32\]"),
     (dict(offset=True), ValueError, "query_rope.offset: expected a small integer"),

@@ -267,15 +267,11 @@ def _check_query_norm(norm, q) -> QueryNorm:
     if not isinstance(norm, QueryNorm):
         raise TypeError(f"query_norm: expected a fp4kit.ops.attention.QueryNorm, got {type(norm).__name__}")
     batch, _, head_dim = q.shape
-    positions = _take("query_norm.positions", norm.positions, np.int32, f"[B={batch}]", (batch,))
+    positions, offset = ew_ops.check_rope_positions("query_norm", norm.positions, norm.offset, batch, q)
     rope_dim = int(norm.rope_dim)
     if rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
         raise ValueError(f"query_norm.rope_dim: expected an even number in [0, {head_dim}], got {norm.rope_dim}")
-    if not isinstance(norm.offset, numbers.Integral) or abs(int(norm.offset)) > _I32_MAX // 2:
-        raise ValueError(f"query_norm.offset: expected a small integer, got {norm.offset!r}")
-    arrays.check_same_device(q=q, **{"query_norm.positions": positions})
-    arrays.check_aligned("query_norm.positions", positions, 4)
-    return QueryNorm(positions, float(norm.eps), rope_dim, norm.theta, int(norm.offset))
+    return QueryNorm(positions, float(norm.eps), rope_dim, norm.theta, offset)
 
 
 def sparse_decode_attention(q, swa, pos, comp, comp_len, indices, sink, *, scale: float | None = None, out=None,

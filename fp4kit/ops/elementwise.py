@@ -8,6 +8,7 @@ lengths and tokens on the device and write into ``out`` when given (what a captu
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -67,6 +68,25 @@ def _norm_rope_args(x, weight, positions, rope_dim: int, part: str = ""):
 
 # RoPE frequency tables on the device: (device, rope_dim, the float64 frequencies' bytes) -> array
 _ROPE_TABLES: dict = {}
+
+
+def check_rope_positions(prefix: str, positions, offset, batch: int, like):
+    """``(positions, offset)`` of a RoPE that another launch applies to its input ``like`` (a query
+    handed over raw: `fp4kit.ops.attention.QueryNorm`, `fp4kit.ops.indexer.QueryRope`): int32
+    positions ``[batch]`` on ``like``'s device (read there) and a small integer ``offset``, each
+    refused by its name under ``prefix``."""
+    name = f"{prefix}.positions"
+    positions = arrays.as_array(positions, name)
+    if positions.dtype != np.int32:
+        raise TypeError(f"{name}: expected int32 [{batch}], got {arrays.describe(positions)}")
+    if positions.shape != (batch,):
+        raise ValueError(f"{name}: expected int32 [{batch}], got {arrays.describe(positions)}")
+    arrays.check_contiguous(name, positions)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or abs(int(offset)) > 2**30:
+        raise ValueError(f"{prefix}.offset: expected a small integer, got {offset!r}")
+    arrays.check_same_device(**{"q": like, name: positions})
+    arrays.check_aligned(name, positions, 4)
+    return positions, int(offset)
 
 
 def rope_table(theta, rope_dim: int, like, name: str = "theta"):

@@ -192,18 +192,12 @@ def _check_query_rope(rope, q) -> QueryRope:
     if not isinstance(rope, QueryRope):
         raise TypeError(f"query_rope: expected a fp4kit.ops.indexer.QueryRope, got {type(rope).__name__}")
     batch, _, dim = q.shape
-    positions = arrays.as_array(rope.positions, "query_rope.positions")
-    if positions.dtype != np.int32 or positions.shape != (batch,):
-        raise ValueError(f"query_rope.positions: expected int32 [{batch}], got {arrays.describe(positions)}")
-    arrays.check_contiguous("query_rope.positions", positions)
+    positions, offset = ew_ops.check_rope_positions("query_rope", rope.positions, rope.offset, batch, q)
     rope_dim = rope.rope_dim
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or not 0 < rope_dim <= dim \
             or rope_dim % 2:
         raise ValueError(f"query_rope.rope_dim: expected an even number in [2, {dim}], got {rope_dim!r}")
-    if isinstance(rope.offset, bool) or not isinstance(rope.offset, numbers.Integral) or abs(int(rope.offset)) > 2**30:
-        raise ValueError(f"query_rope.offset: expected a small integer, got {rope.offset!r}")
-    arrays.check_same_device(q=q, **{"query_rope.positions": positions})
-    return QueryRope(positions, int(rope_dim), rope.theta, int(rope.offset))
+    return QueryRope(positions, int(rope_dim), rope.theta, offset)
 
 
 def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices=None, out_scores=None,
