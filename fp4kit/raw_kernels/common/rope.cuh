@@ -1,5 +1,6 @@
 // The rotation of one RoPE channel pair, shared by the kernels that rotate rows (elementwise.cu's
-// RMSNorm + RoPE, the attention kernel's queries) so that every one gives the same bits.
+// RMSNorm + RoPE, the attention kernel's queries, the indexer's scoring of its queries) so that
+// every one gives the same bits.
 #pragma once
 
 // The cosine and sine of the angle p * inv_freq[i] of channel pair i of the last rope_dim channels
