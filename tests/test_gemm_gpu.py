@@ -123,7 +123,7 @@ def test_split_k_is_deterministic_and_exact(rng, shape_weight, n, k, engine, clu
     monkeypatch.setattr(gemm_ops, "USE_CLUSTERS", clusters)
     w = shape_weight(n, k)
     wd = tiled(w)
-    for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64, 128):
+    for m in (1, 8) if engine.startswith("gemv") else (1, 16, 64, 128, 256):  # 256: two token chunks
         splits = launch_shape(m, n, k, engine).splits
         x = rng.standard_normal((m, k)).astype(BF16)
         expect = ref.gemm(x, w, None, None, np.float64)

@@ -123,7 +123,7 @@ def test_tiled_layout_bad_inputs():
 def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
     """Every split of K gets at least one whole activation window and together they cover K; the
     split-K partials fit their per-stream scratch; more rows never split more than fits; the token
-    chunks of a wgmma launch cover M, each with its own scratch."""
+    chunks of a wgmma launch cover M, each with its own scratch, and split K only within one wave."""
     from fp4kit.formats import tiled_dims
     from fp4kit.ops import gemm as gemm_ops
 
@@ -138,9 +138,12 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
             assert shape.chunks_per_split % gemm_ops._window_chunks(shape.token_tiles, wgmma) == 0
             assert shape.splits >= 1 and chunks <= shape.splits * shape.chunks_per_split
             assert (shape.splits - 1) * shape.chunks_per_split < chunks
-            if shape.cluster:  # one cluster of the split blocks of a row group
-                assert shape.splits == shape.cluster and shape.token_chunks == 1
+            if shape.cluster:  # one cluster of the split blocks of a row group (and token chunk)
+                assert shape.splits == shape.cluster
+                assert shape.token_chunks == 1 or shape.cluster in gemm_ops.WGMMA_CHUNK_CLUSTER_SIZES
                 assert shape.kernel == f"{shape.family}_c{shape.cluster}"
+            if wgmma and shape.token_chunks > 1 and shape.splits > 1:  # split only within one wave
+                assert shape.row_groups * shape.splits * shape.token_chunks <= sms
             if shape.splits > 1 and not shape.cluster:
                 rows = shape.token_chunks * 8 * shape.token_tiles if wgmma else m
                 assert shape.splits * rows * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES

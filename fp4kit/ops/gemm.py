@@ -98,6 +98,19 @@ PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: (the mma.sync kernels at M <= 16 measured no faster with them)
 CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8), "wgmma_16x1": (2, 4, 8)}
 USE_CLUSTERS = True
+#: a wgmma launch of more rows than one block holds (token chunks of 128) splits K into the most
+#: splits that keep its grid within one wave of one block per SM; a second, partial wave costs more
+#: than the splits save (H100, 256 rows, forced splits: 7168x2048 45.6 us in 2 splits -> 33.3 in 1,
+#: 4096x4096 43.5 in 3 -> 36.3 in 2, 2048x7168 44.8 in 5 -> 35.0 in 4; 512 rows 4096x4096 66.1 in 2
+#: -> 51.2 in 1). False: the fewest splits reaching one block per SM (the rule before)
+WGMMA_CHUNKS_ONE_WAVE = True
+#: ... and those splits reduce in a cluster where their count is one of these cluster sizes, as one
+#: token chunk's do (H100, the grids above with weights rotated past L2, global scratch -> cluster:
+#: 2 splits 4096x2048 27.2 -> 17.5 us at 256 rows, 4096x4096 37.1 -> 23.5, 2048x4096 at 512 rows
+#: 36.4 -> 23.6, 2048x7168 50.3 -> 33.2; 8 splits 1024x4096 at 256 rows 26.0 -> 22.5; but 4 splits
+#: no faster: 2048x4096 at 256 rows 28.0 -> 27.7, 2048x7168 34.6 -> 37.3, 1024x4096 at 512 rows
+#: 27.4 -> 28.2, for a reason not yet found). Empty: the global scratch for every token-chunked launch
+WGMMA_CHUNK_CLUSTER_SIZES = (2, 8)
 _WARPS = 8
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
 #: the K split over the warps of one block, which add up in shared memory, instead of over blocks
@@ -589,6 +602,9 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     family = f"wgmma_{tiles}x{r}"
     if wgmma and WGMMA_SPLITS:
         target = WGMMA_SPLITS
+    elif wgmma and token_chunks > 1:
+        blocks = groups * token_chunks
+        target = max(1, per_sm * sms // blocks) if WGMMA_CHUNKS_ONE_WAVE else -(-per_sm * sms // blocks)
     elif wgmma and groups * token_chunks >= sms:
         wide = groups * token_chunks < WGMMA_WIDE_MAX_GROUPS_PER_SM * sms
         target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS) if wide else 1
@@ -604,9 +620,11 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     per_split = -(-windows // splits) * window
     splits = -(-chunks // per_split)
     shape = LaunchShape(wgmma, tiles, r, fetch8, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
-    if USE_CLUSTERS and token_chunks == 1 and splits in CLUSTER_SIZES.get(shape.family, ()):
-        # the splits of a row group are one cluster and reduce in distributed shared memory (at
-        # equal splits faster than the global scratch: 4096x4096, 64 rows, 8 splits 20.0 -> 18.0 us)
+    if (USE_CLUSTERS and (token_chunks == 1 or splits in WGMMA_CHUNK_CLUSTER_SIZES)
+            and splits in CLUSTER_SIZES.get(shape.family, ())):
+        # the splits of a row group (and token chunk) are one cluster and reduce in distributed
+        # shared memory (at equal splits faster than the global scratch: 4096x4096, 64 rows, 8
+        # splits 20.0 -> 18.0 us)
         return replace(shape, cluster=splits)
     scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
     if splits > scratch_splits:  # the global scratch holds fewer

@@ -157,7 +157,8 @@ __device__ __forceinline__ SplitK chunk_split(float* partials, unsigned* counter
 // weights at decode sizes, where the staging launch costs more than it saves).
 // Grid (ceil(N / (128 R)), splits, token chunks): block (i, s, z) takes tokens [8T z, 8T z + 8T) of
 // the M rows; each token chunk has its own split-K scratch (partials [chunks][splits][8T][N rounded
-// to 16], counters [chunks][row groups]); _c<C>: one token chunk, C splits reduced in a cluster.
+// to 16], counters [chunks][row groups]); _c<C>: the C splits of a row group and token chunk are one
+// cluster and reduce in distributed shared memory (no scratch).
 // Dynamic shared memory: gemm.py `shared_bytes`.
 template <int T>
 using WgmmaWindow = Window<T, true>;  // one macro argument (a template-id with a comma would be two)
@@ -183,8 +184,10 @@ __device__ __forceinline__ unsigned windows_of(unsigned K, unsigned window_k) { 
     FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R, WgmmaWindow<T>, R, 4, 0, MIN_BLOCKS, , FP4_WGMMA_CHUNK_M0(T),      \
                          FP4_WGMMA_CHUNK_SPLIT(T))
 #define FP4_DEFINE_GEMM_WGMMA_CLUSTER(T, R, C, MIN_BLOCKS)                                                        \
-    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, MIN_BLOCKS, FP4_CLUSTER(C), 0, FP4_SPLIT)        \
-    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, MIN_BLOCKS, FP4_CLUSTER(C), 0, FP4_SPLIT)
+    FP4_DEFINE_GEMM_WGMMA_KERNEL(wgmma_##T##x##R##_c##C, T, R, C, MIN_BLOCKS, FP4_CLUSTER(C), FP4_WGMMA_CHUNK_M0(T), \
+                                 FP4_SPLIT)                                                                        \
+    FP4_DEFINE_GEMM_BF16(wgmma_##T##x##R##_c##C, WgmmaWindow<T>, R, 4, C, MIN_BLOCKS, FP4_CLUSTER(C),             \
+                         FP4_WGMMA_CHUNK_M0(T), FP4_SPLIT)
 
 FP4_DEFINE_GEMM_WGMMA(2, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(4, 1, 2)
