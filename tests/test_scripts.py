@@ -341,6 +341,26 @@ def test_router_phases_marks_every_phase_of_the_kernel():
     _compiles_for_sm90a("moe", source)
 
 
+def test_topk_phases_marks_every_phase_of_the_cluster_select():
+    """scripts/topk_phases.py finds each of its marks once in indexer.cu, the recorder lands before
+    the cluster select's first stamp, each radix pass stamps its histogram and its decision into
+    slots of its own, and the marked source compiles for sm_90a."""
+    import topk_phases as script
+
+    from fp4kit.runtime import loader
+
+    source = script.instrumented_source(loader.kernel_source("indexer"))
+    fixed = (0, 1, 2, 11, 12, 13, 14)
+    assert all(f"PHASE({i});" in source for i in fixed)
+    assert "PHASE(3 + 2 * pass);" in source and "PHASE(4 + 2 * pass);" in source
+    assert len(script.PHASES) == 15 <= script.phase_probe.PHASE_SLOTS
+    assert source.index("#define PHASE(i)") < source.index("PHASE(0);") < source.index("PHASE(3 + 2 * pass);")
+    with pytest.raises(ValueError, match="indexer.cu: expected the text"):
+        script.instrumented_source(loader.kernel_source("indexer").replace(
+            "    cluster_arrive();  // no more reads of the peers' shared memory\n", "    cluster_arrive();\n"))
+    _compiles_for_sm90a("indexer", source)
+
+
 def test_moe_small_phases_marks_every_phase_of_both_launches():
     """scripts/moe_small_phases.py finds each of its marks once in moe.cu for either launch, the
     recorder lands before the first function that stamps, and the marked down launch compiles for
