@@ -346,4 +346,3 @@ def test_query_norm_in_the_attention_launch_gives_the_same_bits(monkeypatch, hc)
         runs[on] = (tokens, np.stack(logits))
     np.testing.assert_array_equal(runs[True][0], runs[False][0])
     assert np.array_equal(runs[True][1].view(np.uint32), runs[False][1].view(np.uint32))
-

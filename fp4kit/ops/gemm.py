@@ -102,7 +102,7 @@ USE_CLUSTERS = True
 #: splits that keep its grid within one wave of one block per SM; a second, partial wave costs more
 #: than the splits save (H100, 256 rows, forced splits: 7168x2048 45.6 us in 2 splits -> 33.3 in 1,
 #: 4096x4096 43.5 in 3 -> 36.3 in 2, 2048x7168 44.8 in 5 -> 35.0 in 4; 512 rows 4096x4096 66.1 in 2
-#: -> 51.2 in 1). False: the fewest splits reaching one block per SM (the rule before)
+#: -> 51.2 in 1). False: the rule below, as for one token chunk without clusters (the rule before)
 WGMMA_CHUNKS_ONE_WAVE = True
 #: ... and those splits reduce in a cluster where their count is one of these cluster sizes, as one
 #: token chunk's do (H100, the grids above with weights rotated past L2, global scratch -> cluster:
@@ -602,9 +602,8 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     family = f"wgmma_{tiles}x{r}"
     if wgmma and WGMMA_SPLITS:
         target = WGMMA_SPLITS
-    elif wgmma and token_chunks > 1:
-        blocks = groups * token_chunks
-        target = max(1, per_sm * sms // blocks) if WGMMA_CHUNKS_ONE_WAVE else -(-per_sm * sms // blocks)
+    elif wgmma and token_chunks > 1 and WGMMA_CHUNKS_ONE_WAVE:
+        target = max(1, per_sm * sms // (groups * token_chunks))
     elif wgmma and groups * token_chunks >= sms:
         wide = groups * token_chunks < WGMMA_WIDE_MAX_GROUPS_PER_SM * sms
         target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS) if wide else 1
