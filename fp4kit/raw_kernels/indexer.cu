@@ -53,7 +53,8 @@
 //   memory and finds the threshold bin; every block computes the same integer sums, so all take
 //   the same decisions without another barrier. Each pass has its own histogram (zeroed once),
 //   so a block never clears one a peer may still read. Same selection, order and values as the
-//   one-block kernels.
+//   one-block kernels. indexer_topk_cluster_small (C <= 32768): the same with blocks of 256
+//   threads (grid 8B, 256 threads), fewer warps at every barrier and block scan.
 #include <cuda_bf16.h>
 
 #include "common/block_scan.cuh"
@@ -75,7 +76,6 @@ constexpr int kRegisterItems = 32;  // scores per thread in registers: C <= 32 *
 constexpr unsigned kBins = 2048;
 
 constexpr int kClusterBlocks = 8;  // the portable maximum cluster size
-constexpr int kClusterThreads = kClusterBlocks * kTopkThreads;
 constexpr int kClusterItems = 16;  // scores per thread in registers: C <= 16 * 8192 (32 would spill at 64 registers)
 constexpr unsigned kRadixBins = 256;  // 8-bit digits: 8 histograms are 8 KB, one warp sums them
 constexpr int kRadixPasses = 4;
@@ -552,11 +552,13 @@ __device__ __forceinline__ unsigned long long load_cluster_u64(unsigned address)
     return v;
 }
 
-extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
-    indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
-                         int vec4, int* __restrict__ indices, float* __restrict__ values,
-                         unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
-    pdl::wait_prior();
+// One row's select on the cluster of 8 blocks of kThreads threads this block belongs to.
+template <int kThreads>
+__device__ __forceinline__ void topk_cluster_row(const float* __restrict__ scores, const int* __restrict__ lengths,
+                                                 unsigned C, unsigned k, int vec4, int* __restrict__ indices,
+                                                 float* __restrict__ values, unsigned* __restrict__ status,
+                                                 unsigned* __restrict__ key_range) {
+    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;
     __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];
     __shared__ unsigned long long scan64[32];
     __shared__ unsigned long long s_total, s_base;
@@ -566,9 +568,9 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     const unsigned rank = cluster_rank(), b = blockIdx.x / kClusterBlocks, tid = threadIdx.x;
     const unsigned lane = tid & 31, warp = tid >> 5;
     const unsigned n = live_length(lengths, b, C);
-    for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kTopkThreads) (&hist[0][0])[i] = 0u;
+    for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kThreads) (&hist[0][0])[i] = 0u;
     RegisterKeys<kClusterItems> keys;
-    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kTopkThreads + tid, kClusterThreads);
+    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kThreads + tid, kClusterThreads);
     if (rank == 0 && tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
@@ -640,7 +642,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
 
     const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
-    if (tid == kTopkThreads - 1) s_total = inclusive;
+    if (tid == kThreads - 1) s_total = inclusive;
     cluster_sync();  // every block's (greater, equal) totals are complete; every block has read the range
     if (rank == 0 && tid == 0) empty_range(key_range, b);
     if (warp == 0) {  // the counts of the lower ranks, which hold the earlier indices
@@ -652,7 +654,25 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     __syncthreads();
     cluster_arrive();  // no more reads of the peers' shared memory
 
-    write_selection(keys, resolved_mask, resolved_bits, need, s_base + inclusive - mine, n, k, rank * kTopkThreads + tid,
+    write_selection(keys, resolved_mask, resolved_bits, need, s_base + inclusive - mine, n, k, rank * kThreads + tid,
                     kClusterThreads, indices + (size_t)b * k, values + (size_t)b * k);
     cluster_wait();  // the peers are done with this block's shared memory
+}
+
+extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
+    indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
+                         int vec4, int* __restrict__ indices, float* __restrict__ values,
+                         unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
+    pdl::wait_prior();
+    topk_cluster_row<kTopkThreads>(scores, lengths, C, k, vec4, indices, values, status, key_range);
+}
+
+// The same select in blocks of kSmallTopkThreads (8 warps at each barrier and block scan instead of
+// 32) for rows of up to kClusterItems * 8 * 256 = 32768 entries: the same selection bit for bit.
+extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSmallTopkThreads, 1)
+    indexer_topk_cluster_small(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C,
+                               unsigned k, int vec4, int* __restrict__ indices, float* __restrict__ values,
+                               unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
+    pdl::wait_prior();
+    topk_cluster_row<kSmallTopkThreads>(scores, lengths, C, k, vec4, indices, values, status, key_range);
 }
