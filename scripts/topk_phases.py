@@ -32,8 +32,8 @@ _WRITE = "    cluster_wait();  // the peers are done with this block's shared me
 MARKS = (
     ("    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;\n",
      "    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;\n    PHASE(0);\n"),
-    ("    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n",
-     "    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n"
+    ("    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n",
+     "    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n"
      "    PHASE(1);\n"),
     ("    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);\n\n    // As in topk_row",
      "    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);\n    PHASE(2);\n\n"

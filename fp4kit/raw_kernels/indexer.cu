@@ -45,8 +45,9 @@
 //   barrier and block scan), the same selection bit for bit.
 // indexer_topk_cluster (C <= 131072): grid 8B, 1024 threads, one thread-block cluster of 8 blocks
 //   per row (blocks 8b .. 8b+7, cluster rank r). The same select spread over 8 SMs: thread
-//   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
-//   r-th eighth and the output positions are a block scan plus the counts of the lower ranks.
+//   1024r + i owns a contiguous range of the row's capacity (in registers, 16 at most; loaded
+//   before the live length is known, the entries past it dropped), so block r holds the r-th
+//   eighth and the output positions are a block scan plus the counts of the lower ranks.
 //   Digits of up to 8 bits (4 passes at most, fewer with a key range, stopping early as above):
 //   each block builds the histogram of its share (256 bins in shared memory, equal bins of a warp
 //   added as one atomic), a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
@@ -314,6 +315,40 @@ struct RegisterKeys {
         return nan;
     }
 
+    // The same keys, but the row split by its capacity C (C % 4 == 0 with vec4, C <= kItems *
+    // threads) instead of its live length n: the scores' addresses do not wait for the length, so
+    // their loads and the length's are in flight together (one L2 round trip instead of two in a
+    // chain). Entries at or past n are loaded and not kept.
+    __device__ __forceinline__ bool load_by_capacity(const float* row, unsigned n, unsigned C, bool vec4, unsigned t,
+                                                     unsigned threads) {
+        const unsigned per = ((C + threads - 1) / threads + 3u) & ~3u;
+        begin = t * per;
+        float v[kItems];
+#pragma unroll
+        for (int i = 0; i < kItems; i += 4) {
+            v[i] = v[i + 1] = v[i + 2] = v[i + 3] = 0.0f;
+            if ((unsigned)i < per && begin + i < C) {
+                if (vec4) {
+                    const float4 f = *reinterpret_cast<const float4*>(row + begin + i);
+                    v[i] = f.x, v[i + 1] = f.y, v[i + 2] = f.z, v[i + 3] = f.w;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (begin + i + j < C) v[i + j] = row[begin + i + j];
+                }
+            }
+        }
+        count = begin < n ? min(per, n - begin) : 0u;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+            const bool live = (unsigned)i < count;
+            nan |= live && isnan(v[i]);
+            key[i] = live ? score_key(v[i]) : 0u;
+        }
+        return nan;
+    }
+
     template <class F>
     __device__ __forceinline__ void for_each(F&& f) const {
 #pragma unroll
@@ -570,7 +605,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ score
     const unsigned n = live_length(lengths, b, C);
     for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kThreads) (&hist[0][0])[i] = 0u;
     RegisterKeys<kClusterItems> keys;
-    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kThreads + tid, kClusterThreads);
+    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);
     if (rank == 0 && tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
