@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Where the cluster select of `score_topk` spends its time (`indexer_topk_cluster`: one cluster of
-8 blocks of 1024 threads per row for caches of more than 8192 entries): an
+"""Where the cluster select of `score_topk` spends its time (`indexer_topk_cluster[_small]`: one
+cluster of 8 blocks of 1024 [256] threads per row for caches of more than 8192 entries): an
 instrumented copy of ``raw_kernels/indexer.cu`` (`phase_probe`) in which thread 0 of each block
 stamps the entry (after the wait for the scoring launch), the scores loaded into registers, the
 status barrier, each radix pass's histogram (before its cluster barrier) and decision, the output
@@ -8,7 +8,7 @@ positions' block scan, the exchange of the blocks' counts, the writes and the ex
 graph-replayed on the scores of one row (the select alone, on non-negative scores as the
 indexer's weighted ReLU sums are). Needs a GPU.
 
-    PYTHONPATH=. python3 scripts/topk_phases.py [--live=32768] [--k=512,2048] [--rounds=2]
+    PYTHONPATH=. python3 scripts/topk_phases.py [--live=32768] [--k=512,2048] [--threads=256,1024] [--rounds=2]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ PHASES = ("entry", "loaded", "flagged", *(f"pass {p} {s}" for p in range(PASSES)
 _WRITE = "    cluster_wait();  // the peers are done with this block's shared memory\n}"
 # (text in the kernel, the text with marks around it); each text occurs exactly once
 MARKS = (
-    ("    pdl::wait_prior();\n    __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];\n",
-     "    pdl::wait_prior();\n    PHASE(0);\n    __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];\n"),
-    ("    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kTopkThreads + tid, kClusterThreads);\n",
-     "    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kTopkThreads + tid, kClusterThreads);\n"
+    ("    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;\n",
+     "    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;\n    PHASE(0);\n"),
+    ("    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n",
+     "    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);\n"
      "    PHASE(1);\n"),
     ("    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);\n\n    // As in topk_row",
      "    if (__syncthreads_or(flag) && tid == 0) atomicOr(status, FP4_STATUS_INDEXER_INPUT);\n    PHASE(2);\n\n"
@@ -49,7 +49,7 @@ MARKS = (
      "    __syncthreads();\n    PHASE(12);\n    cluster_arrive();  // no more reads of the peers' shared memory\n"),
     (_WRITE, "    PHASE(13);\n" + _WRITE.replace("\n}", "\n    PHASE(14);\n}")),
 )
-ANCHOR = "extern \"C\" __global__ void __cluster_dims__(kClusterBlocks, 1, 1)"
+ANCHOR = "// One row's select on the cluster of 8 blocks of kThreads threads this block belongs to.\n"
 
 
 def instrumented_source(source: str) -> str:
@@ -68,22 +68,25 @@ def main(argv: list[str]) -> int:
     live = int(opts.get("live", 32768))
     ks = [int(v) for v in opts.get("k", "512,2048").split(",")]
     rounds = int(opts.get("rounds", 2))
+    builds = {256: "indexer_topk_cluster_small", 1024: "indexer_topk_cluster"}
+    threads_list = [int(v) for v in opts.get("threads", "256,1024").split(",")]
     rng = np.random.default_rng(0)
     # scores as the indexer makes them: sums of weighted ReLUs, non-negative
     scores = cp.asarray(np.maximum(rng.standard_normal((1, live)) * 40 + 60, 0).astype(np.float32))
     lengths = cp.full(1, live, cp.int32)
     source = instrumented_source(loader.kernel_source("indexer"))
-    for k in ks:
+    for k, threads in ((k, t) for k in ks for t in threads_list):
         indices, values = cp.empty((1, k), cp.int32), cp.empty((1, k), cp.float32)
         args = (scores, lengths, np.uint32(live), np.uint32(k), np.int32(live % 4 == 0), indices, values,
                 status.device_word(), np.uint64(0))
 
         def call(i):
-            loader.get_kernel("indexer", "indexer_topk_cluster", block=1024)(8, 1024, args)
+            loader.get_kernel("indexer", builds[threads], block=threads)(8, threads, args)
 
         for _ in range(rounds):
             library_us, probed_us, clock, time_ns, sm, blocks = phase_probe.measure("indexer", source, call, graph_us)
-            print(f"live {live}, k = {k}: {library_us:.2f} us a launch ({probed_us:.2f} instrumented), {blocks} blocks")
+            print(f"live {live}, k = {k}, {threads} threads a block: {library_us:.2f} us a launch "
+                  f"({probed_us:.2f} instrumented), {blocks} blocks")
             print("\n".join(phase_probe.summary(clock, time_ns, blocks, PHASES)), flush=True)
     return 0
 

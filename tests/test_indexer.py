@@ -204,12 +204,14 @@ def test_status_word_records_nan_scores_and_bad_lengths(rng):
 
 
 def test_the_top_k_kernel_rule(monkeypatch):
-    """The cluster select for long caches while the clusters fit in one wave (sm_90+), one block
-    per row otherwise; the knob forces a path, and refuses the cluster where it cannot run."""
+    """The cluster select for long caches while the clusters fit in one wave (sm_90+), in blocks of
+    256 threads up to 32768 entries, one block per row otherwise; the knobs force a path, and refuse
+    the cluster where it cannot run."""
     pick = ops.select_kernel
-    assert pick(1, 32768, 132) == pick(16, 8193, 132) == "indexer_topk_cluster"
+    # clusters of 256-thread blocks up to 32768 entries, of 1024-thread blocks beyond
+    assert pick(1, 32768, 132) == pick(16, 8193, 132) == "indexer_topk_cluster_small"
+    assert pick(1, 32769, 132) == pick(1, 131072, 132) == "indexer_topk_cluster"
     assert pick(16, 8192, 132) == "indexer_topk_registers_small"  # 256 threads: faster than the cluster
-    assert pick(1, 131072, 132) == "indexer_topk_cluster"
     assert pick(1, ops.CLUSTER_MIN_CAPACITY - 1, 132) == "indexer_topk_registers_small"  # 256 threads
     assert pick(17, 8192, 132) == "indexer_topk_registers_small"  # 136 clusters: more than one wave
     assert pick(17, 8193, 132) == pick(17, 32768, 132) == "indexer_topk_registers"
@@ -223,7 +225,9 @@ def test_the_top_k_kernel_rule(monkeypatch):
     assert pick(1, 2048, 132) == "indexer_topk_registers"
     monkeypatch.setattr(ops, "TOPK_SELECT", "cluster")
     monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", 0)
-    assert pick(64, 100, 132) == "indexer_topk_cluster"
+    assert pick(64, 100, 132) == "indexer_topk_cluster_small"
+    monkeypatch.setattr(ops, "CLUSTER_SMALL_MAX_CAPACITY", 0)
+    assert pick(64, 100, 132) == pick(1, 32768, 132) == "indexer_topk_cluster"
     with pytest.raises(ValueError, match="capacity up to 131072"):
         pick(1, 131073, 132)
     with pytest.raises(ValueError, match="compute capability 80"):

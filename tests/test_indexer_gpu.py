@@ -35,13 +35,16 @@ POISON_INDEX = -7
 FLAG = status.INDEXER_INPUT
 
 
-@pytest.fixture(params=["block", "small-block", "cluster"])
+@pytest.fixture(params=["block", "small-block", "cluster", "small-cluster"])
 def select_path(request, monkeypatch):
     """Runs the test with the top-k forced onto one path (the rule in `ops.select_kernel` picks the
     cluster for the long caches of most tests here, one block for short ones; "small-block": one
-    block of 256 threads wherever the capacity is at most 8192)."""
-    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster" if request.param == "cluster" else "block")
+    block of 256 threads wherever the capacity is at most 8192; "small-cluster": the cluster of
+    256-thread blocks wherever the capacity is at most 32768, "cluster" the 1024-thread one)."""
+    cluster = request.param.endswith("cluster")
+    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster" if cluster else "block")
     monkeypatch.setattr(ops, "TOPK_SMALL_MAX_CAPACITY", 8192 if request.param == "small-block" else 0)
+    monkeypatch.setattr(ops, "CLUSTER_SMALL_MAX_CAPACITY", 32768 if request.param == "small-cluster" else 0)
     return request.param
 
 
@@ -324,8 +327,9 @@ def test_graph_replay_follows_lengths_and_keys_on_the_device(select_path, rng, c
 
 def test_the_rule_picks_the_cluster_for_long_rows_at_small_batch():
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    assert ops.select_kernel(1, C, sms) == "indexer_topk_cluster"
-    assert ops.select_kernel(8, C, sms) == "indexer_topk_cluster"
+    assert ops.select_kernel(1, C, sms) == "indexer_topk_cluster_small"
+    assert ops.select_kernel(8, C, sms) == "indexer_topk_cluster_small"
+    assert ops.select_kernel(1, 2 * C, sms) == "indexer_topk_cluster"
     assert ops.select_kernel(1, 1024, sms) == "indexer_topk_registers_small"
 
 
@@ -456,6 +460,24 @@ def test_long_rows_nan_scores_rank_last_and_set_the_status_word(select_path, rng
         assert fp4kit.read_status() & FLAG
         assert_exact(q2, w2, keys2, lengths, k, got)
     fp4kit.clear_status()
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_the_small_cluster_agrees_bit_for_bit_with_the_cluster(rng, monkeypatch, k):
+    """The cluster of 256-thread blocks and that of 1024-thread blocks run the same passes on the
+    same scores: identical indices and values, equal to the reference top-k of those scores, on
+    random data with lengths across the blocks' boundaries."""
+    q, w, keys = float_inputs(rng, 8, C)
+    lengths = np.array([C, C - 1, 4097, 2049, 2048, 30001, 1, 0], np.int32)
+    monkeypatch.setattr(ops, "TOPK_SELECT", "cluster")
+    got = {}
+    for small in (0, C):
+        monkeypatch.setattr(ops, "CLUSTER_SMALL_MAX_CAPACITY", small)
+        got[small] = run(q, w, keys, lengths, k)
+    for x, y in zip(got[0], got[C]):
+        assert x.tobytes() == y.tobytes()
+    own_i, own_v = ref.topk(got[C][2], lengths, k)
+    assert np.array_equal(got[C][0], own_i) and got[C][1].tobytes() == own_v.tobytes()
 
 
 def test_cluster_deterministic_across_runs(rng, monkeypatch):

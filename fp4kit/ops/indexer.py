@@ -38,6 +38,7 @@ _REGISTER_CAPACITY = 32 * _TOPK_THREADS  # indexer_topk_registers holds up to 32
 _SMALL_TOPK_THREADS = 256  # indexer_topk_registers_small: 8 warps, up to 32 scores per thread
 _CLUSTER_BLOCKS = 8  # indexer_topk_cluster: blocks per sequence (one thread-block cluster)
 _CLUSTER_CAPACITY = 16 * _TOPK_THREADS * _CLUSTER_BLOCKS  # ... holding up to 16 scores per thread
+_SMALL_CLUSTER_CAPACITY = 16 * _SMALL_TOPK_THREADS * _CLUSTER_BLOCKS  # indexer_topk_cluster_small: 256 threads a block
 
 #: capacities from this one select in a cluster of 8 blocks per sequence: the one-block select
 #: reads the row with one SM and builds its histograms with 1024 threads, which at 32768 entries is
@@ -57,6 +58,10 @@ CLUSTER_MIN_CAPACITY = 8192
 #: and 18.18 (1024 threads); k = 512 14.98 against 17.29 (B = 8: 22.91 against 25.37); 4096 live,
 #: k = 512: 13.00 against 17.77
 TOPK_SMALL_MAX_CAPACITY = 32 * _SMALL_TOPK_THREADS
+#: cluster selects of capacities up to this one run in blocks of 256 threads (`indexer_topk_cluster_small`)
+#: instead of 1024: the same passes, the same selection bit for bit, with 8 warps at every barrier
+#: and block scan instead of 32 (0: never; at most 16 * 256 * 8)
+CLUSTER_SMALL_MAX_CAPACITY = _SMALL_CLUSTER_CAPACITY
 #: and only while the clusters of all rows fit in one wave (8 * B blocks <= SMs): when the rows alone
 #: fill the GPU, spreading each over 8 SMs only adds barriers and blocks
 CLUSTER_MAX_WAVES = 1
@@ -168,13 +173,19 @@ def select_kernel(bsz: int, capacity: int, sms: int, compute_capability: int = 9
         if not fits:
             raise ValueError(f"TOPK_SELECT='cluster': the cluster select needs sm_90+ and a capacity up to "
                              f"{_CLUSTER_CAPACITY}, got capacity {capacity} on compute capability {compute_capability}")
-        return "indexer_topk_cluster"
+        return _cluster_kernel(capacity)
     if capacity <= min(TOPK_SMALL_MAX_CAPACITY, 32 * _SMALL_TOPK_THREADS):  # before the cluster: faster
         return "indexer_topk_registers_small"
     if (TOPK_SELECT == "auto" and fits and capacity >= CLUSTER_MIN_CAPACITY
             and bsz * _CLUSTER_BLOCKS <= CLUSTER_MAX_WAVES * sms):
-        return "indexer_topk_cluster"
+        return _cluster_kernel(capacity)
     return "indexer_topk_registers" if capacity <= _REGISTER_CAPACITY else "indexer_topk_global"
+
+
+def _cluster_kernel(capacity: int) -> str:
+    """The cluster select's build for ``capacity``: 256-thread blocks up to `CLUSTER_SMALL_MAX_CAPACITY`."""
+    small = capacity <= min(CLUSTER_SMALL_MAX_CAPACITY, _SMALL_CLUSTER_CAPACITY)
+    return "indexer_topk_cluster_small" if small else "indexer_topk_cluster"
 
 
 class QueryRope(NamedTuple):
@@ -298,9 +309,9 @@ def score_topk(q, w, keys, lengths, k: int, *, w_scale: float = 1.0, out_indices
                                                *rope_args))
     device = arrays.device_id(q)
     name = select_kernel(bsz, capacity, loader.sm_count(device), int(loader.compute_capability(device)))
-    threads = _SMALL_TOPK_THREADS if name == "indexer_topk_registers_small" else _TOPK_THREADS
+    threads = _SMALL_TOPK_THREADS if name.endswith("_small") else _TOPK_THREADS
     topk_kernel = loader.get_kernel(_MODULE, name, block=threads)
-    blocks = bsz * _CLUSTER_BLOCKS if name == "indexer_topk_cluster" else bsz  # clusters: blocks 8b .. 8b+7
+    blocks = bsz * _CLUSTER_BLOCKS if "_cluster" in name else bsz  # clusters: blocks 8b .. 8b+7
     topk_kernel(blocks, threads, (workspace, lengths, _U32(capacity), _U32(k), _I32(capacity % 4 == 0),
                                         out_indices, out_scores, status.device_word(), ranges))
     return out_indices, out_scores

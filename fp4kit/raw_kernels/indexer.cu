@@ -45,15 +45,17 @@
 //   barrier and block scan), the same selection bit for bit.
 // indexer_topk_cluster (C <= 131072): grid 8B, 1024 threads, one thread-block cluster of 8 blocks
 //   per row (blocks 8b .. 8b+7, cluster rank r). The same select spread over 8 SMs: thread
-//   1024r + i owns a contiguous range of the row (in registers, 16 at most), so block r holds the
-//   r-th eighth and the output positions are a block scan plus the counts of the lower ranks.
+//   1024r + i owns a contiguous range of the row's capacity (in registers, 16 at most; loaded
+//   before the live length is known, the entries past it dropped), so block r holds the r-th
+//   eighth and the output positions are a block scan plus the counts of the lower ranks.
 //   Digits of up to 8 bits (4 passes at most, fewer with a key range, stopping early as above):
 //   each block builds the histogram of its share (256 bins in shared memory, equal bins of a warp
 //   added as one atomic), a cluster barrier, then warp 0 of every block sums the 8 histograms through distributed shared
 //   memory and finds the threshold bin; every block computes the same integer sums, so all take
 //   the same decisions without another barrier. Each pass has its own histogram (zeroed once),
 //   so a block never clears one a peer may still read. Same selection, order and values as the
-//   one-block kernels.
+//   one-block kernels. indexer_topk_cluster_small (C <= 32768): the same with blocks of 256
+//   threads (grid 8B, 256 threads), fewer warps at every barrier and block scan.
 #include <cuda_bf16.h>
 
 #include "common/block_scan.cuh"
@@ -75,7 +77,6 @@ constexpr int kRegisterItems = 32;  // scores per thread in registers: C <= 32 *
 constexpr unsigned kBins = 2048;
 
 constexpr int kClusterBlocks = 8;  // the portable maximum cluster size
-constexpr int kClusterThreads = kClusterBlocks * kTopkThreads;
 constexpr int kClusterItems = 16;  // scores per thread in registers: C <= 16 * 8192 (32 would spill at 64 registers)
 constexpr unsigned kRadixBins = 256;  // 8-bit digits: 8 histograms are 8 KB, one warp sums them
 constexpr int kRadixPasses = 4;
@@ -310,6 +311,40 @@ struct RegisterKeys {
                 nan |= live && isnan(v[j]);
                 key[i + j] = live ? score_key(v[j]) : 0u;
             }
+        }
+        return nan;
+    }
+
+    // The same keys, but the row split by its capacity C (C % 4 == 0 with vec4, C <= kItems *
+    // threads) instead of its live length n: the scores' addresses do not wait for the length, so
+    // their loads and the length's are in flight together (one L2 round trip instead of two in a
+    // chain). Entries at or past n are loaded and not kept.
+    __device__ __forceinline__ bool load_by_capacity(const float* row, unsigned n, unsigned C, bool vec4, unsigned t,
+                                                     unsigned threads) {
+        const unsigned per = ((C + threads - 1) / threads + 3u) & ~3u;
+        begin = t * per;
+        float v[kItems];
+#pragma unroll
+        for (int i = 0; i < kItems; i += 4) {
+            v[i] = v[i + 1] = v[i + 2] = v[i + 3] = 0.0f;
+            if ((unsigned)i < per && begin + i < C) {
+                if (vec4) {
+                    const float4 f = *reinterpret_cast<const float4*>(row + begin + i);
+                    v[i] = f.x, v[i + 1] = f.y, v[i + 2] = f.z, v[i + 3] = f.w;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (begin + i + j < C) v[i + j] = row[begin + i + j];
+                }
+            }
+        }
+        count = begin < n ? min(per, n - begin) : 0u;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+            const bool live = (unsigned)i < count;
+            nan |= live && isnan(v[i]);
+            key[i] = live ? score_key(v[i]) : 0u;
         }
         return nan;
     }
@@ -552,11 +587,13 @@ __device__ __forceinline__ unsigned long long load_cluster_u64(unsigned address)
     return v;
 }
 
-extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
-    indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
-                         int vec4, int* __restrict__ indices, float* __restrict__ values,
-                         unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
-    pdl::wait_prior();
+// One row's select on the cluster of 8 blocks of kThreads threads this block belongs to.
+template <int kThreads>
+__device__ __forceinline__ void topk_cluster_row(const float* __restrict__ scores, const int* __restrict__ lengths,
+                                                 unsigned C, unsigned k, int vec4, int* __restrict__ indices,
+                                                 float* __restrict__ values, unsigned* __restrict__ status,
+                                                 unsigned* __restrict__ key_range) {
+    constexpr unsigned kClusterThreads = kClusterBlocks * kThreads;
     __shared__ __align__(16) unsigned hist[kRadixPasses][kRadixBins];
     __shared__ unsigned long long scan64[32];
     __shared__ unsigned long long s_total, s_base;
@@ -566,9 +603,9 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     const unsigned rank = cluster_rank(), b = blockIdx.x / kClusterBlocks, tid = threadIdx.x;
     const unsigned lane = tid & 31, warp = tid >> 5;
     const unsigned n = live_length(lengths, b, C);
-    for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kTopkThreads) (&hist[0][0])[i] = 0u;
+    for (unsigned i = tid; i < kRadixPasses * kRadixBins; i += kThreads) (&hist[0][0])[i] = 0u;
     RegisterKeys<kClusterItems> keys;
-    bool flag = keys.load(scores + (size_t)b * C, n, vec4 != 0, rank * kTopkThreads + tid, kClusterThreads);
+    bool flag = keys.load_by_capacity(scores + (size_t)b * C, n, C, vec4 != 0, rank * kThreads + tid, kClusterThreads);
     if (rank == 0 && tid == 0) {
         const int len = lengths[b];
         flag |= len < 0 || (unsigned)len > C;
@@ -640,7 +677,7 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
 
     const unsigned long long mine = threshold_counts(keys, resolved_mask, resolved_bits);
     const unsigned long long inclusive = block_inclusive_scan(mine, scan64);
-    if (tid == kTopkThreads - 1) s_total = inclusive;
+    if (tid == kThreads - 1) s_total = inclusive;
     cluster_sync();  // every block's (greater, equal) totals are complete; every block has read the range
     if (rank == 0 && tid == 0) empty_range(key_range, b);
     if (warp == 0) {  // the counts of the lower ranks, which hold the earlier indices
@@ -652,7 +689,25 @@ extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bound
     __syncthreads();
     cluster_arrive();  // no more reads of the peers' shared memory
 
-    write_selection(keys, resolved_mask, resolved_bits, need, s_base + inclusive - mine, n, k, rank * kTopkThreads + tid,
+    write_selection(keys, resolved_mask, resolved_bits, need, s_base + inclusive - mine, n, k, rank * kThreads + tid,
                     kClusterThreads, indices + (size_t)b * k, values + (size_t)b * k);
     cluster_wait();  // the peers are done with this block's shared memory
+}
+
+extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kTopkThreads, 1)
+    indexer_topk_cluster(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C, unsigned k,
+                         int vec4, int* __restrict__ indices, float* __restrict__ values,
+                         unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
+    pdl::wait_prior();
+    topk_cluster_row<kTopkThreads>(scores, lengths, C, k, vec4, indices, values, status, key_range);
+}
+
+// The same select in blocks of kSmallTopkThreads (8 warps at each barrier and block scan instead of
+// 32) for rows of up to kClusterItems * 8 * 256 = 32768 entries: the same selection bit for bit.
+extern "C" __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSmallTopkThreads, 1)
+    indexer_topk_cluster_small(const float* __restrict__ scores, const int* __restrict__ lengths, unsigned C,
+                               unsigned k, int vec4, int* __restrict__ indices, float* __restrict__ values,
+                               unsigned* __restrict__ status, unsigned* __restrict__ key_range) {
+    pdl::wait_prior();
+    topk_cluster_row<kSmallTopkThreads>(scores, lengths, C, k, vec4, indices, values, status, key_range);
 }
