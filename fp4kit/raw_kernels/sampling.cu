@@ -221,7 +221,10 @@ struct Smem {
     unsigned ngather;  // the gathered cut's survivors (smp_gather_cut)
     alignas(16) unsigned post[kPostSlots];  // the posted thread maxima (read as uint4: smp_post_bound)
     unsigned bound;                          // and their bound
-    unsigned long long bin_best[kBins];  // each level-0 bin's best race key (smp_race_front)
+    // each level-0 bin's best race key (smp_race_front) as two words, each updated by a native
+    // 32-bit shared atomic (a 64-bit atomicMax is a compare-and-swap loop): the high word (the
+    // race value) first, then the low one (~id) among the tokens whose high word is the bin's best
+    unsigned bin_hi[kBins], bin_lo[kBins];
     unsigned verdict, cut_n;
     unsigned long long cut_rem;
 };
@@ -1175,31 +1178,41 @@ __device__ void smp_race_front(Smem& sm, const Tile<P>& t, const Ctx& cx, float 
     const Bucket all{-1, 0ull, 0ull, 0ull, ~0ull};
     smp_local_hist<true>(sm, t, all, 0, true);
     smp_merge(sm, cx, kBins, kMergeAll);
-    for (int i = threadIdx.x; i < kBins; i += kThreads) sm.bin_best[i] = 0ull;
+    for (int i = threadIdx.x; i < kBins; i += kThreads) sm.bin_hi[i] = 0u, sm.bin_lo[i] = 0u;
     __syncthreads();
+    unsigned hi[P];  // each token's race key's high word (never 0: smp_key of r > 0), 0 if it does not race
 #pragma unroll
     for (int g = 0; g < P; g += 4) {  // one Philox call per 4 tokens that race
-        if (g >= t.n) break;
+        hi[g] = hi[g + 1] = hi[g + 2] = hi[g + 3] = 0u;
         bool any = false;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) any |= t.v[g + e] >= kNeverWins;  // -inf past t.n
-        if (!any) continue;
-        ctr.x = (t.first + g) >> 2;
-        const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
-        const unsigned words[4] = {x.x, x.y, x.z, x.w};
+        for (int e = 0; e < 4; ++e) any |= g < t.n && t.v[g + e] >= kNeverWins;  // -inf past t.n
+        if (any) {
+            ctr.x = (t.first + g) >> 2;
+            const uint4 x = fp4_philox4x32_10(ctr, k0, k1);
+            const unsigned words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float d = t.v[g + e];
-            if (d < kNeverWins || (min_p > 0.0f && !(expf(d) >= min_p))) continue;
-            atomicMax(&sm.bin_best[smp_bin(d)], smp_word_key(d, t.first + g + e, words[e]));
+            for (int e = 0; e < 4; ++e) {
+                const float d = t.v[g + e];
+                if (d < kNeverWins || (min_p > 0.0f && !(expf(d) >= min_p))) continue;
+                hi[g + e] = (unsigned)(smp_word_key(d, t.first + g + e, words[e]) >> 32);
+                atomicMax(&sm.bin_hi[smp_bin(d)], hi[g + e]);
+            }
         }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < P; ++g) {  // of the tokens with their bin's best high word, the lowest id
+        const int bin = smp_bin(t.v[g]);
+        if (hi[g] && hi[g] == sm.bin_hi[bin]) atomicMax(&sm.bin_lo[bin], ~(t.first + g));
     }
     __syncthreads();
     constexpr int kEach = kBins / kThreads;  // bins kEach * tid onwards: thread order is bin order
     unsigned long long v[kEach], run = 0ull;
 #pragma unroll
     for (int e = 0; e < kEach; ++e) {
-        v[e] = sm.bin_best[threadIdx.x * kEach + e];
+        const unsigned bin = threadIdx.x * kEach + e;
+        v[e] = (unsigned long long)sm.bin_hi[bin] << 32 | sm.bin_lo[bin];
         run = v[e] > run ? v[e] : run;
     }
     unsigned long long before = smp_block_prefix_max(run, sm);
