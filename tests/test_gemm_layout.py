@@ -421,3 +421,41 @@ def test_activation_paths_by_rows_and_weight_size():
     assert not gemm_ops.predequantizes(16, *small, wgmma=False) and not gemm_ops.predequantizes(16, *big, wgmma=True)
     assert gemm_ops.uses_image(17, *small, nvfp4=True) and not gemm_ops.uses_image(64, *small, nvfp4=False)
     assert gemm_ops.uses_image(65, *small, nvfp4=False) and gemm_ops.uses_image(17, *big, nvfp4=False)
+
+
+def test_wgmma_cluster_only_where_its_clusters_fit():
+    """The split rule below a row group per SM picks among the cluster sizes whose clusters all fit
+    at once, and any launch keeps a cluster only where its clusters take no more waves than its
+    blocks would without one (`CLUSTERS_MUST_FIT`, the device's capacities passed in): here 30
+    clusters of 4 and 16 of 8 fit 132 SMs of one block each, so 32 of either take a second wave."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    capacity = {1: 132, 2: 66, 4: 30, 8: 16}
+    queried = []
+
+    def cluster_capacity(kernel, cluster, shared):
+        queried.append((kernel, cluster))
+        return capacity[cluster]
+
+    def shape(m, n, k, cap=cluster_capacity):
+        return gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, cluster_capacity=cap)
+
+    # 128 rows, 4096x4096: 32 row groups; half a block per SM would be 4 splits, but 32 clusters of
+    # 4 (or 8) do not fit: 2 splits in clusters of 2 (64 blocks)
+    assert (shape(128, 4096, 4096, None).splits, shape(128, 4096, 4096, None).cluster) == (4, 4)
+    assert (shape(128, 4096, 4096).splits, shape(128, 4096, 4096).cluster) == (2, 2)
+    assert ("wgmma_16x1_c4", 4) in queried and ("wgmma_16x1", 1) in queried
+    # 16 row groups (2048x4096): 16 clusters of 8 fit
+    assert shape(128, 2048, 4096).cluster == shape(128, 2048, 4096, None).cluster == 8
+    # nothing fits: the global scratch at the split the rule picks without clusters
+    none_fit = shape(128, 4096, 4096, lambda kernel, cluster, shared: 132 if cluster == 1 else 1)
+    assert none_fit.cluster == 0 and none_fit.splits > 1
+    # a grid of several waves either way keeps its clusters (18432x7168 at 64 rows: 144 clusters of 4)
+    many = gemm_ops.launch_config(64, 18432, 7168, sms=132, wgmma=True,
+                                  cluster_capacity=lambda kernel, cluster, shared: 264 // cluster)
+    assert (many.splits, many.cluster) == (4, 4)
+    gemm_ops.CLUSTERS_MUST_FIT, saved = False, gemm_ops.CLUSTERS_MUST_FIT
+    try:
+        assert shape(128, 4096, 4096).cluster == 4
+    finally:
+        gemm_ops.CLUSTERS_MUST_FIT = saved

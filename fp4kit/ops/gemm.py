@@ -111,6 +111,12 @@ WGMMA_CHUNKS_ONE_WAVE = True
 #: no faster: 2048x4096 at 256 rows 28.0 -> 27.7, 2048x7168 34.6 -> 37.3, 1024x4096 at 512 rows
 #: 27.4 -> 28.2, for a reason not yet found). Empty: the global scratch for every token-chunked launch
 WGMMA_CHUNK_CLUSTER_SIZES = (2, 8)
+#: a launch takes a cluster only where its clusters run in no more waves than its blocks would
+#: without one (the driver's cuOccupancyMaxActiveClusters for the kernel and its shared memory): a
+#: cluster's blocks share one GPC, so clusters of 4 one-SM blocks can hold fewer SMs than the grid
+#: has blocks, and the rest wait for a second wave. The query needs the device: `launch_config`
+#: checks it only for the current device (``sms`` left out) or with ``cluster_capacity`` given
+CLUSTERS_MUST_FIT = True
 _WARPS = 8
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
 #: the K split over the warps of one block, which add up in shared memory, instead of over blocks
@@ -575,9 +581,24 @@ def cluster_splits(groups: int, windows: int, sizes: tuple, sms: int) -> int:
     return exact[-1] if exact else 1
 
 
-def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False) -> LaunchShape:
+def device_cluster_capacity(kernel: str, cluster: int, shared: int) -> int:
+    """Clusters of ``cluster`` blocks of the wgmma kernel ``gemm_<kernel>`` (e.g. ``wgmma_16x1_c4``;
+    cluster 1: the blocks of a kernel without one) with ``shared`` bytes of dynamic shared memory
+    that the current device holds at once."""
+    kern = loader.get_kernel(_MODULE, f"gemm_{kernel}")
+    if cluster == 1:
+        return kern.resident_blocks(_WARPS * 32, shared)
+    return kern.resident_clusters(cluster, _WARPS * 32, shared)
+
+
+def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False,
+                  cluster_capacity=None) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
+
+    ``cluster_capacity(kernel, cluster, shared)``: the clusters of a cluster kernel (cluster 1: the
+    blocks of the kernel without) resident at once, for `CLUSTERS_MUST_FIT`. Default: the current
+    device's (`device_cluster_capacity`) when ``sms`` is left out, else no check.
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
     per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
@@ -586,6 +607,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     """
     if sms is None:
         sms = loader.current_sm_count()
+        cluster_capacity = cluster_capacity or device_cluster_capacity
     if wgmma:
         tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
         r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
@@ -600,6 +622,17 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     # split-K scratch rows: each token chunk of a wgmma launch has 8T rows of partials per split
     scratch_rows = token_chunks * 8 * tiles if wgmma else m
     family = f"wgmma_{tiles}x{r}"
+    clusters = groups * token_chunks  # one per row group and token chunk
+
+    def fit(sizes, one_wave: bool = False) -> tuple:
+        """The cluster ``sizes`` whose clusters take no more waves than the same split's blocks
+        without a cluster (``one_wave``: whose clusters all fit at once)."""
+        if not (CLUSTERS_MUST_FIT and cluster_capacity):
+            return tuple(sizes)
+        shared = shared_bytes(tiles, wgmma)
+        blocks = 0 if one_wave else cluster_capacity(family, 1, shared)
+        waves = [(c, -(-clusters // max(1, cluster_capacity(f"{family}_c{c}", c, shared)))) for c in sizes]
+        return tuple(c for c, w in waves if w <= (1 if one_wave else -(-clusters * c // blocks)))
     if wgmma and WGMMA_SPLITS:
         target = WGMMA_SPLITS
     elif wgmma and token_chunks > 1 and WGMMA_CHUNKS_ONE_WAVE:
@@ -607,8 +640,8 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     elif wgmma and groups * token_chunks >= sms:
         wide = groups * token_chunks < WGMMA_WIDE_MAX_GROUPS_PER_SM * sms
         target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS) if wide else 1
-    elif wgmma and USE_CLUSTERS and token_chunks == 1 and family in CLUSTER_SIZES:
-        target = cluster_splits(groups, windows, CLUSTER_SIZES[family], sms)
+    elif wgmma and USE_CLUSTERS and token_chunks == 1 and fit(CLUSTER_SIZES.get(family, ()), one_wave=True):
+        target = cluster_splits(groups, windows, fit(CLUSTER_SIZES[family], one_wave=True), sms)
     elif per_sm == 0 and groups * token_chunks >= UNSPLIT_MIN_GROUPS_PER_SM * sms:
         target = 1
     elif per_sm == 0:
@@ -620,7 +653,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     splits = -(-chunks // per_split)
     shape = LaunchShape(wgmma, tiles, r, fetch8, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
     if (USE_CLUSTERS and (token_chunks == 1 or splits in WGMMA_CHUNK_CLUSTER_SIZES)
-            and splits in CLUSTER_SIZES.get(shape.family, ())):
+            and splits in fit(CLUSTER_SIZES.get(shape.family, ()))):
         # the splits of a row group (and token chunk) are one cluster and reduce in distributed
         # shared memory (at equal splits faster than the global scratch: 4096x4096, 64 rows, 8
         # splits 20.0 -> 18.0 us)
