@@ -109,7 +109,8 @@ WGMMA_CHUNKS_ONE_WAVE = True
 #: 2 splits 4096x2048 27.2 -> 17.5 us at 256 rows, 4096x4096 37.1 -> 23.5, 2048x4096 at 512 rows
 #: 36.4 -> 23.6, 2048x7168 50.3 -> 33.2; 8 splits 1024x4096 at 256 rows 26.0 -> 22.5; but 4 splits
 #: no faster: 2048x4096 at 256 rows 28.0 -> 27.7, 2048x7168 34.6 -> 37.3, 1024x4096 at 512 rows
-#: 27.4 -> 28.2, for a reason not yet found). Empty: the global scratch for every token-chunked launch
+#: 27.4 -> 28.2: their 32 clusters of 4 need a second wave, as only 30 fit the H100 at once).
+#: Empty: the global scratch for every token-chunked launch
 WGMMA_CHUNK_CLUSTER_SIZES = (2, 8)
 _WARPS = 8
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
