@@ -140,7 +140,7 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
             assert (shape.splits - 1) * shape.chunks_per_split < chunks
             if shape.cluster:  # one cluster of the split blocks of a row group (and token chunk)
                 assert shape.splits == shape.cluster
-                assert shape.token_chunks == 1 or shape.cluster in gemm_ops.WGMMA_CHUNK_CLUSTER_SIZES
+                assert shape.cluster in gemm_ops.CLUSTER_SIZES[shape.family]
                 assert shape.kernel == f"{shape.family}_c{shape.cluster}"
             if wgmma and shape.token_chunks > 1 and shape.splits > 1:  # split only within one wave
                 assert shape.row_groups * shape.splits * shape.token_chunks <= sms
@@ -421,3 +421,45 @@ def test_activation_paths_by_rows_and_weight_size():
     assert not gemm_ops.predequantizes(16, *small, wgmma=False) and not gemm_ops.predequantizes(16, *big, wgmma=True)
     assert gemm_ops.uses_image(17, *small, nvfp4=True) and not gemm_ops.uses_image(64, *small, nvfp4=False)
     assert gemm_ops.uses_image(65, *small, nvfp4=False) and gemm_ops.uses_image(17, *big, nvfp4=False)
+
+
+def test_wgmma_cluster_only_where_its_clusters_fit():
+    """The split rules choose among the cluster sizes whose clusters all fit at once, and a launch
+    keeps its cluster only where the clusters take no more waves than its blocks without one
+    (`CLUSTERS_MUST_FIT`; the device's capacities passed in, here those the H100 reports for the
+    16-token-tile kernels, one block per SM: 66 clusters of 2, 30 of 4, 15 of 8)."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    capacity = {1: 132, 2: 66, 4: 30, 8: 15}
+    queried = []
+
+    def h100(kernel, cluster, shared):
+        queried.append((kernel, cluster))
+        return capacity[cluster]
+
+    def shape(m, n, k, cap=h100):
+        s = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, cluster_capacity=cap)
+        return s.splits, s.cluster
+
+    # 128 rows, 4096x4096: 32 row groups; half a block per SM would be 4 splits, but 32 clusters of
+    # 4 (or 8) do not fit: 2 splits in clusters of 2 (64 blocks). Without capacities: 4
+    assert shape(128, 4096, 4096, None) == (4, 4)
+    assert shape(128, 4096, 4096) == (2, 2)
+    assert ("wgmma_16x1_c4", 4) in queried
+    assert shape(128, 2048, 7168) == (4, 4)  # 16 clusters of 4 fit
+    # token chunks: the one-wave split (4) or the largest cluster size within it that fits
+    assert shape(256, 2048, 7168, None) == (4, 4)
+    assert shape(256, 2048, 7168) == (2, 2)  # 32 chunk clusters of 4 do not fit
+    assert shape(256, 1024, 4096) == (4, 4)  # 16 clusters: of 8 not, of 4 they do
+    assert shape(256, 4096, 4096) == (2, 2)
+    assert shape(256, 7168, 2048) == (1, 0)  # 112 row groups and chunks: one wave unsplit
+    # nothing fits: the global scratch
+    assert shape(128, 4096, 4096, lambda kernel, cluster, shared: 132 if cluster == 1 else 1)[1] == 0
+    # a grid of several waves either way keeps its clusters (18432x7168 at 64 rows: 144 clusters of
+    # 4 in 3 waves, as its 576 blocks at two per SM)
+    assert shape(64, 18432, 7168, lambda kernel, cluster, shared: 264 // cluster) == (4, 4)
+    gemm_ops.CLUSTERS_MUST_FIT, saved = False, gemm_ops.CLUSTERS_MUST_FIT
+    try:
+        assert shape(128, 4096, 4096) == (4, 4)
+    finally:
+        gemm_ops.CLUSTERS_MUST_FIT = saved

@@ -104,14 +104,16 @@ USE_CLUSTERS = True
 #: 4096x4096 43.5 in 3 -> 36.3 in 2, 2048x7168 44.8 in 5 -> 35.0 in 4; 512 rows 4096x4096 66.1 in 2
 #: -> 51.2 in 1). False: the rule below, as for one token chunk without clusters (the rule before)
 WGMMA_CHUNKS_ONE_WAVE = True
-#: ... and those splits reduce in a cluster where their count is one of these cluster sizes, as one
-#: token chunk's do (H100, the grids above with weights rotated past L2, global scratch -> cluster:
-#: 2 splits 4096x2048 27.2 -> 17.5 us at 256 rows, 4096x4096 37.1 -> 23.5, 2048x4096 at 512 rows
-#: 36.4 -> 23.6, 2048x7168 50.3 -> 33.2; 8 splits 1024x4096 at 256 rows 26.0 -> 22.5; but 4 splits
-#: no faster: 2048x4096 at 256 rows 28.0 -> 27.7, 2048x7168 34.6 -> 37.3, 1024x4096 at 512 rows
-#: 27.4 -> 28.2: their 32 clusters of 4 need a second wave, as only 30 fit the H100 at once).
-#: Empty: the global scratch for every token-chunked launch
-WGMMA_CHUNK_CLUSTER_SIZES = (2, 8)
+#: a launch takes a cluster only where its clusters fit (the driver's cuOccupancyMaxActiveClusters
+#: for the kernel and its shared memory): a cluster's blocks share one GPC, so fewer clusters fit
+#: than the blocks over the cluster size (H100, one block per SM: 30 clusters of 4, 15 of 8). The
+#: split rules choose among the cluster sizes whose clusters all fit at once, and any launch keeps
+#: its cluster only where the clusters take no more waves than its blocks would without one (H100,
+#: 4096x4096 at 128 rows: 4 splits in 32 clusters of 4 27.9 us, 2 in clusters of 2 22.3; at 256
+#: rows 2048x4096 4 splits through the global scratch 28.2 -> 2 in clusters 22.5). The query needs
+#: the device: `launch_config` checks it for the current device (``sms`` left out) or with
+#: ``cluster_capacity``; else every cluster counts as fitting
+CLUSTERS_MUST_FIT = True
 _WARPS = 8
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
 #: the K split over the warps of one block, which add up in shared memory, instead of over blocks
@@ -576,9 +578,24 @@ def cluster_splits(groups: int, windows: int, sizes: tuple, sms: int) -> int:
     return exact[-1] if exact else 1
 
 
-def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False) -> LaunchShape:
+def device_cluster_capacity(kernel: str, cluster: int, shared: int) -> int:
+    """Clusters of ``cluster`` blocks of the wgmma kernel ``gemm_<kernel>`` (e.g. ``wgmma_16x1_c4``;
+    cluster 1: the blocks of a kernel without one) with ``shared`` bytes of dynamic shared memory
+    that the current device holds at once."""
+    kern = loader.get_kernel(_MODULE, f"gemm_{kernel}")
+    if cluster == 1:
+        return kern.resident_blocks(_WARPS * 32, shared)
+    return kern.resident_clusters(cluster, _WARPS * 32, shared)
+
+
+def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False,
+                  cluster_capacity=None) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
+
+    ``cluster_capacity(kernel, cluster, shared)``: the clusters of a cluster kernel (cluster 1: the
+    blocks of the kernel without) resident at once, for `CLUSTERS_MUST_FIT`. Default: the current
+    device's (`device_cluster_capacity`) when ``sms`` is left out, else no check.
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
     per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
@@ -587,6 +604,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     """
     if sms is None:
         sms = loader.current_sm_count()
+        cluster_capacity = cluster_capacity or device_cluster_capacity
     if wgmma:
         tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
         r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
@@ -601,15 +619,28 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     # split-K scratch rows: each token chunk of a wgmma launch has 8T rows of partials per split
     scratch_rows = token_chunks * 8 * tiles if wgmma else m
     family = f"wgmma_{tiles}x{r}"
+    clusters = groups * token_chunks  # one per row group and token chunk
+    sizes = CLUSTER_SIZES.get(family, ()) if wgmma and USE_CLUSTERS else ()
+
+    def capacity(c: int) -> int | None:  # clusters of c blocks (c = 1: blocks) resident at once
+        if not (CLUSTERS_MUST_FIT and cluster_capacity):
+            return None
+        return max(1, cluster_capacity(family if c == 1 else f"{family}_c{c}", c, shared_bytes(tiles, wgmma)))
+
+    # the cluster sizes whose clusters all fit the GPU at once
+    fitting = tuple(c for c in sizes if capacity(c) is None or clusters <= capacity(c))
     if wgmma and WGMMA_SPLITS:
         target = WGMMA_SPLITS
     elif wgmma and token_chunks > 1 and WGMMA_CHUNKS_ONE_WAVE:
-        target = max(1, per_sm * sms // (groups * token_chunks))
+        target = max(1, per_sm * sms // clusters)
+        # ... or the largest cluster size within it whose clusters fit at once (H100, 256 rows:
+        # 2048x7168 in 4 splits through the global scratch 34.6 us -> 2 in clusters 30.8)
+        target = max((c for c in fitting if c <= target), default=target)
     elif wgmma and groups * token_chunks >= sms:
         wide = groups * token_chunks < WGMMA_WIDE_MAX_GROUPS_PER_SM * sms
         target = min(WGMMA_WIDE_SPLITS, windows // WGMMA_WIDE_MIN_WINDOWS) if wide else 1
-    elif wgmma and USE_CLUSTERS and token_chunks == 1 and family in CLUSTER_SIZES:
-        target = cluster_splits(groups, windows, CLUSTER_SIZES[family], sms)
+    elif wgmma and token_chunks == 1 and fitting:
+        target = cluster_splits(groups, windows, fitting, sms)
     elif per_sm == 0 and groups * token_chunks >= UNSPLIT_MIN_GROUPS_PER_SM * sms:
         target = 1
     elif per_sm == 0:
@@ -620,11 +651,11 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     per_split = -(-windows // splits) * window
     splits = -(-chunks // per_split)
     shape = LaunchShape(wgmma, tiles, r, fetch8, groups, splits, per_split, token_chunks, shared_bytes(tiles, wgmma))
-    if (USE_CLUSTERS and (token_chunks == 1 or splits in WGMMA_CHUNK_CLUSTER_SIZES)
-            and splits in CLUSTER_SIZES.get(shape.family, ())):
-        # the splits of a row group (and token chunk) are one cluster and reduce in distributed
-        # shared memory (at equal splits faster than the global scratch: 4096x4096, 64 rows, 8
-        # splits 20.0 -> 18.0 us)
+    # the splits of a row group (and token chunk) are one cluster and reduce in distributed shared
+    # memory (at equal splits faster than the global scratch: 4096x4096, 64 rows, 8 splits 20.0 ->
+    # 18.0 us), where its clusters take no more waves than its blocks would without one
+    if splits in sizes and (capacity(splits) is None
+                            or -(-clusters // capacity(splits)) <= -(-clusters * splits // capacity(1))):
         return replace(shape, cluster=splits)
     scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
     if splits > scratch_splits:  # the global scratch holds fewer

@@ -56,6 +56,8 @@ def _driver():
                                      ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_Config)]
+    lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
     return lib
 
 
@@ -81,6 +83,24 @@ def pack(args: tuple) -> list:
     return packed
 
 
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({status})")
+
+
+def max_active_clusters(function_ptr: int, cluster: int, block: int, shared_mem: int) -> int:
+    """Clusters of ``cluster`` blocks of ``function_ptr`` (a CUfunction compiled with
+    ``__cluster_dims__(1, cluster, 1)``) that the current device holds at once: a cluster's blocks
+    share one GPC, so this can be fewer than the resident blocks over ``cluster``."""
+    config = _Config(1, int(cluster), 1, int(block), 1, 1, int(shared_mem), None, None, 0)
+    count = ctypes.c_int(0)
+    _check(_driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), function_ptr, ctypes.byref(config)),
+           "cuOccupancyMaxActiveClusters")
+    return count.value
+
+
 def launch(function_ptr: int, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream_ptr: int) -> None:
     """Launch ``function_ptr`` (a CUfunction) on ``stream_ptr`` with the PDL attribute."""
     packed = pack(args)
@@ -89,8 +109,4 @@ def launch(function_ptr: int, grid: tuple, block: tuple, args: tuple, shared_mem
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
     config = _Config(*grid, *block, shared_mem, stream_ptr, ctypes.pointer(attr), 1)
-    status = _driver().cuLaunchKernelEx(ctypes.byref(config), function_ptr, params, None)
-    if status != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({status})")
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), function_ptr, params, None), "cuLaunchKernelEx")

@@ -137,6 +137,12 @@ class Kernel:
         self._allow_shared(shared_mem)
         return _resident_blocks(self.function.kernel.ptr, int(block), int(shared_mem), current_sm_count())
 
+    def resident_clusters(self, cluster: int, block: int, shared_mem: int = 0) -> int:
+        """Clusters of ``cluster`` blocks (the kernel's compiled cluster size) of ``block`` threads
+        with ``shared_mem`` bytes of dynamic shared memory that the current device holds at once."""
+        self._allow_shared(shared_mem)
+        return _resident_clusters(self.function.kernel.ptr, int(cluster), int(block), int(shared_mem))
+
     def _allow_shared(self, shared_mem: int) -> None:
         # a function attribute, not a stream operation: fine under graph capture
         if shared_mem and self.function.max_dynamic_shared_size_bytes < shared_mem:
@@ -164,6 +170,11 @@ def _resident_blocks(function_ptr: int, block: int, shared_mem: int, sms: int) -
     from cupy.cuda import driver
 
     return driver.occupancyMaxActiveBlocksPerMultiprocessor(function_ptr, block, shared_mem) * sms
+
+
+@functools.cache
+def _resident_clusters(function_ptr: int, cluster: int, block: int, shared_mem: int) -> int:
+    return launch.max_active_clusters(function_ptr, cluster, block, shared_mem)
 
 
 @functools.cache
