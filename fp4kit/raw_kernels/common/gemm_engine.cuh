@@ -367,6 +367,13 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// A cluster barrier that orders nothing but arrival: for keeping a block's shared memory until its
+// peers have read it. Their reads have returned (their values were used) before they arrive, so no
+// release is needed, and a release would wait for this block's global stores as well.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
 __device__ __forceinline__ float4 load_cluster(const float4* p, unsigned rank) {
     unsigned remote;
     asm("mapa.shared::cluster.u32 %0, %1, %2;"
@@ -832,7 +839,7 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
             for (int c = 0; c < 4; ++c)
                 if (n + c < N) ep.store(token, n + c, N, v[c]);
         }
-        cluster_sync();  // the peers' shared memory stays until every block has read it
+        cluster_sync_relaxed();  // the peers' shared memory stays until every block has read it
         return;
     }
     const unsigned ld = row_tiles * 16;
