@@ -44,7 +44,8 @@ grep -E "Function|REG" "$out/kernels.txt" | paste - - | awk '{print $2, $4, $5, 
 run precompile "$PYTHON" scripts/precompile_kernels.py
 if has tests; then
     # several pytest processes at once (scripts/parallel_pytest.py; GPU_TEST_JOBS, default half the
-    # cores up to 8): the tests are mostly host work, and one process leaves the GPU idle
+    # cores up to 8 and one per 12 GiB of GPU memory): the tests are mostly host work, and one
+    # process leaves the GPU idle
     run gpu-tests env FP4KIT_REQUIRE_GPU=1 "$PYTHON" scripts/parallel_pytest.py --jobs "${GPU_TEST_JOBS:-0}" \
         --logs "$out/gpu-tests" -m gpu tests
 fi

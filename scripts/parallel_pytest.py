@@ -7,7 +7,9 @@ GPU test files (1,467 tests) ran in ≈ 4 minutes as 10-12 processes. The select
 collected once and dealt out in turn, so each process gets a share of every file. Each process
 writes its own log; the script prints every process's summary line, the failed tests with their
 messages, the first exception lines of each failing process, and the totals, and exits non-zero when any process failed (a process that collected nothing, pytest's
-exit 5, counts as passed). Tests marked ``alone`` (they read device-wide state, such as the free
+exit 5, counts as passed). By default it starts half as many processes as there are cores, at most
+8, and at most one per 12 GiB of the GPU's memory (`GIB_PER_PROCESS`: each holds its own memory
+pool; eight on an 80 GB card ran out of memory). Tests marked ``alone`` (they read device-wide state, such as the free
 memory that the other processes change) run after the others, in one process of their own.
 
     .venv/bin/python scripts/parallel_pytest.py [--jobs N] [--logs DIR] [-m EXPR] [PATH ...]
@@ -26,8 +28,31 @@ from pathlib import Path
 OUTCOMES = ("passed", "failed", "errors", "error", "skipped", "xfailed", "xpassed", "deselected")
 
 
-def default_jobs() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+#: device memory one GPU test process may hold at its peak (its CuPy pool and fp4kit's workspaces):
+#: on an 80 GB H100, 8 processes over the whole suite ran out of memory and 6 did not
+GIB_PER_PROCESS = 12
+
+
+def gpu_memory_gib() -> float | None:
+    """The smallest total memory of the visible GPUs in GiB, from ``nvidia-smi`` (no CUDA context is
+    created here, as the processes need the memory); None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [float(v) for v in out.stdout.split() if v.replace(".", "", 1).isdigit()] if out.returncode == 0 else []
+    return min(sizes) / 1024 if sizes else None  # MiB -> GiB
+
+
+def default_jobs(memory_gib: float | None = None) -> int:
+    """Half the cores, at most 8, and at most one process per `GIB_PER_PROCESS` of the GPU's memory
+    (``memory_gib``, default `gpu_memory_gib`; no bound without a GPU)."""
+    jobs = max(1, min(8, (os.cpu_count() or 2) // 2))
+    memory_gib = gpu_memory_gib() if memory_gib is None else memory_gib
+    if memory_gib:
+        jobs = max(1, min(jobs, int(memory_gib // GIB_PER_PROCESS)))
+    return jobs
 
 
 def collect(python: str, marker: str | None, paths: list[str]) -> list[str]:
@@ -71,7 +96,9 @@ def counts(summary: str) -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="pytest processes (default, or 0: half the cores, at most 8)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="pytest processes (0, the default: half the cores, at most 8, and one per "
+                             f"{GIB_PER_PROCESS} GiB of GPU memory)")
     parser.add_argument("--logs", default=None, help="folder for the processes' logs (default: a temporary one)")
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, as pytest -m")
     parser.add_argument("paths", nargs="*", default=["tests"], help="test files or folders (default: tests)")

@@ -314,6 +314,21 @@ def test_parallel_pytest_runs_the_alone_tests_after_the_others(tmp_path):
     assert "4 tests in 2 processes;" in done.stdout and "alone:" not in done.stdout
 
 
+def test_parallel_pytest_holds_its_processes_to_the_gpu_memory(monkeypatch):
+    """The default process count: half the cores up to 8, and one per `GIB_PER_PROCESS` of GPU
+    memory (an 80 GB card: 6; 141 GB: 8; no GPU: no bound)."""
+    import parallel_pytest
+
+    monkeypatch.setattr(parallel_pytest.os, "cpu_count", lambda: 16)
+    assert parallel_pytest.default_jobs(memory_gib=79.6) == 6
+    assert parallel_pytest.default_jobs(memory_gib=139.8) == 8
+    assert parallel_pytest.default_jobs(memory_gib=8.0) == 1
+    monkeypatch.setattr(parallel_pytest, "gpu_memory_gib", lambda: None)
+    assert parallel_pytest.default_jobs() == 8
+    monkeypatch.setattr(parallel_pytest.os, "cpu_count", lambda: 2)
+    assert parallel_pytest.default_jobs(memory_gib=79.6) == 1
+
+
 def test_parallel_pytest_reads_summary_lines():
     import parallel_pytest
 
