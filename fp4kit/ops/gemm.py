@@ -25,6 +25,7 @@ The threshold and the launch shapes were chosen from ``benchmarks/bench_linear.p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -581,8 +582,16 @@ def cluster_splits(groups: int, windows: int, sizes: tuple, sms: int) -> int:
 def device_cluster_capacity(kernel: str, cluster: int, shared: int) -> int:
     """Clusters of ``cluster`` blocks of the wgmma kernel ``gemm_<kernel>`` (e.g. ``wgmma_16x1_c4``;
     cluster 1: the blocks of a kernel without one) with ``shared`` bytes of dynamic shared memory
-    that the current device holds at once."""
-    kern = loader.get_kernel(_MODULE, f"gemm_{kernel}")
+    that the current device holds at once (asked once per device: `launch_config` asks on every
+    call)."""
+    import cupy
+
+    return _cluster_capacity(cupy.cuda.Device().id, kernel, cluster, shared)
+
+
+@functools.cache
+def _cluster_capacity(device: int, kernel: str, cluster: int, shared: int) -> int:
+    kern = loader.get_kernel(_MODULE, f"gemm_{kernel}")  # the current device's, i.e. ``device``'s
     if cluster == 1:
         return kern.resident_blocks(_WARPS * 32, shared)
     return kern.resident_clusters(cluster, _WARPS * 32, shared)
