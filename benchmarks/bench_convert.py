@@ -9,7 +9,8 @@ output's bytes with as many writers as jobs (the floor the write stage stands on
 on the GPU, bounded by the disk. Each shard's log line says where its time went (read, convert and
 of that the quantization, write; a job reads ahead and writes behind on threads, so these overlap),
 and the table gives their medians over the shards after each job's first, whose time includes its
-process and CUDA start.
+process and CUDA start. A run whose input and output the temporary folder's file system cannot hold
+(about 2.1 times the input) is refused before anything is written.
 
     .venv/bin/python benchmarks/bench_convert.py [--layers 2] [--experts 32] [--device cpu|cuda] [--jobs 4]
 """
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import io
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -53,19 +55,43 @@ def _mxfp4(rng, n, k):
     return codes, scales.view(ml_dtypes.float8_e8m0fnu)
 
 
+#: the FP8 weights of a layer (attention and shared expert, 128 x 128 block scales) and of each
+#: routed expert in MXFP4 (a scale per 32), [N, K]
+FP8_LINEARS = {"attn.wq_a": (Q_RANK, HIDDEN), "attn.wq_b": (HEADS * HEAD_DIM, Q_RANK), "attn.wkv": (HEAD_DIM, HIDDEN),
+               "attn.wo_a": (O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS), "attn.wo_b": (HIDDEN, O_GROUPS * O_RANK),
+               "ffn.shared_experts.w1": (INNER, HIDDEN), "ffn.shared_experts.w3": (INNER, HIDDEN),
+               "ffn.shared_experts.w2": (HIDDEN, INNER)}
+EXPERT_LINEARS = {"w1": (INNER, HIDDEN), "w3": (INNER, HIDDEN), "w2": (HIDDEN, INNER)}
+
+
+def layer_bytes(experts: int) -> int:
+    """Tensor bytes of one layer's shard as `write_checkpoint` writes it."""
+    fp8 = sum(n * k + -(-n // 128) * -(-k // 128) for n, k in FP8_LINEARS.values())
+    mxfp4 = sum(n * k // 2 + n * k // 32 for n, k in EXPERT_LINEARS.values())
+    return fp8 + experts * mxfp4 + 2 * HIDDEN  # + the bf16 norm
+
+
+def check_disk_space(folder: Path, layers: int, experts: int) -> None:
+    """ValueError, before anything is written, where ``folder``'s file system cannot hold the run:
+    the input beside the converted output, then beside the write-rate probe of the output's size
+    (the output counted as 1.1 times the input: NVFP4 holds 4.5 bits a weight, MXFP4 4.25)."""
+    need = int(2.1 * layers * layer_bytes(experts))
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ValueError(f"--layers {layers} --experts {experts}: the run needs about {need / 1e9:.1f} GB in "
+                         f"{folder} (the input and the output), which has {free / 1e9:.1f} GB free; "
+                         "use fewer layers or point TMPDIR at a larger file system")
+
+
 def write_checkpoint(folder: Path, layers: int, experts: int, seed: int = 0) -> int:
     """One shard per layer; every layer holds the same random values (the conversion's work does not
     depend on them, and drawing 0.56 GB of random bytes per layer took longer than converting it)."""
     rng = np.random.default_rng(seed)
     layer = {}
-    linears = {"attn.wq_a": (Q_RANK, HIDDEN), "attn.wq_b": (HEADS * HEAD_DIM, Q_RANK), "attn.wkv": (HEAD_DIM, HIDDEN),
-               "attn.wo_a": (O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS), "attn.wo_b": (HIDDEN, O_GROUPS * O_RANK),
-               "ffn.shared_experts.w1": (INNER, HIDDEN), "ffn.shared_experts.w3": (INNER, HIDDEN),
-               "ffn.shared_experts.w2": (HIDDEN, INNER)}
-    for name, (n, k) in linears.items():
+    for name, (n, k) in FP8_LINEARS.items():
         layer[f"{name}.weight"], layer[f"{name}.scale"] = _fp8(rng, n, k)
     for e in range(experts):
-        for name, (n, k) in {"w1": (INNER, HIDDEN), "w3": (INNER, HIDDEN), "w2": (HIDDEN, INNER)}.items():
+        for name, (n, k) in EXPERT_LINEARS.items():
             layer[f"ffn.experts.{e}.{name}.weight"], layer[f"ffn.experts.{e}.{name}.scale"] = _mxfp4(rng, n, k)
     layer["attn_norm.weight"] = np.ones(HIDDEN, ml_dtypes.bfloat16)
     for i in range(layers):
@@ -166,6 +192,7 @@ def main() -> None:
     if args.jobs > 1 and args.layers < 3 * args.jobs:
         print(f"note: {args.layers} shard(s) over {args.jobs} jobs: each spawned worker starts its interpreter and, on "
               "the GPU, CUDA and the kernels within its first shard; --layers >= 3 x --jobs shows the steady rate")
+    check_disk_space(Path(tempfile.gettempdir()), args.layers, args.experts)
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "official", Path(tmp) / "nvfp4"
         src.mkdir()
@@ -179,6 +206,7 @@ def main() -> None:
             assert fp4kit_main(["convert", str(src), str(out), "--device", args.device, "--jobs", str(args.jobs)]) == 0
         seconds = time.perf_counter() - start
         out_size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        shutil.rmtree(out)  # room for the probe: the disk holds the input and one output's bytes at a time
         # the same bytes written by as many writers as the run had jobs, on the same file system
         disk_write = disk_write_gbps(Path(tmp), out_size, min(args.jobs, args.layers))
     stages = stage_medians(tee.kept.getvalue(), args.jobs)

@@ -214,6 +214,20 @@ def test_bench_convert_measures_the_disk_and_reads_the_shard_lines(tmp_path):
     assert medians["CUDA start"] == 0.0 and medians["quantize"] == 0.1
 
 
+def test_bench_convert_sizes_its_run_before_writing(tmp_path):
+    """benchmarks/bench_convert.py: `layer_bytes` is the tensor data of the shard it writes, and a
+    run the temporary folder's file system cannot hold is refused up front, naming the arguments."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_convert
+
+    size = bench_convert.write_checkpoint(tmp_path, 1, 2)
+    header = 8 + int.from_bytes(next(tmp_path.glob("*.safetensors")).read_bytes()[:8], "little")
+    assert size - header == bench_convert.layer_bytes(2)
+    bench_convert.check_disk_space(tmp_path, 1, 2)  # a few MB: fits
+    with pytest.raises(ValueError, match=r"--layers 100000 --experts 256: the run needs about .* GB"):
+        bench_convert.check_disk_space(tmp_path, 100_000, 256)
+
+
 def test_memory_trace_counts_live_bytes_by_site():
     """scripts/memory_trace.py's bookkeeping: the peak of the live bytes, the sites live at that
     peak (a freed block no longer counts; a free of an untracked pointer is ignored), and the site of
