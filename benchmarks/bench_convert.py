@@ -192,7 +192,10 @@ def main() -> None:
     if args.jobs > 1 and args.layers < 3 * args.jobs:
         print(f"note: {args.layers} shard(s) over {args.jobs} jobs: each spawned worker starts its interpreter and, on "
               "the GPU, CUDA and the kernels within its first shard; --layers >= 3 x --jobs shows the steady rate")
-    check_disk_space(Path(tempfile.gettempdir()), args.layers, args.experts)
+    try:
+        check_disk_space(Path(tempfile.gettempdir()), args.layers, args.experts)
+    except ValueError as e:
+        ap.error(str(e))  # the usage and the reason, exit status 2, no traceback
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "official", Path(tmp) / "nvfp4"
         src.mkdir()
