@@ -51,7 +51,7 @@ def shape_weight(run_seed):
 
 
 ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-held", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
-           "wgmma-2-row-tiles"]
+           "wgmma-2-row-tiles", "wgmma-128-token-chunks"]
 
 
 @pytest.fixture(params=ENGINES)
@@ -65,7 +65,8 @@ def engine(request, monkeypatch):
     the mma.sync kernels (an NVFP4 activation decoded in the blocks, or dequantized by its own
     launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
     warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
-    or, with "images", as window images at every M."""
+    or, with "images", as window images at every M; above 64 rows token chunks of 64 rows at two
+    blocks per SM (where they split K no fewer ways), or of 128 at one with "128-token-chunks"."""
     if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels need sm_90")
     gemv = request.param.startswith("gemv")
@@ -87,6 +88,8 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
     monkeypatch.setattr(gemm_ops, "PREDEQUANTIZE_MIN_WEIGHT", 0 if request.param.endswith("predequantized") else 1 << 62)
     monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0 if request.param == "wgmma-images" else 1 << 62)
+    if request.param == "wgmma-128-token-chunks":
+        monkeypatch.setattr(gemm_ops, "WGMMA_CHUNK_TILES", 16)
     if request.param == "wgmma-2-row-tiles":
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 4, 2)
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 8, 2)
@@ -166,6 +169,26 @@ def test_graph_replay_equals_eager(rng, capture_stream):
         assert cp.array_equal(e.view(cp.uint32), o.view(cp.uint32))
 
 
+def assert_replayed_chain_gives_eager_bits(chain, bufs, capture_stream):
+    """``chain()`` captured in a graph and replayed three times (``bufs`` zeroed before each) writes
+    into ``bufs`` the bits of its eager run."""
+    chain()
+    want = [cp.asnumpy(b).view(np.uint16).copy() for b in bufs]
+    stream = capture_stream()
+    with stream:
+        chain()  # first use on this stream allocates its split-K scratch outside the graph
+        stream.begin_capture()
+        chain()
+        graph = stream.end_capture()
+        for _ in range(3):
+            for b in bufs:
+                b.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            for b, w in zip(bufs, want):
+                np.testing.assert_array_equal(cp.asnumpy(b).view(np.uint16), w)
+
+
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("release", [True, False])
 def test_gemv_chain_released_early_in_a_graph_gives_the_same_bits(rng, capture_stream, monkeypatch, m, release):
@@ -193,21 +216,40 @@ def test_gemv_chain_released_early_in_a_graph_gives_the_same_bits(rng, capture_s
     for shape in filter(None, dense):  # the GEMV links are single waves, so they release when asked
         kernel = loader.get_kernel("gemm", f"gemm_{shape.kernel}_bf16")
         assert shape.row_groups * shape.splits <= kernel.resident_blocks(32 * shape.warps, shape.shared_bytes)
-    chain()
-    want = [cp.asnumpy(b).view(np.uint16).copy() for b in bufs]
-    stream = capture_stream()
-    with stream:
-        chain()  # first use on this stream allocates its split-K scratch outside the graph
-        stream.begin_capture()
-        chain()
-        graph = stream.end_capture()
-        for _ in range(3):
-            for b in bufs:
-                b.fill(0)
-            graph.launch(stream)
-            stream.synchronize()
-            for b, w in zip(bufs, want):
-                np.testing.assert_array_equal(cp.asnumpy(b).view(np.uint16), w)
+    assert_replayed_chain_gives_eager_bits(chain, bufs, capture_stream)
+
+
+@pytest.mark.parametrize("m", [32, 64, 256])
+@pytest.mark.parametrize("release", [True, False])
+def test_wgmma_chain_with_early_staging_release_in_a_graph_gives_the_same_bits(rng, capture_stream, monkeypatch,
+                                                                                m, release):
+    """With `STAGE_EARLY_RELEASE` the wgmma GEMM's staging launch lets the GEMM's blocks be scheduled
+    right after its own wait (common/pdl.cuh): a captured chain of wgmma GEMMs reading window images
+    (W4A16 and W4A4, the NVFP4 activation quantized from the link before), each reading the one
+    before's output, replayed, gives the bits of the chain launched eagerly."""
+    from fp4kit.runtime import loader
+
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma kernels need sm_90")
+    monkeypatch.setattr(gemm_ops, "STAGE_EARLY_RELEASE", release)
+    monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0)  # images for these small weights too
+    links = [(2048, 4096), (4096, 2048), (2048, 4096)]  # (N, K)
+    ws = [tiled(weight(rng, n, k)) for n, k in links]
+    x = cp.asarray(rng.standard_normal((m, 4096)).astype(BF16))
+    bufs = [cp.empty((m, n), BF16) for n, _ in links]
+
+    def chain():
+        gemm(x, ws[0], out=bufs[0])
+        gemm(fp4kit.quantize(bufs[0]), ws[1], out=bufs[1])  # W4A4
+        gemm(bufs[1], ws[2], out=bufs[2])
+
+    for n, k in links:  # every link's staging grid is one wave, so it releases when asked
+        shape = gemm_ops.launch_config(m, n, k, wgmma=True)
+        assert shape.wgmma
+        stage = loader.get_kernel("gemm", f"gemm_stage_{shape.token_tiles}_bf16")
+        windows, chunks = gemm_ops.staging_grid(shape, k)
+        assert windows * chunks <= stage.resident_blocks(256, shape.shared_bytes // 2)
+    assert_replayed_chain_gives_eager_bits(chain, bufs, capture_stream)
 
 
 def test_large_m_prefill_and_decode(rng):

@@ -118,14 +118,19 @@ def test_tiled_layout_bad_inputs():
         Nvfp4Tensor(w.packed[:-16], w.block_scales, w.global_scale, "tiled", w.shape)
 
 
+@pytest.mark.parametrize("chunk", [(16, 1), (8, 2)], ids=["128-token-chunks", "64-token-chunks"])
 @pytest.mark.parametrize("wgmma", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64, 65, 128, 129, 4096])
-def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
+def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma, chunk, monkeypatch):
     """Every split of K gets at least one whole activation window and together they cover K; the
     split-K partials fit their per-stream scratch; more rows never split more than fits; the token
-    chunks of a wgmma launch cover M, each with its own scratch, and split K only within one wave."""
+    chunks of a wgmma launch (of 128 or 64 tokens) cover M, each with its own scratch, and split K
+    only within one wave."""
     from fp4kit.formats import tiled_dims
     from fp4kit.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(gemm_ops, "WGMMA_CHUNK_TILES", chunk[0])
+    monkeypatch.setitem(gemm_ops.WGMMA_CHUNK_BLOCKS_PER_SM, chunk[0], chunk[1])
 
     if m > 64 and not wgmma:
         return  # the mma.sync kernels take at most 64 rows per launch
@@ -143,7 +148,8 @@ def test_launch_config_covers_k_in_nonempty_splits_within_the_scratch(m, wgmma):
                 assert shape.cluster in gemm_ops.CLUSTER_SIZES[shape.family]
                 assert shape.kernel == f"{shape.family}_c{shape.cluster}"
             if wgmma and shape.token_chunks > 1 and shape.splits > 1:  # split only within one wave
-                assert shape.row_groups * shape.splits * shape.token_chunks <= sms
+                per_sm = gemm_ops.WGMMA_CHUNK_BLOCKS_PER_SM[shape.token_tiles]
+                assert shape.row_groups * shape.splits * shape.token_chunks <= per_sm * sms
             if shape.splits > 1 and not shape.cluster:
                 rows = shape.token_chunks * 8 * shape.token_tiles if wgmma else m
                 assert shape.splits * rows * row_tiles * 16 * 4 <= gemm_ops._PARTIALS_BYTES
@@ -173,6 +179,25 @@ def test_wgmma_split_rule_prefers_cluster_sizes():
     assert gemm_ops.cluster_splits(1, 3, (2, 4, 8), 132) == 2  # 3 windows: 2 + 1 (4 would leave one empty)
     assert gemm_ops.cluster_splits(1, 1, (2, 4, 8), 132) == 1
 
+
+
+@pytest.mark.parametrize("m", [65, 96, 128, 129, 256, 512, 4096])
+def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
+    """Above 64 rows a wgmma launch runs token chunks of 64 rows at two blocks per SM, except where
+    they would split K fewer ways than chunks of 128 rows: then it is the launch of 128-row chunks."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    assert gemm_ops.WGMMA_CHUNK_TILES == 8 and gemm_ops.WGMMA_CHUNK_BLOCKS_PER_SM[8] == 2
+    for n, k in [(1024, 4096), (2048, 7168), (4096, 2048), (7168, 2048), (18432, 7168), (32768, 1024), (129280, 4096)]:
+        got = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
+        short, full = (gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, chunk_tiles=t) for t in (8, 16))
+        assert short.token_tiles == 8 and short.token_chunks == -(-m // 64) and full.token_tiles == 16
+        assert got == (short if short.splits >= full.splits else full), (n, k)
+    # 144 row groups in 64-row chunks: 288 blocks, beyond one wave of two per SM, so K is not split;
+    # in one chunk of 128 rows it is split 4 ways (measured 82 us against 124 on an H100)
+    if m in (96, 128):
+        assert gemm_ops.launch_config(m, 18432, 7168, sms=132, wgmma=True).token_tiles == 16
+    assert gemm_ops.launch_config(m, 4096, 2048, sms=132, wgmma=True).token_tiles == 8
 
 def gemv_warp_chunks(shape, n, k, block_row, split, warp):
     """gemv.cuh gemv_block: (row tile, first chunk, end chunk) of one warp of a GEMV launch."""

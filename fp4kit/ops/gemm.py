@@ -65,6 +65,17 @@ UNSPLIT_MIN_GROUPS_PER_SM = 2.0
 #: run as token chunks of the same launch), blocks per SM to split K for, and the smallest M that
 #: takes them on Hopper (below it the mma.sync kernels)
 WGMMA_TOKEN_TILES = (2, 4, 8, 16)
+#: token tiles of a token chunk: a wgmma launch of more rows than this many tiles hold runs them as
+#: token chunks of this size (8: 64 tokens, two blocks per SM; 16: 128 tokens, one block per SM),
+#: unless that would split K fewer ways than chunks of 128 tokens (`launch_config`). H100, same
+#: run, 65-512 rows, 72 launches: 64-token chunks at two blocks per SM faster on 57, e.g. 4096x2048
+#: at 128 rows 15.6 -> 10.9 us, 1024x4096 at 512 21.8 -> 16.4, 32768x1024 at 512 159 -> 114,
+#: 18432x7168 at 512 361 -> 324; up to 12 % slower on 11 of them (2048x7168 at 512 rows 31.7 -> 35.7)
+#: and 46-51 % slower on 18432x7168 at 96/128 rows, where the 64-token launch would not split K
+#: (288 blocks beyond one wave) and 128-token chunks split it 4 ways (82 us vs 124): the exception
+WGMMA_CHUNK_TILES = 8
+#: blocks per SM in the one wave of a token-chunked launch (`WGMMA_CHUNKS_ONE_WAVE`), by token tiles
+WGMMA_CHUNK_BLOCKS_PER_SM = {8: 2, 16: 1}
 WGMMA_ROW_TILES_PER_WARP = {2: 1, 4: 1, 8: 1, 16: 1}  # 4x2 and 8x2 exist too
 #: about one block per SM while the row groups are fewer than the SMs (more K splits cost more in
 #: the reduction than they gain); a weight with a row group per SM or more splits K `WGMMA_WIDE_SPLITS`
@@ -195,6 +206,10 @@ GEMV_RESIDENT_PIPELINED_WARPS = (_WIDE_WARPS,)
 #: release from the attention kernel (into the output projection) and the MoE's router and down
 #: launches measured 4-8 µs slower at batch 1; from the tiled kernels, within the noise
 GEMV_EARLY_RELEASE = True
+#: the staging launch of a wgmma GEMM (`_stage_image`) whose grid is a single wave releases the GEMM
+#: right after its own wait (common/pdl.cuh): the GEMM's blocks are scheduled and issue their first
+#: weight loads while the window images are written, instead of after the staging's last block
+STAGE_EARLY_RELEASE = True
 _GEMV_MAX_SHARED = 219 * 1024  # dynamic shared memory beside a GEMV block's static buffers (227 KB in all)
 
 
@@ -598,7 +613,7 @@ def _cluster_capacity(device: int, kernel: str, cluster: int, shared: int) -> in
 
 
 def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False,
-                  cluster_capacity=None) -> LaunchShape:
+                  cluster_capacity=None, chunk_tiles: int | None = None) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
 
@@ -609,13 +624,20 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
     per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
     (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than one
-    block holds (128) runs them as token chunks of one grid, each with its own split-K scratch.
+    block holds (128) runs them as token chunks of one grid, each with its own split-K scratch;
+    above `WGMMA_CHUNK_TILES` tiles, chunks of that many tiles (``chunk_tiles``: of that many).
     """
     if sms is None:
         sms = loader.current_sm_count()
         cluster_capacity = cluster_capacity or device_cluster_capacity
+    largest = WGMMA_TOKEN_TILES[-1]
+    if wgmma and chunk_tiles is None and WGMMA_CHUNK_TILES < largest and m > 8 * WGMMA_CHUNK_TILES:
+        # short token chunks, unless they split K fewer ways than chunks of the largest tile count
+        short, full = (launch_config(m, n, k, sms, True, cluster_capacity, chunk_tiles=t)
+                       for t in (WGMMA_CHUNK_TILES, largest))
+        return short if short.splits >= full.splits else full
     if wgmma:
-        tiles = next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), WGMMA_TOKEN_TILES[-1])
+        tiles = min(next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), largest), chunk_tiles or WGMMA_CHUNK_TILES)
         r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
     else:
         tiles = token_tiles(m)
@@ -641,7 +663,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     if wgmma and WGMMA_SPLITS:
         target = WGMMA_SPLITS
     elif wgmma and token_chunks > 1 and WGMMA_CHUNKS_ONE_WAVE:
-        target = max(1, per_sm * sms // clusters)
+        target = max(1, WGMMA_CHUNK_BLOCKS_PER_SM.get(tiles, per_sm) * sms // clusters)
         # ... or the largest cluster size within it whose clusters fit at once (H100, 256 rows:
         # 2048x7168 in 4 splits through the global scratch 34.6 us -> 2 in clusters 30.8)
         target = max((c for c in fitting if c <= target), default=target)
@@ -796,16 +818,23 @@ def _launch(w: Nvfp4Tensor, act: tuple, epilogue: tuple, m: int, n: int, k: int,
                   shared_mem=shape.shared_bytes)
 
 
+def staging_grid(shape: LaunchShape, k: int) -> tuple[int, int]:
+    """``(windows, token chunks)``: the grid of a wgmma launch's staging launch (`_stage_image`)."""
+    return -(-k // (_window_chunks(shape.token_tiles, True) * TILE_K)), shape.token_chunks
+
+
 def _stage_image(act: tuple, kind: str, m: int, k: int, shape: LaunchShape):
     """The wgmma kernels' activation: every window of every token chunk as the exact bytes of its
     shared-memory buffer (`gemm_stage_<T>_{bf16,nvfp4}`), in a workspace that a bulk copy per
     window reads."""
     window_bytes = shape.shared_bytes // 2
-    windows = -(-k // (_window_chunks(shape.token_tiles, True) * TILE_K))
-    image = workspace.capturable_buffer("gemm.image", shape.token_chunks * windows * window_bytes)
+    windows, chunks = staging_grid(shape, k)
+    image = workspace.capturable_buffer("gemm.image", chunks * windows * window_bytes)
     kernel = loader.get_kernel(_MODULE, f"gemm_stage_{shape.token_tiles}_{kind}")
-    kernel.launch((windows, shape.token_chunks), 32 * _WARPS,
-                  (*act[:2 if kind == "nvfp4" else 1], image, _U32(m), _U32(k)), shared_mem=window_bytes)
+    release = STAGE_EARLY_RELEASE and windows * chunks <= kernel.resident_blocks(32 * _WARPS, window_bytes)
+    kernel.launch((windows, chunks), 32 * _WARPS,
+                  (*act[:2 if kind == "nvfp4" else 1], image, _U32(m), _U32(k), np.int32(release)),
+                  shared_mem=window_bytes)
     return image
 
 

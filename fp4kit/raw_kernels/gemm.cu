@@ -209,7 +209,10 @@ FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 8, 1)
 // (w, z) stages window w of token chunk z in shared memory exactly as those kernels' mainloop did
 // (4-byte pairs scattered into the permuted layout; NVFP4 decoded to exact bf16 e2m1 * s), then
 // writes the buffer out with 16-byte stores. Grid (windows, token chunks), 256 threads, dynamic
-// shared memory one window (gemm.py `shared_bytes` / 2).
+// shared memory one window (gemm.py `shared_bytes` / 2). `release`: the launch is a single wave and
+// lets its GEMM be scheduled right after the wait (gemm.py `STAGE_EARLY_RELEASE`), so the GEMM's
+// blocks take the SMs and issue their first weight loads while the images are written; the GEMM's
+// own wait still waits for this grid to complete.
 template <class Act>
 __device__ __forceinline__ void stage_image(Act act, __nv_bfloat16* image, unsigned M, unsigned K) {
     using Win = typename Act::Win;
@@ -229,15 +232,17 @@ __device__ __forceinline__ void stage_image(Act act, __nv_bfloat16* image, unsig
 
 #define FP4_DEFINE_GEMM_STAGE(T)                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_bf16(                            \
-        const __nv_bfloat16* act, __nv_bfloat16* image, unsigned M, unsigned K) {                             \
+        const __nv_bfloat16* act, __nv_bfloat16* image, unsigned M, unsigned K, int release) {                \
         pdl::wait_prior();                                                                                         \
+        if (release) pdl::release_next();                                                                     \
         const unsigned m0 = blockIdx.y * 8u * T;                                                              \
         stage_image(ActBf16<WgmmaWindow<T>>{act, RowMap{nullptr, m0}}, image, min(M - m0, 8u * T), K);       \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(kThreads) gemm_stage_##T##_nvfp4(                           \
         const unsigned char* act_packed, const unsigned char* act_scales, __nv_bfloat16* image, unsigned M,   \
-        unsigned K) {                                                                                         \
+        unsigned K, int release) {                                                                            \
         pdl::wait_prior();                                                                                         \
+        if (release) pdl::release_next();                                                                     \
         const unsigned m0 = blockIdx.y * 8u * T;                                                              \
         stage_image(ActNvfp4<WgmmaWindow<T>>{act_packed, act_scales, RowMap{nullptr, m0}}, image,             \
                     min(M - m0, 8u * T), K);                                                                  \

@@ -18,8 +18,9 @@
 // elementwise.cu (one block per row) and hyper.cu's hc_pre_norm release the next kernel at their
 // start, and the GEMV kernels of gemm.cu once their first weights are in flight (`release_next`,
 // when their launch asks for it: ops/elementwise.py `EARLY_RELEASE`, ops/gemm.py
-// `GEMV_EARLY_RELEASE`). The next kernel's blocks then take the SMs left free or freed first and
-// issue their weight loads ahead of their own wait while this kernel runs or drains. The next
+// `GEMV_EARLY_RELEASE`), and the wgmma GEMMs' staging launches (`gemm_stage_*`) right after their
+// wait (`STAGE_EARLY_RELEASE`). The next kernel's blocks then take the SMs left free or freed first
+// and issue their weight loads ahead of their own wait while this kernel runs or drains. The next
 // kernel's `wait_prior` still waits for this kernel's completion.
 #pragma once
 
