@@ -142,12 +142,25 @@ def assert_routing_matches(ids, weights, x, gate, bias, routing, tie=1e-6):
     assert np.allclose(weights[~differ], ref_w[~differ], rtol=1e-5, atol=1e-7)
 
 
+def assert_layer_matches(dev, host, x):
+    """The device layer's output against the reference layer's on the rows routed to the same
+    experts, routing checked by `assert_routing_matches`: a tie at the k-th place within fp32
+    resolution may route a row elsewhere (seen at T = 512 over 256 experts: the 6th and 7th scores
+    of a row 5.5e-8 apart relative, the row's output then off, calc_diff 2.5e-4 over the layer)."""
+    e = host.gate_weight.shape[0]
+    bias = np.zeros(e, np.float32) if host.bias is None else np.asarray(host.bias, np.float32)
+    ids, weights = (cp.asnumpy(a) for a in dev.route(cp.asarray(x)))
+    assert_routing_matches(ids, weights, x, host.gate_weight, bias, host.routing)
+    same_experts = (np.sort(ids, -1) == np.sort(host.route(x)[0], -1)).all(-1)
+    assert same_experts.sum() >= len(x) - max(1, len(x) // 100)
+    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
+    assert gref.calc_diff(y[same_experts], host(x).astype(np.float32)[same_experts]) < BOUND
+
+
 @pytest.mark.parametrize("t", [1, 3, 64, 512])
 def test_layer_matches_reference_256_experts(rng, path, t):
     dev, host = build(rng, 256, 256, 128, V4, limit=10.0)
-    x = rng.standard_normal((t, 256)).astype(BF16)
-    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
-    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+    assert_layer_matches(dev, host, rng.standard_normal((t, 256)).astype(BF16))
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
@@ -155,9 +168,7 @@ def test_layer_matches_reference_256_experts(rng, path, t):
 def test_layer_matches_reference_wide(rng, path, t, mode):
     dev, host = build(rng, 8, 4096, 512, RoutingConfig(top_k=6, score_func="sigmoid"), limit=10.0,
                       weight_before_down=False, mode=mode)
-    x = rng.standard_normal((t, 4096)).astype(BF16)
-    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
-    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+    assert_layer_matches(dev, host, rng.standard_normal((t, 4096)).astype(BF16))
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
@@ -176,9 +187,7 @@ def test_layer_with_a_shared_expert_matches_reference(rng, path, mode, t, shared
                                    or path == "sorted-shared-folded" and mode == "w4a16")
     assert dev._folds_shared(t) == folds
     assert dev._quantizes_in_blocks(t) == (mode == "w4a4" and folds and path != "small-quantize-launches")
-    x = (rng.standard_normal((t, h)) * 2).astype(BF16)
-    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
-    assert gref.calc_diff(y, host(x).astype(np.float32)) < BOUND
+    assert_layer_matches(dev, host, (rng.standard_normal((t, h)) * 2).astype(BF16))
 
 
 @pytest.mark.parametrize("t", [2, 5, 8, 9, 19])
@@ -317,15 +326,8 @@ def test_odd_shapes_match_reference(rng, path, t, e, k, routing_kw):
     tests check it: slot for slot but for pairs tied within fp32 resolution (seen at T = 4096:
     scores 0.80464011 and 0.80464013 in float64 came out swapped); the outputs on the rows routed
     to the same experts (a tie at the k-th place routes a row elsewhere, checked by its gap)."""
-    routing = RoutingConfig(top_k=k, **routing_kw)
-    dev, host = build(rng, e, 128, 64, routing)
-    x = rng.standard_normal((t, 128)).astype(BF16)
-    ids, weights = (cp.asnumpy(a) for a in dev.route(cp.asarray(x)))
-    assert_routing_matches(ids, weights, x, host.gate_weight, np.zeros(e, np.float32), routing)
-    same_experts = (np.sort(ids, -1) == np.sort(host.route(x)[0], -1)).all(-1)
-    assert same_experts.sum() >= t - max(1, t // 100)
-    y = cp.asnumpy(dev(cp.asarray(x))).astype(np.float32)
-    assert gref.calc_diff(y[same_experts], host(x).astype(np.float32)[same_experts]) < BOUND
+    dev, host = build(rng, e, 128, 64, RoutingConfig(top_k=k, **routing_kw))
+    assert_layer_matches(dev, host, rng.standard_normal((t, 128)).astype(BF16))
 
 
 def test_all_tokens_to_one_expert_and_repeat_runs_bitwise(rng, path):
