@@ -180,7 +180,6 @@ def test_wgmma_split_rule_prefers_cluster_sizes():
     assert gemm_ops.cluster_splits(1, 1, (2, 4, 8), 132) == 1
 
 
-
 @pytest.mark.parametrize("m", [65, 96, 128, 129, 256, 512, 4096])
 def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
     """Above 64 rows a wgmma launch runs token chunks of 64 rows at two blocks per SM, except where
@@ -198,6 +197,7 @@ def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
     if m in (96, 128):
         assert gemm_ops.launch_config(m, 18432, 7168, sms=132, wgmma=True).token_tiles == 16
     assert gemm_ops.launch_config(m, 4096, 2048, sms=132, wgmma=True).token_tiles == 8
+
 
 def gemv_warp_chunks(shape, n, k, block_row, split, warp):
     """gemv.cuh gemv_block: (row tile, first chunk, end chunk) of one warp of a GEMV launch."""

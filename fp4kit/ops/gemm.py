@@ -623,9 +623,10 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
 
     Splits K over more blocks until the grid has `BLOCKS_PER_SM` (`WGMMA_BLOCKS_PER_SM`) blocks
     per SM (0: `balanced_splits`), in whole activation windows and within the split-K scratch
-    (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than one
-    block holds (128) runs them as token chunks of one grid, each with its own split-K scratch;
-    above `WGMMA_CHUNK_TILES` tiles, chunks of that many tiles (``chunk_tiles``: of that many).
+    (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than
+    `WGMMA_CHUNK_TILES` token tiles hold (64) runs them as token chunks of that size in one grid,
+    each with its own split-K scratch, or as chunks of 128 rows where those split K more ways;
+    ``chunk_tiles`` fixes the chunk's token tiles.
     """
     if sms is None:
         sms = loader.current_sm_count()
