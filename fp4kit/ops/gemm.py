@@ -110,8 +110,8 @@ PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: (the mma.sync kernels at M <= 16 measured no faster with them)
 CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8), "wgmma_16x1": (2, 4, 8)}
 USE_CLUSTERS = True
-#: a wgmma launch of more rows than one block holds (token chunks of 128) splits K into the most
-#: splits that keep its grid within one wave of one block per SM; a second, partial wave costs more
+#: a wgmma launch of token chunks (`WGMMA_CHUNK_TILES`) splits K into the most splits that keep its
+#: grid within one wave (`WGMMA_CHUNK_BLOCKS_PER_SM` blocks per SM); a second, partial wave costs more
 #: than the splits save (H100, 256 rows, forced splits: 7168x2048 45.6 us in 2 splits -> 33.3 in 1,
 #: 4096x4096 43.5 in 3 -> 36.3 in 2, 2048x7168 44.8 in 5 -> 35.0 in 4; 512 rows 4096x4096 66.1 in 2
 #: -> 51.2 in 1). False: the rule below, as for one token chunk without clusters (the rule before)
