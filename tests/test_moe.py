@@ -400,6 +400,23 @@ def test_grouped_gemm_build_by_occupancy(monkeypatch):
     assert [moe_ops.grouped_kernel_name(t) for t in (1, 2, 4, 8)] == [f"moe_gemm_{{}}_{t}" for t in (1, 2, 4, 8)]
 
 
+def test_last_quantize_spread_rule(monkeypatch):
+    """W4A4 at T = 1: the last `LAST_QUANTIZE_SPREAD` blocks of the gate|up launch share its output's
+    quantization, never more than the grid's blocks nor half the blocks the GPU holds at once (the
+    sharing blocks wait for the rest, which must find room to run), never fewer than one."""
+    from fp4kit.ops import moe as moe_ops
+
+    monkeypatch.setattr(moe_ops, "LAST_QUANTIZE_SPREAD", 8)
+    assert moe_ops.last_quantize_spread(896, 924) == 8  # V4-Flash: 7 assignments x 128 one-pair blocks
+    assert moe_ops.last_quantize_spread(5, 924) == 5
+    assert moe_ops.last_quantize_spread(896, 10) == 5
+    assert moe_ops.last_quantize_spread(896, 1) == 1
+    monkeypatch.setattr(moe_ops, "LAST_QUANTIZE_SPREAD", 1)
+    assert moe_ops.last_quantize_spread(896, 924) == 1  # the last block alone
+    monkeypatch.setattr(moe_ops, "LAST_QUANTIZE_SPREAD", 0)
+    assert moe_ops.last_quantize_spread(896, 924) == 1
+
+
 def test_small_gate_up_geometry_rule(monkeypatch):
     """Up to SMALL_NARROW_MAX_TOKENS tokens 4-warp blocks: one pair each (SMALL_MANY_BLOCKS) where
     they fill one wave or their last wave at least half, else two groups in flight at the pair rule

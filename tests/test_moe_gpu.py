@@ -241,13 +241,16 @@ def test_in_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_
 
 @pytest.mark.parametrize("x_dtype", [BF16, np.float32])
 @pytest.mark.parametrize("h, with_shared", [(512, True), (512, False), (7168, True)])
-def test_last_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_dtype, h, with_shared):
+@pytest.mark.parametrize("spread", [1, 8, 10**6])
+def test_last_block_quantization_equals_the_quantize_launches(rng, monkeypatch, x_dtype, h, with_shared, spread):
     """W4A4 at T = 1: the router's last block quantizes the input and the gate|up launch's last
-    block the SwiGLU output (the routed rows and a folded shared expert's, each with its own global
-    scale), then NVFP4-activation GEMV launches read them: the codes, scales and global scales of
-    the quantize launches, so the layer's output is bit for bit that path's, and again on a second
-    call (the arrival counter is back at zero). 7168 columns: two 16-value blocks per router thread."""
+    blocks the SwiGLU output (the routed rows and a folded shared expert's, each with its own global
+    scale; the last block alone, the last 8 in shares, or every block of the grid), then
+    NVFP4-activation GEMV launches read them: the codes, scales and global scales of the quantize
+    launches, so the layer's output is bit for bit that path's, and again on a second call (the
+    arrival counter is back at zero). 7168 columns: two 16-value blocks per router thread."""
     monkeypatch.setattr(moe_layer, "QUANTIZE_IN_LAST_BLOCK", True)
+    monkeypatch.setattr(moe_ops, "LAST_QUANTIZE_SPREAD", spread)
     i = 256
     ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((i, h), (i, h), (h, i))]
     shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0) if with_shared else None

@@ -86,7 +86,9 @@ QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
 #: block of the launch that reads them. H100, V4-Flash W4A4 T = 1, same run, bit-identical: the
 #: layer 64.58 -> 63.68 us (three interleaved rounds; quantize launches apart 65.88); by kernel
 #: (traced) router 10.6 -> 8.6, down 23.7 -> 18.6, but gate|up 30.7 -> 36.2: its last block
-#: encodes the 7 rows (896 blocks of 16) with 128 threads, one L2 round trip per block of 16 each
+#: encoded the 7 rows (896 blocks of 16) with 128 threads, one L2 round trip per block of 16 each.
+#: Since then the gate|up launch's last 8 blocks share that encoding (`fp4kit.ops.moe.LAST_QUANTIZE_SPREAD`:
+#: the layer 62.4 -> 60.3 us, H100)
 QUANTIZE_IN_LAST_BLOCK = True
 #: W4A16 on the expert-sorted path with a fused W13: SwiGLU (+ clamp, + routing weight) computed in
 #: the gate|up grouped GEMM's epilogue (moe.cu ``moe_gemm_swiglu_bf16_*``, bit for bit the GEMM's

@@ -271,6 +271,14 @@ SMALL_GATE_UP_VARIANT = None
 #: in 8-warp ones (``d2c1``)
 SMALL_NARROW_MAX_TOKENS = 4
 SMALL_DOWN_VARIANT = "d1c2b4"
+#: W4A4 at T = 1 (the layer's ``quantize_out``): the last this-many blocks of the gate|up launch to
+#: finish share the quantization of its SwiGLU output for the down launch, each 1/N of the 16-value
+#: blocks (moe.cu ``LastQuantize``); 1: the last block alone (at V4-Flash widths 896 blocks of 16 in
+#: 128 threads, ~7 dependent L2 round trips each). Read at each launch; held to half the blocks the
+#: GPU holds at once (`last_quantize_spread`). The same bits whatever the count. H100, the layer at
+#: T = 1, three interleaved rounds, N = 1 / 4 / 8 / 16 / 32: V4-Flash 62.4 / 60.2 / 60.3 / 60.3 /
+#: 60.5 us, V3 124.4 / 123.7 / 123.6 / 123.7 / 123.6
+LAST_QUANTIZE_SPREAD = 8
 #: the default variants' builds without per-tile bounds tests (``<variant>w``) where K is whole scale
 #: groups (DeepSeek's H and I): 2.81 -> 2.57 SASS instructions per weight in the gate|up loop, 2.79
 #: -> 2.64 in the down loop. H200, back-to-back runs, V4-Flash: T = 1 50.8 -> 50.0 us (W4A16), 64.4 -> 63.3
@@ -377,9 +385,10 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     in the blocks with the global amax of `route_small`'s per-token maxima; each block writes the
     max |SwiGLU output| it produced to ``h_amax`` (uint32, one per block: grid x * y words) for
     `small_down`. ``quantize_out = (h_amax, done, h_act, s_act)`` (W4A4 at T = 1, ``act`` NVFP4):
-    the launch's last block to finish (``done``: uint32 [1], zero on entry and left zero) quantizes
-    the fp32 ``out`` into ``h_act`` (the routed rows) and ``s_act`` (a folded shared expert's rows,
-    or None), as two `fp4kit.ops.quant.quantize` launches would; ``h_amax`` holds a word per block.
+    the launch's last blocks to finish (`LAST_QUANTIZE_SPREAD` of them; ``done``: uint32 [1], zero
+    on entry and left zero) quantize the fp32 ``out`` into ``h_act`` (the routed rows) and ``s_act``
+    (a folded shared expert's rows, or None), as two `fp4kit.ops.quant.quantize` launches would;
+    ``h_amax`` holds a word per block.
     Returns the grid ``(x, y)``."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
     h = gs.shape[2]
@@ -406,6 +415,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
               _U32(pp), out, _I32(out.dtype == np.float32))
     grid = (_pair_blocks(inner, pp), blocks_y)
+    smem = shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2  # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     if x_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_gate_up_quant_{_suffix(act.dtype)}_{variant}")
         args = (act, x_amax, _U32(ids.shape[0]), status.device_word(), h_amax, *common)
@@ -415,11 +425,21 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
         q_amax, q_done, h_act, s_act = (None,) * 4 if quantize_out is None else quantize_out
         if quantize_out is not None and out.dtype != np.float32:
             raise TypeError(f"out: the last block quantizes fp32 SwiGLU outputs, got {out.dtype}")
-        extra = (_opt(q_amax), _opt(q_done), *_nvfp4_out(h_act), *_nvfp4_out(s_act), status.device_word())
+        spread = 0
+        if quantize_out is not None:
+            resident = loader.get_kernel(_MODULE, f"moe_small_gate_up_nvfp4_{variant}").resident_blocks(32 * warps, smem)
+            spread = last_quantize_spread(grid[0] * grid[1], resident)
+        extra = (_opt(q_amax), _opt(q_done), _U32(spread), *_nvfp4_out(h_act), *_nvfp4_out(s_act), status.device_word())
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common, nvfp4_extra=extra)
-    # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
-    kernel.launch(grid, 32 * warps, args, shared_mem=shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2)
+    kernel.launch(grid, 32 * warps, args, shared_mem=smem)
     return grid
+
+
+def last_quantize_spread(blocks: int, resident: int) -> int:
+    """How many of the last blocks of a W4A4 gate|up launch of ``blocks`` blocks share the
+    quantization of its output (`LAST_QUANTIZE_SPREAD`), at most half the ``resident`` blocks the
+    GPU holds at once: those blocks wait for the rest, which must find room to run."""
+    return max(1, min(LAST_QUANTIZE_SPREAD, blocks, resident // 2))
 
 
 def residual_norm_args(then_norm, out) -> tuple:

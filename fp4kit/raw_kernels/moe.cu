@@ -1029,19 +1029,26 @@ constexpr unsigned kSharedTokens = 8;
 // distinct banks (a multiple of 128 bytes apart, they would all hit the same ones).
 __device__ __forceinline__ unsigned staged_ld(unsigned kp) { return kp + 8; }
 
-// W4A4 at T = 1: the gate|up launch's last block to finish quantizes the fp32 SwiGLU output for
+// W4A4 at T = 1: the gate|up launch's last blocks to finish quantize the fp32 SwiGLU output for
 // the down launch, as two quantize launches would (the routed rows with the encode scale of their
 // blocks' maxima, the shared expert's rows with that of its own): once, instead of in every block
-// of the down launch. `done` counts the blocks (zero between launches; the last one resets it).
+// of the down launch. The last `spread` blocks to arrive wait for the rest and take one share of
+// the 16-value blocks each (one block alone reads them all through one SM: 57 KB of fp32 at
+// V4-Flash widths, ~7 dependent L2 round trips a thread). `done` counts the arrivals, then the
+// spread's departures (zero between launches: the last to leave resets it). The spread's blocks
+// wait only for blocks that have started or can (fewer than `spread` are missing, and the host
+// keeps `spread` to half the kernel's resident blocks), so the wait cannot hold the grid up.
 struct LastQuantize {
     unsigned* done;
+    unsigned spread;
     Nvfp4Out routed, shared;
     unsigned* status;
 };
 
-// Blocks [0, nb) of an fp32 matrix (16 values each, written by other blocks of this launch, so read
-// past L1) quantized with encode scale s; the next block's loads are in flight while one is encoded.
-__device__ void quantize_f32_blocks(const float* src, unsigned nb, float s, const Nvfp4Out& o) {
+// Blocks [b0, b1) of an fp32 matrix (16 values each, written by other blocks of this launch, so
+// read past L1) quantized with encode scale s; the next block's loads are in flight while one is
+// encoded.
+__device__ void quantize_f32_blocks(const float* src, unsigned b0, unsigned b1, float s, const Nvfp4Out& o) {
     auto fetch = [&](unsigned b) {
         Fp4Raw16<float> r;
 #pragma unroll
@@ -1049,10 +1056,10 @@ __device__ void quantize_f32_blocks(const float* src, unsigned nb, float s, cons
         return r;
     };
     Fp4Raw16<float> next;
-    if (threadIdx.x < nb) next = fetch(threadIdx.x);
-    for (unsigned b = threadIdx.x; b < nb; b += blockDim.x) {
+    if (b0 + threadIdx.x < b1) next = fetch(b0 + threadIdx.x);
+    for (unsigned b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
         const Fp4Raw16<float> cur = next;
-        if (b + blockDim.x < nb) next = fetch(b + blockDim.x);
+        if (b + blockDim.x < b1) next = fetch(b + blockDim.x);
         float v[FP4_BLOCK];
         fp4_expand16(cur, v);
         store_nvfp4_block(o, b, v, fp4_raw_abs_max_bits(cur), s);
@@ -1152,21 +1159,36 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
         if (threadIdx.x == 0) out_amax[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = v_bits;
     }
     if (!lq.done) return;
-    __shared__ unsigned last;  // this block's rows of out and its maximum published
-    if (!gpu_sync::last_to_arrive(lq.done, gridDim.x * gridDim.y, &last)) return;  // block-uniform
-    const float* h = static_cast<const float*>(out);
     const unsigned routed_blocks = gridDim.x * routed, blocks = gridDim.x * gridDim.y, kb = I / 16;
+    const unsigned spread = min(max(lq.spread, 1u), blocks);
+    __shared__ unsigned arrival;  // this block's rows of out and its maximum published with it
+    __syncthreads();
+    if (threadIdx.x == 0) arrival = gpu_sync::arrive_acq_rel(lq.done);
+    __syncthreads();
+    if (arrival < blocks - spread) return;  // block-uniform: not among the last `spread`
+    const unsigned share = arrival - (blocks - spread);
+    if (threadIdx.x == 0) {
+        while (gpu_sync::ld_acquire(lq.done) < blocks) {  // acquires every block's rows and maximum
+        }
+    }
+    __syncthreads();
+    const float* h = static_cast<const float*>(out);
     const float s = encode_scale_of_amax(block_max_of_words(out_amax, routed_blocks), lq.status);
     const float s2 = blocks > routed_blocks
                          ? encode_scale_of_amax(block_max_of_words(out_amax + routed_blocks, blocks - routed_blocks), lq.status)
                          : 1.0f;
-    if (threadIdx.x == 0) {
+    if (share == 0 && threadIdx.x == 0) {
         *lq.routed.global = s;
         if (blocks > routed_blocks) *lq.shared.global = s2;
     }
-    quantize_f32_blocks(h, routed * kb, s, lq.routed);
-    if (blocks > routed_blocks) quantize_f32_blocks(h + (size_t)routed * I, routed / top_k * kb, s2, lq.shared);
-    if (threadIdx.x == 0) *lq.done = 0u;  // every block has arrived
+    // this share of the routed rows' 16-value blocks, then of the shared expert's
+    const unsigned nr = routed * kb, nb = nr + (blocks > routed_blocks ? routed / top_k * kb : 0u);
+    const unsigned b0 = (unsigned)((unsigned long long)nb * share / spread);
+    const unsigned b1 = (unsigned)((unsigned long long)nb * (share + 1) / spread);
+    if (b0 < nr) quantize_f32_blocks(h, b0, min(b1, nr), s, lq.routed);
+    if (b1 > nr) quantize_f32_blocks(h + (size_t)routed * I, max(b0, nr) - nr, b1 - nr, s2, lq.shared);
+    // departures: the spread's last to leave (every other block has arrived) resets the count
+    if (threadIdx.x == 0 && atomicAdd(lq.done, 1u) == blocks + spread - 1u) *lq.done = 0u;
 }
 
 // Block (r, t): slots j < top_k are token t's routed assignments (activation row t * top_k + j);
@@ -1384,11 +1406,11 @@ struct StageQuantizeRows {
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_nvfp4_##VARIANT(               \
         const unsigned char* x_packed, const unsigned char* x_scales, const float* x_global, unsigned* h_amax, \
-        unsigned* h_done, unsigned char* hq_packed, unsigned char* hq_scales, float* hq_global,              \
+        unsigned* h_done, unsigned h_spread, unsigned char* hq_packed, unsigned char* hq_scales, float* hq_global, \
         unsigned char* sq_packed, unsigned char* sq_scales, float* sq_global, unsigned* status,               \
         FP4_SMALL_GATE_UP_ARGS) {                                                                         \
         FP4_SMALL_GATE_UP_CALL(D, C, W, N, (small::StageNvfp4{x_packed, x_scales, x_global, H}), h_amax,       \
-                               (small::LastQuantize{h_done, {hq_packed, hq_scales, hq_global},                \
+                               (small::LastQuantize{h_done, h_spread, {hq_packed, hq_scales, hq_global},      \
                                                     {sq_packed, sq_scales, sq_global}, status}));          \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * N, B) moe_small_gate_up_quant_bf16_##VARIANT(          \
