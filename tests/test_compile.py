@@ -228,9 +228,10 @@ _GLOBAL_OPS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UBLKCP",
                "ST"}
 # the kernels that may release the next kernel before they exit, when their launch asks for it and
 # their grid is a single wave (common/pdl.cuh): the row kernels at their start, the GEMVs once their
-# first weights are in flight, the wgmma GEMMs' staging launches right after their wait
+# first weights are in flight, the wgmma GEMMs' staging launches and the small-T MoE router right
+# after their wait
 _RELEASING = re.compile(r"^(rmsnorm_rope_bf16|rmsnorm_rope2_bf16|add_rmsnorm_bf16|embed_rmsnorm_bf16|hc_pre_norm|"
-                        r"gemm_gemv_\w+|gemm_stage_\w+)$")
+                        r"gemm_gemv_\w+|gemm_stage_\w+|moe_route_\w+)$")
 # kernels that issue their first weight loads (non-coherent, read-only) before they wait (the
 # routers: their gate weight; the residual norms: their norm weight)
 _PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
@@ -244,7 +245,9 @@ def test_pdl_kernels_wait_before_touching_memory(name):
     common/pdl.cuh, read off its SASS: it waits (ACQBULK, griddepcontrol.wait), releases the next
     kernel only by exiting (no PREEXIT) unless it is one of the kernels whose single-wave launches
     may release it once (the row kernels, the GEMVs before their wait, the wgmma staging launches
-    after theirs); before the first wait it neither writes global memory nor
+    and the small-T MoE router after theirs); before the first wait (in address order: the W4A16
+    gate|up's shared-expert blocks that run beside the router branch past it) it neither writes
+    global memory nor
     reads it, except the weight-streaming kernels' read-only (.CONSTANT) loads."""
     if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
         pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
@@ -258,8 +261,8 @@ def test_pdl_kernels_wait_before_touching_memory(name):
             assert ops.count("PREEXIT") == 1, f"{kernel}: expected one conditional release of the next kernel"
             if kernel.startswith("gemm_gemv_"):  # with its first weights in flight, before its wait
                 assert ops.index("PREEXIT") < first_wait, f"{kernel}: releases the next kernel after its wait"
-            if kernel.startswith("gemm_stage_"):  # its GEMM, once the activation is final
-                assert ops.index("PREEXIT") > first_wait, f"{kernel}: releases its GEMM before its wait"
+            if kernel.startswith(("gemm_stage_", "moe_route_")):  # once its input is final
+                assert ops.index("PREEXIT") > first_wait, f"{kernel}: releases the next kernel before its wait"
         else:
             assert "PREEXIT" not in ops, f"{kernel}: releases the next kernel before its blocks exit"
         early = [(op, rest) for _, op, rest in code[:first_wait] if op in _GLOBAL_OPS]

@@ -281,6 +281,56 @@ def test_last_block_quantization_equals_the_quantize_launches(rng, monkeypatch, 
     assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
+@pytest.mark.parametrize("h, e", [(512, 32), (4096, 256)])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_shared_expert_beside_the_router_gives_the_same_bits(rng, monkeypatch, capture_stream, h, e, t):
+    """W4A16, a folded shared expert: the router launch releases the gate|up launch after its own
+    wait and the shared expert's blocks, first in launch order, run without waiting
+    (`SHARED_EXPERT_BESIDE_ROUTER`). Eager and in a CUDA graph (where the launches overlap), with
+    new inputs at each replay, the output is bit for bit that of the launches in order, and
+    matches the reference layer."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    i = 256
+    ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((i, h), (i, h), (h, i))]
+    dev_shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode="w4a16")
+    host_shared = SharedExpert.from_float(*ws, limit=7.0, mode="w4a16")
+    dev, host = build(rng, e, h, i, V4, limit=10.0, mode="w4a16", shared=dev_shared, host_shared=host_shared)
+    assert dev._folds_shared(t)
+    released = []
+    route_small = moe_ops.route_small
+    monkeypatch.setattr(moe_ops, "route_small", lambda *a, **k: released.append(route_small(*a, **k)) or released[-1])
+
+    def in_order(xn):  # the output's bits with the launches in order, on the host
+        monkeypatch.setattr(moe_layer, "SHARED_EXPERT_BESIDE_ROUTER", False)
+        out = cp.asnumpy(dev(cp.asarray(xn))).view(np.uint16)
+        monkeypatch.setattr(moe_layer, "SHARED_EXPERT_BESIDE_ROUTER", True)
+        assert released[-1] is False
+        return out
+
+    xn = (rng.standard_normal((t, h)) * 2).astype(BF16)
+    beside = cp.asnumpy(dev(cp.asarray(xn))).view(np.uint16)
+    assert released[-1] is True
+    assert np.abs(beside.view(BF16).astype(np.float32)).max() > 0
+    assert np.array_equal(beside, in_order(xn))
+    assert_layer_matches(dev, host, xn)
+    x = cp.zeros((t, h), BF16)
+    y = dev(x)
+    stream = capture_stream()
+    with stream:
+        stream.begin_capture()
+        dev(x)
+        graph = stream.end_capture()
+    assert released[-1] is True
+    for _ in range(3):
+        xn = (rng.standard_normal((t, h)) * 2).astype(BF16)
+        x.set(xn, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        got = cp.asnumpy(y).view(np.uint16)
+        with cp.cuda.Stream(non_blocking=True):
+            assert np.array_equal(got, in_order(xn))
+
+
 def test_routed_ids_are_those_of_the_last_call(rng, path):
     """`MoE.routed_ids` (what the decode benchmark counts experts from) on either path."""
     dev, _ = build(rng, 32, 256, 128, V4, limit=10.0)

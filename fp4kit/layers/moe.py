@@ -90,6 +90,12 @@ QUANTIZE_IN_BLOCKS_MAX_TOKENS = 1
 #: Since then the gate|up launch's last 8 blocks share that encoding (`fp4kit.ops.moe.LAST_QUANTIZE_SPREAD`:
 #: the layer 62.4 -> 60.3 us, H100)
 QUANTIZE_IN_LAST_BLOCK = True
+#: W4A16 on the small-T path with the shared expert folded in: the router launch releases the
+#: gate|up launch right after its own wait (its grid a single wave), and the shared expert's gate|up
+#: blocks, first in launch order, run whole while the router works (`fp4kit.ops.moe.small_gate_up`
+#: ``shared_first``): the router's serial tail (the last block's scores and top-k) leaves the memory
+#: system idle, and the routed blocks then stream one expert's weights fewer. Same bits either way.
+SHARED_EXPERT_BESIDE_ROUTER = True
 #: W4A16 on the expert-sorted path with a fused W13: SwiGLU (+ clamp, + routing weight) computed in
 #: the gate|up grouped GEMM's epilogue (moe.cu ``moe_gemm_swiglu_bf16_*``, bit for bit the GEMM's
 #: bf16 output through the SwiGLU kernel) instead of writing ``h [pairs, 2I]`` and a SwiGLU launch:
@@ -665,10 +671,14 @@ class MoE:
         one more expert (`_folds_shared`) or runs on its own. W4A4 quantizes the input and the
         SwiGLU output in the last block to finish of the launch before the one that reads them
         (`_quantizes_in_last_block`), inside the GEMV launches (`_quantizes_in_blocks`, from the
-        previous launch's maxima) or with launches of their own."""
+        previous launch's maxima) or with launches of their own. W4A16 runs a folded shared
+        expert's gate|up beside the router (`SHARED_EXPERT_BESIDE_ROUTER`)."""
         last_block = plan.h_done is not None
-        moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing, plan.ids,
-                            plan.weights, plan.logits, plan.done, plan.x_amax, plan.x_act if last_block else None)
+        beside = (SHARED_EXPERT_BESIDE_ROUTER and plan.fold and self.mode == "w4a16" and not last_block
+                  and plan.x_amax is None)
+        released = moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing,
+                                       plan.ids, plan.weights, plan.logits, plan.done, plan.x_amax,
+                                       plan.x_act if last_block else None, release_next=beside)
         if self.fused:
             gate, up = (self.w13, 2, 0), (self.w13, 2, 1)
         else:
@@ -700,7 +710,8 @@ class MoE:
             s_act = quant_ops.quantize(plan.h_f32[routed:], out=plan.hs_act) if fold else None
         else:
             act = x
-            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_act, shared=first)
+            moe_ops.small_gate_up(act, gate, up, plan.ids, row_scale, self.limit, plan.h_act, shared=first,
+                                  shared_first=released)
             h_act, s_act = plan.h_act, None
         second = (sh.down.weight, sh.down.row_decode, s_act) if fold else None
         shared_out = None if fold else self._shared(x, act)

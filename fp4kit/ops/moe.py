@@ -82,13 +82,18 @@ def _dispatch_args(dispatch_into, pairs: int) -> tuple:
             plan.row_weight)
 
 
-def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax, x_act=None) -> None:
+def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, logits, done, x_amax, x_act=None, *,
+                release_next: bool = False) -> bool:
     """The small-T path's router in one launch (`moe_route_*`): the logits, then the last block of
     each token runs the router for it (``done [T]`` uint32, zero on entry and left zero) and, with
     ``x_amax [T]`` (uint32, W4A4), writes the token's max |x| for the next launch's in-block
     quantization, or with ``x_act`` (an `Nvfp4Tensor` [1, H], W4A4 at T = 1, H <= 8192) writes x
     quantized to NVFP4 as `fp4kit.ops.quant.quantize` would. No tickets: the small-T path reads the
-    ids directly."""
+    ids directly.
+
+    ``release_next``: the launch releases the next one on the stream right after its own wait for
+    the one before (common/pdl.cuh), where its grid is a single wave; for a `small_gate_up` with
+    ``shared_first`` to run its shared expert beside the router. Returns whether it does."""
     t, h = x.shape
     if x_act is not None and (t != 1 or h > ROUTER_QUANTIZE_MAX_HIDDEN or h % 16):
         raise ValueError(f"x_act: the router quantizes one token of at most {ROUTER_QUANTIZE_MAX_HIDDEN} values "
@@ -99,12 +104,16 @@ def route_small(x, gate_weight, bias, token_ids, tid2eid, cfg, ids, weights, log
             raise TypeError(f"{name}: expected bfloat16 or float32, got {a.dtype}")
     kernel = loader.get_kernel(_MODULE, f"moe_route_{_suffix(x.dtype)}_{_suffix(gate_weight.dtype)}")
     wpe = router_warps_per_expert(h, e, t, loader.current_sm_count())
-    kernel.launch((-(-e // (8 // wpe)), t), 256, (
+    grid = (-(-e // (8 // wpe)), t)
+    # a waiting block of the next launch must never hold a slot one of this launch's blocks needs
+    release_next = bool(release_next) and grid[0] * grid[1] <= kernel.resident_blocks(256)
+    kernel.launch(grid, 256, (
         x, gate_weight, _U32(e), _U32(h), _U32(wpe), logits, done, _opt(x_amax), *_nvfp4_out(x_act), _opt(bias),
         _opt(token_ids), _opt(tid2eid),
         _U32(0 if tid2eid is None else tid2eid.shape[0]), status.device_word(), _U32(cfg.top_k),
         _I32(SCORE_FUNC_CODES[cfg.score_func]), _U32(cfg.n_group), _U32(cfg.topk_group), _I32(cfg.renormalize),
-        np.float32(cfg.routed_scale), ids, weights))
+        np.float32(cfg.routed_scale), ids, weights, _I32(release_next)))
+    return release_next
 
 
 #: the widest row the router's last block quantizes (moe.cu block_quantize_row: two 16-value blocks
@@ -368,7 +377,7 @@ def _weight_rows(w, step: int = 1, first: int = 0) -> tuple:
 
 
 def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_amax=None, h_amax=None,
-                  quantize_out=None) -> tuple:
+                  quantize_out=None, shared_first: bool = False) -> tuple:
     """The small-T path's first launch: for every (token, slot) assignment ``a`` of ``ids [T, top_k]``,
     ``out[a] = swiglu(gate_e(x_t), up_e(x_t))`` (bf16-rounded GEMM outputs, optional clamp ``limit``
     and row factor ``row_scale [T * top_k]``) with ``e = ids[a]``; fp32 ``out`` for the W4A4 quantize
@@ -389,8 +398,16 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
     on entry and left zero) quantize the fp32 ``out`` into ``h_act`` (the routed rows) and ``s_act``
     (a folded shared expert's rows, or None), as two `fp4kit.ops.quant.quantize` launches would;
     ``h_amax`` holds a word per block.
+
+    ``shared_first`` (W4A16 with a shared expert): its blocks come first in launch order and do not
+    wait for the launch before; only right after a `route_small` over the same ``act`` that
+    released this launch (``release_next``), on the same stream: the router's wait has made ``act``
+    final, and the shared expert's weights stream while the router works.
     Returns the grid ``(x, y)``."""
     (gs, g_step, g_first), (us, u_step, u_first) = gate, up
+    if shared_first and (shared is None or isinstance(act, Nvfp4Tensor) or x_amax is not None):
+        raise ValueError("shared_first: needs a shared expert and a bf16 activation staged as it is "
+                         "(W4A16: no NVFP4 act, no x_amax)")
     h = gs.shape[2]
     inner = out.shape[1]
     routed = ids.size
@@ -413,7 +430,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
-              _U32(pp), out, _I32(out.dtype == np.float32))
+              _U32(pp), out, _I32(out.dtype == np.float32), _I32(shared_first))
     grid = (_pair_blocks(inner, pp), blocks_y)
     smem = shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2  # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     if x_amax is not None:

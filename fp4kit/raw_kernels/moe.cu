@@ -237,7 +237,8 @@ __device__ void block_quantize_row(const T* x, unsigned nb, const Nvfp4Out& o, u
 // weight (a constant of the layer) are loaded before the wait for the kernel before (pdl), which
 // wrote x.
 template <typename XT, typename WT>
-__device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits) {
+__device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits,
+                              bool release = false) {
     __shared__ float slice_sum[kRouterThreads / 32];
     const unsigned t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned e = blockIdx.x * (kRouterThreads / 32 / wpe) + warp / wpe, slice = warp % wpe;
@@ -254,6 +255,9 @@ __device__ void router_logits(const XT* x, const WT* gate_w, unsigned E, unsigne
     };
     if (runs && e < E) load_weights(k_lo + 8 * lane);
     pdl::wait_prior();
+    // the small-T gate|up launch's shared-expert blocks then run while this launch does (their
+    // input x is final: the wait above returned); only a single-wave grid is released early
+    if (release) pdl::release_next();
     float acc = 0.0f;
     if (e < E) {  // warp-uniform; no return before the block barrier below
         if (runs) {
@@ -467,15 +471,18 @@ extern "C" __global__ void __launch_bounds__(kRouterThreads) moe_router(
 // moe_route_<x>_<w>: the small-T path's first launch, grid (ceil(E / 8), T), 256 threads. The
 // logits of moe_router_logits; the last block of a token to finish (a per-token counter it then
 // resets) runs the router for that token and writes the token's max |x| as fp32 bits to
-// x_amax[t] (the W4A4 input's amax, reduced over the tokens by the next launch).
+// x_amax[t] (the W4A4 input's amax, reduced over the tokens by the next launch). `release`
+// (single-wave grids only, common/pdl.cuh): the next launch is released right after the wait, for
+// the gate|up launch's shared-expert blocks (shared_first) to run beside this one.
 template <typename XT, typename WT>
 __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done,
                             unsigned* x_amax, Nvfp4Out x_q, const float* bias, const int* token_ids, const int* tid2eid,
                             unsigned vocab, unsigned* status, unsigned top_k, int score_func, unsigned n_group,
-                            unsigned topk_group, int renormalize, float routed_scale, int* ids, float* weights) {
+                            unsigned topk_group, int renormalize, float routed_scale, int* ids, float* weights,
+                            int release) {
     __shared__ unsigned last;
     const unsigned t = blockIdx.y;
-    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);
+    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits, release != 0);
     if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform
     router(logits, bias, token_ids, tid2eid, vocab, status, E, top_k, score_func, n_group, topk_group, renormalize,
            routed_scale, ids, weights, nullptr, nullptr, t);
@@ -496,9 +503,9 @@ __device__ void route_fused(const XT* x, const WT* gate_w, unsigned E, unsigned 
         const XT* x, const WT* gate_w, unsigned E, unsigned H, unsigned wpe, float* logits, unsigned* done, unsigned* x_amax, \
         unsigned char* xq_packed, unsigned char* xq_scales, float* xq_global, const float* bias, const int* token_ids, const int* tid2eid, unsigned vocab, unsigned* status,     \
         unsigned top_k, int score_func, unsigned n_group, unsigned topk_group, int renormalize, float routed_scale, \
-        int* ids, float* weights) {                                                                       \
+        int* ids, float* weights, int release) {                                                          \
         route_fused<XT, WT>(x, gate_w, E, H, wpe, logits, done, x_amax, Nvfp4Out{xq_packed, xq_scales, xq_global}, bias, token_ids, tid2eid, vocab, status, top_k, \
-                            score_func, n_group, topk_group, renormalize, routed_scale, ids, weights);   \
+                            score_func, n_group, topk_group, renormalize, routed_scale, ids, weights, release); \
     }
 
 FP4_DEFINE_ROUTE(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
@@ -838,7 +845,10 @@ extern "C" __global__ void __launch_bounds__(rownorm::kThreads) moe_combine(
 //                  (W4A16) for the down projection.
 //                  A folded shared expert's blocks take up to 8 tokens each, one per column of the
 //                  MMA's 8 (a routed block repeats its one token there), so its weights are streamed
-//                  once for up to 8 tokens with the same instructions.
+//                  once for up to 8 tokens with the same instructions. With shared_first (W4A16,
+//                  launched right after a moe_route_* launch that releases it early) the shared
+//                  expert's blocks come first and run whole while the router works: its weights
+//                  stream while the router's serial tail leaves the memory system idle.
 //   moe_small_down_{bf16,nvfp4}     grid (H / 16, T), 256 threads: block (r, t) computes output rows
 //                  16r .. 16r + 15 of token t: warp j the down projection of slot j (full K, as the
 //                  grouped GEMM's warps do), then the weighted sum over the slots in slot order (the
@@ -1074,13 +1084,21 @@ template <int D, int C, bool kWhole, int kBlockWarps, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
-                        int out_f32) {
+                        int out_f32, int shared_first) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ float partial[kBlockWarps][2][kSharedTokens][16];
     __shared__ unsigned table[256];
-    const unsigned a = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // shared_first: the shared expert's blocks come first in launch order (rows y < s_blocks), so
+    // they are the ones resident while the router runs (see `early`); else they come last
+    const unsigned s_blocks = gridDim.y - routed;
+    const unsigned a = !shared_first ? blockIdx.y : blockIdx.y < s_blocks ? routed + blockIdx.y : blockIdx.y - s_blocks;
     const bool shared = a >= routed;  // block-uniform
+    // early: a shared-expert block of a launch the router released right after its own wait (the
+    // layer input is final then, and nothing this block reads or writes is the router's) runs whole
+    // while the router works, without waiting; its input comes through L2 (cp.async.cg)
+    const bool early = Stage::kLayerInput && shared_first && shared;
     // this block's tokens: first, first + 1, ... (count of them)
     const unsigned first = shared ? (a - routed) * kSharedTokens : a / top_k;
     const unsigned count = shared ? min(kSharedTokens, routed / top_k - first) : 1u;
@@ -1105,7 +1123,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
     gemv.c1 = min(chunks, gemv.c0 + per_warp);
     gemv.policy = gemm::evict_first_policy();
     gemv.prime();
-    if (shared) pdl::wait_prior();  // the shared expert's first weights are in flight by now
+    if (shared && !early) pdl::wait_prior();  // the shared expert's first weights are in flight by now
     stage.prepare(table);
     __syncthreads();
     const unsigned kp = chunks * gemm::kTileK, ld = staged_ld(kp);
@@ -1156,7 +1174,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
     }
     if (out_amax) {  // W4A4: one max per block, plain stores
         v_bits = block_max_bits(v_bits);
-        if (threadIdx.x == 0) out_amax[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = v_bits;
+        if (threadIdx.x == 0) out_amax[(size_t)a * gridDim.x + blockIdx.x] = v_bits;
     }
     if (!lq.done) return;
     const unsigned routed_blocks = gridDim.x * routed, blocks = gridDim.x * gridDim.y, kb = I / 16;
@@ -1265,6 +1283,9 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
 // bf16), by the whole block; `a_dec(shared)` is the 1 / S_a of the epilogue (the shared expert's
 // rows of a down-projection input may have their own). bf16: one buffer for every row, 1 / S_a = 1.
 struct StageBf16 {
+    // in gate_up: the layer input staged as it is, nothing from the router (the other stagers read
+    // the router's quantization or maxima)
+    static constexpr bool kLayerInput = true;
     const __nv_bfloat16* x;
     unsigned K;
     __device__ __forceinline__ void prepare(unsigned*) {}
@@ -1280,6 +1301,7 @@ struct StageBf16 {
 // An NVFP4 activation quantized by its own launch; rows from `split` on (the shared expert's) are a
 // tensor of their own with its own global scale.
 struct StageNvfp4 {
+    static constexpr bool kLayerInput = false;
     const unsigned char* packed;
     const unsigned char* scales;
     const float* global;
@@ -1330,6 +1352,7 @@ __device__ __forceinline__ void quantize_row(const T* src, float s, unsigned K, 
 // the max over the tokens of the per-token maxima the route launch wrote.
 template <typename T>
 struct StageQuantize {
+    static constexpr bool kLayerInput = false;
     const T* x;
     unsigned K;
     const unsigned* x_amax;  // [tokens]
@@ -1350,6 +1373,7 @@ struct StageQuantize {
 // the routed rows with the amax of the routed blocks' maxima, the shared expert's rows (from
 // `split` on) with that of its own blocks.
 struct StageQuantizeRows {
+    static constexpr bool kLayerInput = false;
     const float* h;
     unsigned K;
     const unsigned* h_amax;  // per first-launch block: the routed blocks, then the shared expert's
@@ -1379,11 +1403,11 @@ struct StageQuantizeRows {
 #define FP4_SMALL_GATE_UP_ARGS                                                                            \
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
-        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32
+        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32, int shared_first
 #define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX, LQ)                                          \
     small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, LQ, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
-                         H, I, pairs_per_block, out, out_f32)
+                         H, I, pairs_per_block, out, out_f32, shared_first)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
