@@ -1179,10 +1179,9 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
     if (!lq.done) return;
     const unsigned routed_blocks = gridDim.x * routed, blocks = gridDim.x * gridDim.y, kb = I / 16;
     const unsigned spread = min(max(lq.spread, 1u), blocks);
-    __shared__ unsigned arrival;  // this block's rows of out and its maximum published with it
-    __syncthreads();
-    if (threadIdx.x == 0) arrival = gpu_sync::arrive_acq_rel(lq.done);
-    __syncthreads();
+    __shared__ unsigned slot;
+    // this block's rows of out and its maximum published with its arrival
+    const unsigned arrival = gpu_sync::block_arrive(lq.done, &slot);
     if (arrival < blocks - spread) return;  // block-uniform: not among the last `spread`
     const unsigned share = arrival - (blocks - spread);
     if (threadIdx.x == 0) {

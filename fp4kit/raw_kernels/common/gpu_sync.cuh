@@ -31,9 +31,18 @@ __device__ __forceinline__ unsigned arrive_acq_rel(unsigned* p, unsigned v = 1u)
     return old;
 }
 
-// Called by every thread of a block after its writes: true (block-uniform) in the block whose
-// arrival makes the count reach n; that block then sees what every counted block wrote. One
-// thread's acquiring-releasing atomic behind a block barrier; `flag` is a shared word.
+// Called by every thread of a block after its writes: the count before this block's arrival
+// (block-uniform); the block then sees what every block counted before it wrote. One thread's
+// acquiring-releasing atomic behind a block barrier; `slot` is a shared word.
+__device__ __forceinline__ unsigned block_arrive(unsigned* counter, unsigned* slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) *slot = arrive_acq_rel(counter);
+    __syncthreads();
+    return *slot;
+}
+
+// The same arrival, true (block-uniform) in the block whose arrival makes the count reach n; that
+// block then sees what every counted block wrote. `flag` (a shared word) holds the answer after.
 __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned n, unsigned* flag) {
     __syncthreads();
     if (threadIdx.x == 0) *flag = arrive_acq_rel(counter) == n - 1u;
