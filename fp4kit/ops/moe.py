@@ -280,10 +280,6 @@ SMALL_GATE_UP_VARIANT = None
 #: in 8-warp ones (``d2c1``)
 SMALL_NARROW_MAX_TOKENS = 4
 SMALL_DOWN_VARIANT = "d1c2b4"
-#: weight groups (4 tiles of 64 K each) a warp of the small-T launches requests into L2 ahead of
-#: loading them into registers (moe.cu `WarpGemv::l2_ahead`), for (gate|up, down); 0: none. Read at
-#: each launch; the same bits at any value
-SMALL_L2_AHEAD = (0, 0)
 #: W4A4 at T = 1 (the layer's ``quantize_out``): the last this-many blocks of the gate|up launch to
 #: finish share the quantization of its SwiGLU output for the down launch, each 1/N of the 16-value
 #: blocks (moe.cu ``LastQuantize``); 1: the last block alone (at V4-Flash widths 896 blocks of 16 in
@@ -434,7 +430,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
-              _U32(pp), out, _I32(out.dtype == np.float32), _I32(shared_first), _U32(SMALL_L2_AHEAD[0]))
+              _U32(pp), out, _I32(out.dtype == np.float32), _I32(shared_first))
     grid = (_pair_blocks(inner, pp), blocks_y)
     smem = shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2  # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     if x_amax is not None:
@@ -493,7 +489,7 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     routed = ids.size
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
-              _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner), _U32(SMALL_L2_AHEAD[1]))
+              _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
     variant = _whole_variant(SMALL_DOWN_VARIANT, inner)
     if h_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{variant}")
