@@ -40,8 +40,8 @@ MARKS = {
     "gate_up": (
         ("    if (!shared) pdl::wait_prior();  // a routed",
          "    PHASE(0);\n    if (!shared) pdl::wait_prior();\n    PHASE(1);  // a routed"),
-        ("    gemv.prime();\n    if (shared) pdl::wait_prior();",
-         "    gemv.prime();\n    if (shared) pdl::wait_prior();\n    PHASE(2);"),
+        ("    gemv.prime();\n    if (shared && !early) pdl::wait_prior();",
+         "    gemv.prime();\n    if (shared && !early) pdl::wait_prior();\n    PHASE(2);"),
         ("    settle();\n    __syncthreads();\n    float acc[2][4] = {};",
          "    settle();\n    __syncthreads();\n    PHASE(3);\n    float acc[2][4] = {};"),
         ("    gemv.run(act_s + (size_t)row_of_lane * ld, acc);\n",

@@ -29,9 +29,9 @@ PHASES = ("entry", "waited", "logits", "last", "loaded", "picked", "routed", "en
 MARKS = (
     ("    if (runs && e < E) load_weights(k_lo + 8 * lane);\n    pdl::wait_prior();\n",
      "    PHASE(0);\n    if (runs && e < E) load_weights(k_lo + 8 * lane);\n    pdl::wait_prior();\n    PHASE(1);\n"),
-    ("    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);\n"
+    ("    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits, release != 0);\n"
      "    if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform\n",
-     "    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits);\n    PHASE(2);\n"
+     "    router_logits<XT, WT>(x, gate_w, E, H, wpe, logits, release != 0);\n    PHASE(2);\n"
      "    if (!gpu_sync::last_to_arrive(done + t, gridDim.x, &last)) return;  // block-uniform\n    PHASE(3);\n"),
     ("        select[e] = bias ? bias[e] : 0.0f;\n    }\n    __syncthreads();\n",
      "        select[e] = bias ? bias[e] : 0.0f;\n    }\n    __syncthreads();\n    PHASE(4);\n"),
