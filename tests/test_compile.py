@@ -5,6 +5,8 @@ import functools
 import importlib.util
 import itertools
 import re
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -300,3 +302,27 @@ def test_blocks_meet_through_gpu_sync_without_a_second_fence():
         assert "__threadfence()" not in text, f"{path.name}: use gpu_sync::last_to_arrive / arrive_acq_rel"
         assert not _SPIN_THEN_FENCE.search(text), f"{path.name}: a fence after a spin on gpu_sync::ld_acquire"
     assert "atom.add.acq_rel.gpu" in (loader.KERNEL_DIR / "common" / "gpu_sync.cuh").read_text()
+
+
+@needs_cupy
+def test_small_moe_gemv_builds_keep_no_stack_frame():
+    """The small-T MoE GEMV builds the layer launches at DeepSeek widths (whole-group K, bf16 or
+    NVFP4 activations) keep their weight pointers and buffers in registers: a stack frame (local
+    memory) in these loops made the layer ≈ 40 % slower at T = 1 (an L2-request helper that indexed
+    the row pointers by lane: `cuobjdump -res-usage` STACK:208). The in-block quantization builds
+    spill a few words at their register cap; they are not checked here."""
+    from fp4kit.ops import moe as moe_ops
+
+    tool = _gemm_sass().find_tool("cuobjdump")
+    if not tool:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(_cubin("moe", "sm_90a") + b"\0")  # CuPy's compile path drops the ELF's last byte
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"Function (moe_small_(?:gate_up|down)_(?:bf16|nvfp4)_\w+w):\s*\n\s*(REG:\d+ STACK:\d+ [^\n]*)", out))
+    launched = {f"moe_small_{launch}_{kind}_{variant}w" for kind in ("bf16", "nvfp4")
+                for launch, variant in [("down", moe_ops.SMALL_DOWN_VARIANT)] + [("gate_up", v) for v in moe_ops.SMALL_GATE_UP_GEOMETRY]}
+    assert launched <= set(usage), sorted(launched - set(usage))
+    framed = {k: v for k, v in usage.items() if k in launched and ("STACK:0 " not in v or "LOCAL:0 " not in v)}
+    assert not framed, framed

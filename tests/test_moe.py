@@ -527,3 +527,14 @@ def test_status_has_the_moe_dispatch_flag():
     from fp4kit.runtime import status
 
     assert status.MOE_DISPATCH == 512 and "MoE dispatch" in status.FLAG_NAMES[status.MOE_DISPATCH]
+
+
+def test_small_l2_ahead_rule(monkeypatch):
+    """The small-T launches request weight groups into L2 ahead (`SMALL_L2_AHEAD`) only up to
+    `SMALL_L2_AHEAD_MAX_TOKENS` tokens; above, none."""
+    from fp4kit.ops import moe as moe_ops
+
+    monkeypatch.setattr(moe_ops, "SMALL_L2_AHEAD", (2, 3))
+    monkeypatch.setattr(moe_ops, "SMALL_L2_AHEAD_MAX_TOKENS", 4)
+    assert moe_ops.small_l2_ahead(1) == moe_ops.small_l2_ahead(4) == (2, 3)
+    assert moe_ops.small_l2_ahead(5) == (0, 0)

@@ -331,6 +331,30 @@ def test_shared_expert_beside_the_router_gives_the_same_bits(rng, monkeypatch, c
             assert np.array_equal(got, in_order(xn))
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("t", [1, 8])
+@pytest.mark.parametrize("ahead", [(1, 2), (3, 7), (50, 50)])
+def test_l2_requests_ahead_give_the_same_bits(rng, monkeypatch, mode, t, ahead):
+    """The small-T launches' warps requesting weight groups into L2 ahead of their loads
+    (`SMALL_L2_AHEAD`; 50: past every warp's last group, the requests stop at its range): the
+    layer's output bit for bit that without, with a folded shared expert, K of whole groups (512)
+    and not (272: the last group part-filled)."""
+    monkeypatch.setattr(moe_layer, "SMALL_MAX_ASSIGNMENTS", 1 << 30)
+    monkeypatch.setattr(moe_ops, "SMALL_L2_AHEAD_MAX_TOKENS", 1 << 30)
+    for h, i in ((512, 256), (272, 144)):
+        ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in ((i, h), (i, h), (h, i))]
+        shared = SharedExpert.from_float(*(cp.asarray(w) for w in ws), limit=7.0, mode=mode)
+        dev, _ = build(rng, 32, h, i, V4, limit=10.0, mode=mode, shared=shared)
+        assert dev._small(t)
+        x = cp.asarray((rng.standard_normal((t, h)) * 2).astype(BF16))
+        monkeypatch.setattr(moe_ops, "SMALL_L2_AHEAD", (0, 0))
+        base = cp.asnumpy(dev(x)).view(np.uint16)
+        monkeypatch.setattr(moe_ops, "SMALL_L2_AHEAD", ahead)
+        got = cp.asnumpy(dev(x)).view(np.uint16)
+        assert np.abs(base.view(BF16).astype(np.float32)).max() > 0
+        assert np.array_equal(got, base), (h, i)
+
+
 def test_routed_ids_are_those_of_the_last_call(rng, path):
     """`MoE.routed_ids` (what the decode benchmark counts experts from) on either path."""
     dev, _ = build(rng, 32, 256, 128, V4, limit=10.0)

@@ -280,6 +280,21 @@ SMALL_GATE_UP_VARIANT = None
 #: in 8-warp ones (``d2c1``)
 SMALL_NARROW_MAX_TOKENS = 4
 SMALL_DOWN_VARIANT = "d1c2b4"
+#: weight groups (4 tiles of 64 K each) a warp of the small-T launches requests into L2 ahead of
+#: loading them into registers (moe.cu `WarpGemv::l2_ahead`), for (gate|up, down), up to
+#: `SMALL_L2_AHEAD_MAX_TOKENS` tokens; 0: none. Read at each launch; the same bits at any value.
+#: H100, V4-Flash at T = 1, one process, two runs of two interleaved rounds, (gate|up, down) = (0, 0)
+#: / (0, 1) / (0, 2) / (0, 3) / (0, 4): W4A16 48.2 / 46.6 / 47.6 / 48.8 / 49.3 us, W4A4 59.7 / 58.6 /
+#: 59.7 / 60.8 / 61.3; ahead in gate|up slower ((1, 0) 49.4, (1, 2) 50.3, (3, 7) 55.2): a wave of
+#: either launch touches more weight than L2 holds, so requests far ahead evict what is needed now
+SMALL_L2_AHEAD = (0, 1)
+#: measured at T = 1 only; larger T keeps (0, 0) until measured
+SMALL_L2_AHEAD_MAX_TOKENS = 1
+
+
+def small_l2_ahead(tokens: int) -> tuple[int, int]:
+    """`SMALL_L2_AHEAD` for a call of ``tokens`` tokens: (0, 0) above `SMALL_L2_AHEAD_MAX_TOKENS`."""
+    return SMALL_L2_AHEAD if tokens <= SMALL_L2_AHEAD_MAX_TOKENS else (0, 0)
 #: W4A4 at T = 1 (the layer's ``quantize_out``): the last this-many blocks of the gate|up launch to
 #: finish share the quantization of its SwiGLU output for the down launch, each 1/N of the 16-value
 #: blocks (moe.cu ``LastQuantize``); 1: the last block alone (at V4-Flash widths 896 blocks of 16 in
@@ -430,7 +445,7 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
               *_weight_rows(s_up, 2, 1), ids, _opt(row_scale), _U32(ids.shape[1]), _U32(routed),
               np.float32(0.0 if limit is None else limit), _I32(limit is not None),
               np.float32(0.0 if s_limit is None else s_limit), _I32(s_limit is not None), _U32(h), _U32(inner),
-              _U32(pp), out, _I32(out.dtype == np.float32), _I32(shared_first))
+              _U32(pp), out, _I32(out.dtype == np.float32), _I32(shared_first), _U32(small_l2_ahead(tokens)[0]))
     grid = (_pair_blocks(inner, pp), blocks_y)
     smem = shared_rows * (_tile_chunks(h) * TILE_K + 8) * 2  # the staged rows, Kp + 8 bf16 apart (moe.cu staged_ld)
     if x_amax is not None:
@@ -489,7 +504,8 @@ def small_down(act, stack, ids, weights, weighted: bool, shared_out, out, *, sha
     routed = ids.size
     s_weight, s_act = (None, None) if shared is None else ((shared[0], shared[1]), shared[2])
     common = (*_weight_rows(stack), *_weight_rows(s_weight), _I32(shared is not None), ids, weights, _I32(weighted),
-              _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner))
+              _U32(top_k), _U32(routed), _opt(shared_out), out, _U32(h), _U32(inner),
+              _U32(small_l2_ahead(ids.shape[0])[1]))
     variant = _whole_variant(SMALL_DOWN_VARIANT, inner)
     if h_amax is not None:
         kernel = loader.get_kernel(_MODULE, f"moe_small_down_quant_{variant}")

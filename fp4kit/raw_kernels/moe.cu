@@ -927,7 +927,22 @@ struct WarpGemv {
     const uint2* scales[R];
     unsigned c0, c1;
     unsigned long long policy;
+    // groups requested into L2 ahead of their register fetch (0: none): a warp's later groups
+    // then come from L2 instead of each waiting a DRAM round trip in turn
+    unsigned l2_ahead = 0;
     Group buf[D];
+
+    // the group at chunk c into L2: lanes 0-15 the codes of row 0, 16-31 those of row 1 (row 0
+    // again for R = 1), one 128-byte line each; lanes < 2R the scale words
+    __device__ __forceinline__ void l2_prefetch(unsigned c) const {
+        if (c >= c1) return;
+        // the row by a select, not an index: a lane-indexed pointer array would live in local memory
+        const unsigned lane = threadIdx.x & 31, j = (lane >> 2) & 3u;
+        const bool second = R > 1 && (lane & 16u);
+        if (kWhole || c + j < c1) gemm::prefetch_l2((second ? codes[R - 1] : codes[0]) + (c + j) * 32 + (lane & 3u) * 8);
+        if (lane < 2 * R)
+            gemm::prefetch_l2(((R > 1 && lane >= 2) ? scales[R - 1] : scales[0]) + c / gemm::kGroupChunks * 32 + (lane & 1u) * 16);
+    }
 
     __device__ __forceinline__ void fetch(Group& grp, unsigned c) {
         const unsigned lane = threadIdx.x & 31;
@@ -946,6 +961,7 @@ struct WarpGemv {
 #pragma unroll
         for (int d = 0; d < D; ++d)
             if (c0 + 4 * d < c1) fetch(buf[d], c0 + 4 * d);
+        for (unsigned g = 0; g < l2_ahead; ++g) l2_prefetch(c0 + 4 * (D + g));
     }
 
     __device__ __forceinline__ void compute(const Group& grp, unsigned c, const __nv_bfloat16* act, float acc[R][4],
@@ -992,7 +1008,10 @@ struct WarpGemv {
                 const unsigned cd = c + 4 * d;
                 if (cd < c1) {
                     compute(buf[d], cd, act, acc, odd);
-                    if (cd + 4 * D < c1) fetch(buf[d], cd + 4 * D);
+                    if (cd + 4 * D < c1) {
+                        fetch(buf[d], cd + 4 * D);
+                        if (l2_ahead) l2_prefetch(cd + 4 * (D + l2_ahead));
+                    }
                 }
             }
         }
@@ -1084,7 +1103,7 @@ template <int D, int C, bool kWhole, int kBlockWarps, class Stage>
 __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackRows r_gate, StackRows r_up, StackRows s_gate,
                         StackRows s_up, const int* ids, const float* row_scale, unsigned top_k, unsigned routed,
                         Swiglu r_swiglu, Swiglu s_swiglu, unsigned H, unsigned I, unsigned pairs_per_block, void* out,
-                        int out_f32, int shared_first) {
+                        int out_f32, int shared_first, unsigned l2_ahead) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ float partial[kBlockWarps][2][kSharedTokens][16];
@@ -1122,6 +1141,7 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
     gemv.c0 = active ? min(chunks, warp % ks * per_warp) : chunks;
     gemv.c1 = min(chunks, gemv.c0 + per_warp);
     gemv.policy = gemm::evict_first_policy();
+    gemv.l2_ahead = l2_ahead;
     gemv.prime();
     if (shared && !early) pdl::wait_prior();  // the shared expert's first weights are in flight by now
     stage.prepare(table);
@@ -1215,7 +1235,8 @@ __device__ void gate_up(Stage stage, unsigned* out_amax, LastQuantize lq, StackR
 template <int D, int C, bool kWhole, class Stage>
 __device__ void down(Stage stage, StackRows w, StackRows s_w,
                      int has_shared, const int* ids, const float* weights, int weighted, unsigned top_k,
-                     unsigned routed, const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I) {
+                     unsigned routed, const __nv_bfloat16* shared_out, __nv_bfloat16* out, unsigned H, unsigned I,
+                     unsigned l2_ahead) {
     extern __shared__ uint4 smem_raw[];
     __nv_bfloat16* act_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __shared__ float y[kMaxTopK + 1][16];
@@ -1229,6 +1250,7 @@ __device__ void down(Stage stage, StackRows w, StackRows s_w,
     gemv.c0 = 0;
     gemv.c1 = chunks;
     gemv.policy = gemm::evict_first_policy();
+    gemv.l2_ahead = l2_ahead;
     auto point = [&](unsigned j) {
         const bool sh = j == top_k;
         const size_t tile = (sh ? 0u : (size_t)ids[t * top_k + j]) * row_tiles + r;
@@ -1402,18 +1424,20 @@ struct StageQuantizeRows {
 #define FP4_SMALL_GATE_UP_ARGS                                                                            \
     FP4_STACK_ARGS(rg_), FP4_STACK_ARGS(ru_), FP4_STACK_ARGS(sg_), FP4_STACK_ARGS(su_), const int *ids,  \
         const float *row_scale, unsigned top_k, unsigned routed, float limit, int has_limit, float s_limit, \
-        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32, int shared_first
+        int s_has_limit, unsigned H, unsigned I, unsigned pairs_per_block, void *out, int out_f32, int shared_first, \
+        unsigned l2_ahead
 #define FP4_SMALL_GATE_UP_CALL(D, C, W, N, STAGE, OUT_AMAX, LQ)                                          \
     small::gate_up<D, C, W, N>(STAGE, OUT_AMAX, LQ, FP4_STACK(rg_), FP4_STACK(ru_), FP4_STACK(sg_), FP4_STACK(su_), ids, \
                          row_scale, top_k, routed, small::Swiglu{limit, has_limit}, small::Swiglu{s_limit, s_has_limit}, \
-                         H, I, pairs_per_block, out, out_f32, shared_first)
+                         H, I, pairs_per_block, out, out_f32, shared_first, l2_ahead)
 
 #define FP4_SMALL_DOWN_ARGS                                                                               \
     FP4_STACK_ARGS(w_), FP4_STACK_ARGS(sw_), int has_shared, const int *ids, const float *weights, int weighted, \
-        unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I
+        unsigned top_k, unsigned routed, const __nv_bfloat16 *shared_out, __nv_bfloat16 *out, unsigned H, unsigned I, \
+        unsigned l2_ahead
 #define FP4_SMALL_DOWN_CALL(D, C, W, STAGE)                                                               \
     small::down<D, C, W>(STAGE, FP4_STACK(w_), FP4_STACK(sw_), has_shared, ids, weights, weighted, top_k, routed, \
-                      shared_out, out, H, I)
+                      shared_out, out, H, I, l2_ahead)
 
 // VARIANT: weight groups in flight per warp (D), accumulator chains (C), blocks per SM the
 // registers must allow (B), no per-tile bounds tests (W), warps per block of the first launch (N).

@@ -119,6 +119,9 @@ __device__ __forceinline__ uint2 load_stream(const uint2* p, unsigned long long 
     return v;
 }
 
+// A request for the line holding p into L2, without waiting for it (no register written).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // The A fragment of one MMA step from its tile word q: a0 (row g) and a2 (row g) scaled by sc_g,
 // a1 and a3 (row g + 8) by sc_g8. 0x81C081C0 keeps sign and e1 e0 m of both halves.
 __device__ __forceinline__ void dequant_step(unsigned q, unsigned sc_g, unsigned sc_g8, unsigned a[4]) {
