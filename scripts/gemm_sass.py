@@ -61,14 +61,24 @@ def _tool(name: str) -> str:
                                        "(no GPU needed)")
 
 
-def sass_of(cubin: bytes) -> subprocess.CompletedProcess:
-    """``cuobjdump -sass`` of a cubin from `loader.compile_offline` (which calls ``nvdisasm``)."""
+def _cuobjdump(cubin: bytes, option: str) -> subprocess.CompletedProcess:
+    """``cuobjdump <option>`` of a cubin from `loader.compile_offline`."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin + b"\0")  # CuPy's compile path drops the ELF's last byte
         f.flush()
-        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, env=env)
+        return subprocess.run([_tool("cuobjdump"), option, f.name], capture_output=True, text=True, env=env)
+
+
+def sass_of(cubin: bytes) -> subprocess.CompletedProcess:
+    """``cuobjdump -sass`` of a cubin from `loader.compile_offline` (which calls ``nvdisasm``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def resource_usage_of(cubin: bytes) -> subprocess.CompletedProcess:
+    """``cuobjdump -res-usage`` of a cubin: registers, stack, shared and local memory per kernel."""
+    return _cuobjdump(cubin, "-res-usage")
 
 
 def disassemble(arch: str) -> str:

@@ -5,8 +5,6 @@ import functools
 import importlib.util
 import itertools
 import re
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -313,13 +311,11 @@ def test_small_moe_gemv_builds_keep_no_stack_frame():
     spill a few words at their register cap; they are not checked here."""
     from fp4kit.ops import moe as moe_ops
 
-    tool = _gemm_sass().find_tool("cuobjdump")
-    if not tool:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(_cubin("moe", "sm_90a") + b"\0")  # CuPy's compile path drops the ELF's last byte
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
+        pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    result = _gemm_sass().resource_usage_of(_cubin("moe", "sm_90a"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
     usage = dict(re.findall(r"Function (moe_small_(?:gate_up|down)_(?:bf16|nvfp4)_\w+w):\s*\n\s*(REG:\d+ STACK:\d+ [^\n]*)", out))
     launched = {f"moe_small_{launch}_{kind}_{variant}w" for kind in ("bf16", "nvfp4")
                 for launch, variant in [("down", moe_ops.SMALL_DOWN_VARIANT)] + [("gate_up", v) for v in moe_ops.SMALL_GATE_UP_GEOMETRY]}

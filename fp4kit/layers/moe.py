@@ -674,8 +674,8 @@ class MoE:
         previous launch's maxima) or with launches of their own. W4A16 runs a folded shared
         expert's gate|up beside the router (`SHARED_EXPERT_BESIDE_ROUTER`)."""
         last_block = plan.h_done is not None
-        beside = (SHARED_EXPERT_BESIDE_ROUTER and plan.fold and self.mode == "w4a16" and not last_block
-                  and plan.x_amax is None)
+        # W4A16 (so no in-block or last-block quantization of the input) with the shared expert folded
+        beside = SHARED_EXPERT_BESIDE_ROUTER and plan.fold and self.mode == "w4a16"
         released = moe_ops.route_small(x, self.gate_weight, self.bias, token_ids, self.tid2eid, self.routing,
                                        plan.ids, plan.weights, plan.logits, plan.done, plan.x_amax,
                                        plan.x_act if last_block else None, release_next=beside)

@@ -290,11 +290,6 @@ SMALL_DOWN_VARIANT = "d1c2b4"
 SMALL_L2_AHEAD = (0, 1)
 #: measured at T = 1 only; larger T keeps (0, 0) until measured
 SMALL_L2_AHEAD_MAX_TOKENS = 1
-
-
-def small_l2_ahead(tokens: int) -> tuple[int, int]:
-    """`SMALL_L2_AHEAD` for a call of ``tokens`` tokens: (0, 0) above `SMALL_L2_AHEAD_MAX_TOKENS`."""
-    return SMALL_L2_AHEAD if tokens <= SMALL_L2_AHEAD_MAX_TOKENS else (0, 0)
 #: W4A4 at T = 1 (the layer's ``quantize_out``): the last this-many blocks of the gate|up launch to
 #: finish share the quantization of its SwiGLU output for the down launch, each 1/N of the 16-value
 #: blocks (moe.cu ``LastQuantize``); 1: the last block alone (at V4-Flash widths 896 blocks of 16 in
@@ -325,6 +320,11 @@ SMALL_GATE_UP_GEOMETRY = {"d2c1": (8, 2, None), "d2c1n4": (4, 4, None), "d1c1n4b
 #: 153.3 / 169.9 -> 174.1, T = 3 (0.32) 219.2 -> 210.3 / 236.6 -> 234.3, T = 4 (0.43) 263.7 -> 261.6
 #: / 282.5 -> 285.8. The decode step (V4-Flash slice) at batch 1: 535.4 -> 528.3 us
 SMALL_MANY_BLOCKS, SMALL_FEW_BLOCKS = "d1c1n4b7", "d2c1n4"
+
+
+def small_l2_ahead(tokens: int) -> tuple[int, int]:
+    """`SMALL_L2_AHEAD` for a call of ``tokens`` tokens: (0, 0) above `SMALL_L2_AHEAD_MAX_TOKENS`."""
+    return SMALL_L2_AHEAD if tokens <= SMALL_L2_AHEAD_MAX_TOKENS else (0, 0)
 
 
 def _pair_blocks(inner: int, pairs: int) -> int:
@@ -459,8 +459,8 @@ def small_gate_up(act, gate, up, ids, row_scale, limit, out, *, shared=None, x_a
             raise TypeError(f"out: the last block quantizes fp32 SwiGLU outputs, got {out.dtype}")
         spread = 0
         if quantize_out is not None:
-            resident = loader.get_kernel(_MODULE, f"moe_small_gate_up_nvfp4_{variant}").resident_blocks(32 * warps, smem)
-            spread = last_quantize_spread(grid[0] * grid[1], resident)
+            launched = loader.get_kernel(_MODULE, f"moe_small_gate_up_nvfp4_{variant}")
+            spread = last_quantize_spread(grid[0] * grid[1], launched.resident_blocks(32 * warps, smem))
         extra = (_opt(q_amax), _opt(q_done), _U32(spread), *_nvfp4_out(h_act), *_nvfp4_out(s_act), status.device_word())
         kernel, args = _kernel_and_args(act, f"moe_small_gate_up_{{}}_{variant}", common, nvfp4_extra=extra)
     kernel.launch(grid, 32 * warps, args, shared_mem=smem)

@@ -939,9 +939,11 @@ struct WarpGemv {
         // the row by a select, not an index: a lane-indexed pointer array would live in local memory
         const unsigned lane = threadIdx.x & 31, j = (lane >> 2) & 3u;
         const bool second = R > 1 && (lane & 16u);
-        if (kWhole || c + j < c1) gemm::prefetch_l2((second ? codes[R - 1] : codes[0]) + (c + j) * 32 + (lane & 3u) * 8);
+        if (kWhole || c + j < c1)
+            gemm::prefetch_l2((second ? codes[R - 1] : codes[0]) + (c + j) * 32 + (lane & 3u) * 8);
         if (lane < 2 * R)
-            gemm::prefetch_l2(((R > 1 && lane >= 2) ? scales[R - 1] : scales[0]) + c / gemm::kGroupChunks * 32 + (lane & 1u) * 16);
+            gemm::prefetch_l2(((R > 1 && lane >= 2) ? scales[R - 1] : scales[0]) + c / gemm::kGroupChunks * 32 +
+                              (lane & 1u) * 16);
     }
 
     __device__ __forceinline__ void fetch(Group& grp, unsigned c) {

@@ -20,9 +20,10 @@
 // when their launch asks for it: ops/elementwise.py `EARLY_RELEASE`, ops/gemm.py
 // `GEMV_EARLY_RELEASE`), the wgmma GEMMs' staging launches (`gemm_stage_*`) right after their
 // wait (`STAGE_EARLY_RELEASE`), and the MoE's small-T router (`moe_route_*`) right after its wait
-// when the gate|up launch after it puts its shared expert first (ops/moe.py `route_small`). The next kernel's blocks then take the SMs left free or freed first
-// and issue their weight loads ahead of their own wait while this kernel runs or drains. The next
-// kernel's `wait_prior` still waits for this kernel's completion.
+// when the gate|up launch after it puts its shared expert first (ops/moe.py `route_small`). The
+// next kernel's blocks then take the SMs left free or freed first and issue their weight loads
+// ahead of their own wait while this kernel runs or drains. The next kernel's `wait_prior` still
+// waits for this kernel's completion.
 //
 // The one exception to the first rule follows from the last: a kernel released by a kernel that
 // released it after its own wait may read what was final at that wait. The small-T MoE gate|up
