@@ -42,22 +42,17 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
     cubin = _cubin("gemm", "sm_90a")
     names = set()
     saved = (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-             gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS,
-             gemm_ops.WS_MIN_M, gemm_ops.WS_TOKEN_TILES)
+             gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS)
     try:
-        for clusters, ws in itertools.product((True, False), (None, 16, 32)):
+        for clusters in (True, False):
             gemm_ops.USE_CLUSTERS = clusters
-            gemm_ops.WS_MIN_M, gemm_ops.WS_TOKEN_TILES = (None, 16) if ws is None else (65, ws)
             for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 1024):
-                for n, k in [(16, 64), (2048, 7168), (7168, 2048), (18432, 7168), (129280, 4096), (4096, 4096),
-                             (2048, 4096)]:
+                for n, k in [(16, 64), (2048, 7168), (7168, 2048), (18432, 7168), (129280, 4096), (4096, 4096)]:
                     for wgmma in (False, True) if m <= 64 else (True,):
                         shape = gemm_ops.launch_config(m, n, k, sms=132, wgmma=wgmma)
-                        stages = {f"gemm_stage_{shape.token_tiles}_bf16", f"gemm_stage_{shape.token_tiles}_nvfp4"}
-                        if shape.ws:  # window images only
-                            names |= {f"gemm_{shape.kernel}"} | stages
-                        elif wgmma:  # window images, or bf16 staged in the blocks
-                            names |= {f"gemm_{shape.kernel}", f"gemm_{shape.kernel}_bf16"} | stages
+                        if wgmma:  # window images, or bf16 staged in the blocks
+                            names |= {f"gemm_{shape.kernel}", f"gemm_stage_{shape.token_tiles}_bf16",
+                                      f"gemm_stage_{shape.token_tiles}_nvfp4", f"gemm_{shape.kernel}_bf16"}
                         else:
                             names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
         gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS = (8, 16)  # every block width the knob can name
@@ -71,8 +66,7 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
                 names |= {f"gemm_{shape.kernel}_bf16", f"gemm_{shape.kernel}_nvfp4"}
     finally:
         (gemm_ops.USE_CLUSTERS, gemm_ops.GEMV_FETCH_TILES, gemm_ops.GEMV_WHOLE_FETCHES,
-         gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS,
-         gemm_ops.WS_MIN_M, gemm_ops.WS_TOKEN_TILES) = saved
+         gemm_ops.GEMV_RESIDENT_ACTIVATION, gemm_ops.GEMV_RESIDENT_PIPELINED, gemm_ops.GEMV_RESIDENT_PIPELINED_WARPS) = saved
     # 1, 2, 4, 8 row tiles per 8-warp block and the 16-warp blocks of one row tile, at both fetch
     # sizes (20), the whole-fetch and resident-activation builds of the 4-tile ones (10 each), and
     # the pipelined resident builds of one row tile (4)
@@ -80,7 +74,6 @@ def test_every_gemm_kernel_the_launch_rule_picks_exists():
     missing = sorted(name for name in names if name.encode() + b"\0" not in cubin)
     assert not missing, f"gemm.cu does not define {missing}"
     assert any(name.startswith("gemm_wgmma_") and "_c" in name for name in names)
-    assert {f"gemm_wgws_{t}x1{c}" for t in (16, 32) for c in ("", "_m2", "_m4")} <= names
 
 
 @needs_cupy
@@ -243,9 +236,6 @@ _RELEASING = re.compile(r"^(rmsnorm_rope_bf16|rmsnorm_rope2_bf16|add_rmsnorm_bf1
 # routers: their gate weight; the residual norms: their norm weight)
 _PREFETCHING = re.compile(r"^(gemm_(tiled|gemv|wgmma)_|moe_small_|moe_route_|moe_router_logits_|add_rmsnorm_bf16$|"
                           r"embed_rmsnorm_bf16$|hc_)")
-# kernels whose copy warpgroup issues its first weight tiles' copies into shared memory (cp.async)
-# before it waits (the warp-specialized GEMMs)
-_COPY_PREFETCHING = re.compile(r"^gemm_wgws_")
 
 
 @needs_cupy
@@ -258,9 +248,7 @@ def test_pdl_kernels_wait_before_touching_memory(name):
     and the small-T MoE router after theirs); before the first wait (in address order: the W4A16
     gate|up's shared-expert blocks that run beside the router branch past it) it neither writes
     global memory nor
-    reads it, except the weight-streaming kernels' read-only (.CONSTANT) loads and the
-    warp-specialized GEMMs' 16-byte copies of their weight tiles into shared memory (LDGSTS; their
-    activation comes by bulk copies, which stay after the wait)."""
+    reads it, except the weight-streaming kernels' read-only (.CONSTANT) loads."""
     if not all(_gemm_sass().find_tool(tool) for tool in ("cuobjdump", "nvdisasm")):
         pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     kernels = _sass_by_kernel(_cubin(name, "sm_90a"))
@@ -280,8 +268,6 @@ def test_pdl_kernels_wait_before_touching_memory(name):
         early = [(op, rest) for _, op, rest in code[:first_wait] if op in _GLOBAL_OPS]
         if _PREFETCHING.match(kernel):
             early = [(op, rest) for op, rest in early if not (op == "LDG" and ".CONSTANT" in rest)]
-        if _COPY_PREFETCHING.match(kernel):
-            early = [(op, rest) for op, rest in early if op != "LDGSTS"]
         assert not early, f"{name}.cu {kernel}: global memory touched before the wait: {early[:4]}"
 
 

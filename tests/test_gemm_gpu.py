@@ -51,8 +51,7 @@ def shape_weight(run_seed):
 
 
 ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-held", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
-           "wgmma-2-row-tiles", "wgmma-128-token-chunks", "wgmma-ws-32", "wgmma-ws-32-m4", "wgmma-ws-16-m1"]
-WS_ENGINES = ("wgmma-ws-32", "wgmma-ws-32-m4", "wgmma-ws-16-m1")  # from 65 rows only: below, "wgmma"
+           "wgmma-2-row-tiles", "wgmma-128-token-chunks"]
 
 
 @pytest.fixture(params=ENGINES)
@@ -67,10 +66,7 @@ def engine(request, monkeypatch):
     launch first: "predequantized"), or (on Hopper) the warpgroup-MMA ones, with one or two row tiles per
     warp; their bf16 activation up to 64 rows staged in the blocks (these test weights are small)
     or, with "images", as window images at every M; above 64 rows token chunks of 64 rows at two
-    blocks per SM (where they split K no fewer ways), or of 128 at one with "128-token-chunks"; or,
-    from 65 rows, the warp-specialized kernels with 256 ("ws-32") or 128 ("ws-16") tokens per
-    block, in clusters of 2 row groups sharing the activation (or of 4, "m4", or none, "m1"); the
-    others take the window kernels at every M."""
+    blocks per SM (where they split K no fewer ways), or of 128 at one with "128-token-chunks"."""
     if request.param.startswith("wgmma") and cp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels need sm_90")
     gemv = request.param.startswith("gemv")
@@ -94,13 +90,6 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0 if request.param == "wgmma-images" else 1 << 62)
     if request.param == "wgmma-128-token-chunks":
         monkeypatch.setattr(gemm_ops, "WGMMA_CHUNK_TILES", 16)
-    if request.param in WS_ENGINES:
-        parts = request.param.split("-")
-        monkeypatch.setattr(gemm_ops, "WS_MIN_M", 65)
-        monkeypatch.setattr(gemm_ops, "WS_TOKEN_TILES", int(parts[2]))
-        monkeypatch.setattr(gemm_ops, "WS_MULTICAST", int(parts[3][1:]) if len(parts) > 3 else 2)
-    else:
-        monkeypatch.setattr(gemm_ops, "WS_MIN_M", None)
     if request.param == "wgmma-2-row-tiles":
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 4, 2)
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 8, 2)
@@ -109,8 +98,7 @@ def engine(request, monkeypatch):
 
 @pytest.mark.parametrize("k", [16, 48, 1040, 2048, 7168])
 @pytest.mark.parametrize("engine,m", [(e, m) for e in ENGINES for m in (1, 3, 8, 17, 64, 65, 300)
-                                      if (m <= 8 or not e.startswith("gemv")) and (m > 64 or e not in WS_ENGINES)],
-                         indirect=["engine"])
+                                      if m <= 8 or not e.startswith("gemv")], indirect=["engine"])
 def test_gemm_paths_match_float64(rng, shape_weight, m, k, engine):
     n = 2056  # not a multiple of the 16-row tile nor of a 128-row group
     w = shape_weight(n, k)
@@ -260,7 +248,7 @@ def test_wgmma_chain_with_early_staging_release_in_a_graph_gives_the_same_bits(r
         assert shape.wgmma
         stage = loader.get_kernel("gemm", f"gemm_stage_{shape.token_tiles}_bf16")
         windows, chunks = gemm_ops.staging_grid(shape, k)
-        assert windows * chunks <= stage.resident_blocks(256, gemm_ops.shared_bytes(shape.token_tiles, True) // 2)
+        assert windows * chunks <= stage.resident_blocks(256, shape.shared_bytes // 2)
     assert_replayed_chain_gives_eager_bits(chain, bufs, capture_stream)
 
 

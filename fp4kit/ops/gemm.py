@@ -126,18 +126,7 @@ WGMMA_CHUNKS_ONE_WAVE = True
 #: the device: `launch_config` checks it for the current device (``sms`` left out) or with
 #: ``cluster_capacity``; else every cluster counts as fitting
 CLUSTERS_MUST_FIT = True
-#: the warp-specialized wgmma kernels (``wgws_<T>x1``, raw_kernels/common/gemm_ws.cuh) from this many
-#: rows on Hopper (None: never; at least 65, below it the window kernels take every M): 128 weight
-#: rows x 8T tokens per block, one block per SM, a copy warpgroup streaming weights and
-#: activation through `WS_STAGES` stages of shared memory ahead of two multiplying warpgroups
-WS_MIN_M = None
-#: their token tiles (16: 128 tokens per block, 32: 256), stages of 64 k per token tile count, and
-#: the row groups per cluster that share each activation slice (1, 2 or 4)
-WS_TOKEN_TILES = 32
-WS_STAGES = {16: 8, 32: 5}
-WS_MULTICAST = 2
 _WARPS = 8
-_WS_WARPS = 12
 #: the decode-size kernels (``gemv_<RT>f<F>``, raw_kernels/common/gemv.cuh) up to this many rows:
 #: the K split over the warps of one block, which add up in shared memory, instead of over blocks
 #: that meet through a global scratch and a counter. They win while their grid is about one wave,
@@ -530,12 +519,6 @@ def shared_bytes(tiles: int, wgmma: bool = False) -> int:
     return 2 * per_window * 2
 
 
-def ws_shared_bytes(tiles: int) -> int:
-    """Dynamic shared memory of a ``wgws_<tiles>x1`` kernel: `WS_STAGES` stages, each one 64-k chunk
-    of the window image (8 padded K-columns), 8 code tiles (512 B) and their scale words (256 B)."""
-    return WS_STAGES[tiles] * (8 * (64 * tiles + 8) * 2 + _WARPS * (512 + 256))
-
-
 def row_groups(n: int, row_tiles_per_warp: int) -> int:
     """Blocks along N: 8 warps of ``row_tiles_per_warp`` tiles of 16 rows each."""
     return -(-tiled_dims(n, TILE_K)[0] // (_WARPS * row_tiles_per_warp))
@@ -562,15 +545,11 @@ class LaunchShape:
     whole: bool = False  # GEMV: the build without per-tile bounds tests (`GEMV_WHOLE_FETCHES`)
     resident: bool = False  # GEMV: the block's activation staged once (`GEMV_RESIDENT_ACTIVATION`)
     pipelined: bool = False  # GEMV, resident: a wait per group (`GEMV_RESIDENT_PIPELINED`)
-    ws: bool = False  # wgmma: the warp-specialized kernel (`WS_MIN_M`)
-    multicast: int = 1  # ws: row groups per cluster sharing the activation (`WS_MULTICAST`)
 
     @property
     def family(self) -> str:
-        """``tiled_<T>x<R>[f8]``, ``wgmma_<T>x<R>``, ``wgws_<T>x1`` or ``gemv_<RT>f<4|8>``: the kernel
-        without its cluster size."""
-        if self.ws:
-            return f"wgws_{self.token_tiles}x1"
+        """``tiled_<T>x<R>[f8]``, ``wgmma_<T>x<R>`` or ``gemv_<RT>f<4|8>``: the kernel without its
+        cluster size."""
         if self.gemv:
             wide = f"w{self.warps}" if self.warps != _WARPS else ""
             build = "resp" if self.pipelined else "res" if self.resident else "whole" if self.whole else ""
@@ -580,9 +559,8 @@ class LaunchShape:
 
     @property
     def kernel(self) -> str:
-        """The kernel name without ``gemm_`` and the activation kind: the family, ``_c<C>`` with a cluster
-        of K splits, ``_m<C>`` with one multicasting the activation."""
-        return self.family + (f"_c{self.cluster}" if self.cluster else "") + (f"_m{self.multicast}" if self.multicast > 1 else "")
+        """The kernel name without ``gemm_`` and the activation kind: the family, ``_c<C>`` with a cluster."""
+        return self.family + (f"_c{self.cluster}" if self.cluster else "")
 
 
 def uses_wgmma(m: int, compute_capability: str) -> bool:
@@ -634,45 +612,6 @@ def _cluster_capacity(device: int, kernel: str, cluster: int, shared: int) -> in
     return kern.resident_clusters(cluster, _WARPS * 32, shared)
 
 
-def _fit_clusters(shape: LaunchShape, sizes: tuple, capacity, windows: int, chunks: int,
-                  scratch_rows: int, row_tiles: int) -> LaunchShape:
-    """``shape`` with its splits as one thread-block cluster (reducing in distributed shared memory)
-    where the split count is one of the cluster ``sizes`` and its clusters take no more waves than
-    its blocks would without one; else with the splits the global scratch holds."""
-    clusters = shape.row_groups * shape.token_chunks
-    if shape.splits in sizes and (capacity(shape.splits) is None or
-                                  -(-clusters // capacity(shape.splits)) <= -(-clusters * shape.splits // capacity(1))):
-        return replace(shape, cluster=shape.splits)
-    scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
-    if shape.splits > scratch_splits:  # the global scratch holds fewer
-        window = _window_chunks(shape.token_tiles, shape.wgmma)
-        per_split = -(-windows // scratch_splits) * window
-        shape = replace(shape, splits=-(-chunks // per_split), chunks_per_split=per_split)
-    return shape
-
-
-def ws_launch_config(m: int, n: int, k: int, sms: int) -> LaunchShape:
-    """The warp-specialized wgmma launch (`WS_MIN_M`) of ``m`` rows: token chunks of 8 `WS_TOKEN_TILES`
-    rows, one block per SM, clusters of `WS_MULTICAST` row groups sharing each activation slice
-    (fewer where the weight has fewer row groups; the grid's row groups rounded up to whole
-    clusters), K split through the global scratch into the most splits (in whole windows) that keep
-    the grid within one wave (`WGMMA_SPLITS` forces a count)."""
-    tiles = WS_TOKEN_TILES
-    token_chunks = -(-m // (8 * tiles))
-    row_tiles, chunks, _ = tiled_dims(n, k)
-    groups = row_groups(n, 1)
-    multicast = max(c for c in (1, 2, 4) if c <= WS_MULTICAST and c <= groups)
-    groups = -(-groups // multicast) * multicast
-    window = _window_chunks(tiles, True)
-    windows = -(-chunks // window)
-    target = WGMMA_SPLITS or max(1, sms // (groups * token_chunks))
-    splits = max(1, min(windows, target))
-    per_split = -(-windows // splits) * window
-    shape = LaunchShape(True, tiles, 1, False, groups, -(-chunks // per_split), per_split, token_chunks,
-                        ws_shared_bytes(tiles), warps=_WS_WARPS, ws=True, multicast=multicast)
-    return _fit_clusters(shape, (), lambda c: None, windows, chunks, token_chunks * 8 * tiles, row_tiles)
-
-
 def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False,
                   cluster_capacity=None, chunk_tiles: int | None = None) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
@@ -692,8 +631,6 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     if sms is None:
         sms = loader.current_sm_count()
         cluster_capacity = cluster_capacity or device_cluster_capacity
-    if wgmma and chunk_tiles is None and WS_MIN_M is not None and m >= max(WS_MIN_M, 65):
-        return ws_launch_config(m, n, k, sms)
     largest = WGMMA_TOKEN_TILES[-1]
     if wgmma and chunk_tiles is None and WGMMA_CHUNK_TILES < largest and m > 8 * WGMMA_CHUNK_TILES:
         # short token chunks, unless they split K fewer ways than chunks of the largest tile count
@@ -749,7 +686,14 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     # the splits of a row group (and token chunk) are one cluster and reduce in distributed shared
     # memory (at equal splits faster than the global scratch: 4096x4096, 64 rows, 8 splits 20.0 ->
     # 18.0 us), where its clusters take no more waves than its blocks would without one
-    return _fit_clusters(shape, sizes, capacity, windows, chunks, scratch_rows, row_tiles)
+    if splits in sizes and (capacity(splits) is None
+                            or -(-clusters // capacity(splits)) <= -(-clusters * splits // capacity(1))):
+        return replace(shape, cluster=splits)
+    scratch_splits = max(1, _PARTIALS_BYTES // (4 * scratch_rows * row_tiles * TILE_ROWS))
+    if splits > scratch_splits:  # the global scratch holds fewer
+        per_split = -(-windows // scratch_splits) * window
+        shape = replace(shape, splits=-(-chunks // per_split), chunks_per_split=per_split)
+    return shape
 
 
 def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False) -> LaunchShape | None:
@@ -884,7 +828,7 @@ def _stage_image(act: tuple, kind: str, m: int, k: int, shape: LaunchShape):
     """The wgmma kernels' activation: every window of every token chunk as the exact bytes of its
     shared-memory buffer (`gemm_stage_<T>_{bf16,nvfp4}`), in a workspace that a bulk copy per
     window reads."""
-    window_bytes = shared_bytes(shape.token_tiles, True) // 2
+    window_bytes = shape.shared_bytes // 2
     windows, chunks = staging_grid(shape, k)
     image = workspace.capturable_buffer("gemm.image", chunks * windows * window_bytes)
     kernel = loader.get_kernel(_MODULE, f"gemm_stage_{shape.token_tiles}_{kind}")

@@ -22,7 +22,6 @@
 // dequantizes the weight (and an NVFP4 activation) exactly into bf16 workspaces for a cuBLAS bf16
 // GEMM with fp32 output, then applies alpha, bias and the output cast.
 #include "common/gemm_engine.cuh"
-#include "common/gemm_ws.cuh"
 #include "common/gemv.cuh"
 #include "common/pdl.cuh"
 
@@ -206,31 +205,6 @@ FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 2, 1)  // 65-128 rows: one block per SM, as
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 4, 1)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 8, 1)
 
-// The warp-specialized wgmma kernels gemm_wgws_<T>x1[_m<C>] (common/gemm_ws.cuh): T in {16, 32}
-// token tiles (128 or 256 tokens per block), 128 weight rows per block, S stages of one 64-k chunk,
-// 384 threads (8 multiplying warps and a copy warpgroup), one block per SM; _m<C>: clusters of C
-// consecutive row groups (grid x a multiple of C) multicasting the activation. The same arguments,
-// grid (splits through the global scratch) and images as gemm_wgmma_<T>x1 (the images of
-// gemm_stage_<T>); dynamic shared memory S * WsStage<T>::kBytes (gemm.py `ws_shared_bytes`).
-#define FP4_DEFINE_GEMM_WS_KERNEL(NAME, T, S, C, ATTRS)                                                   \
-    extern "C" __global__ void ATTRS __launch_bounds__(kWsThreads, 1) gemm_##NAME(                      \
-        const uint4* w_codes, const uint2* w_scales, const __nv_bfloat16* image, const float* act_global, \
-        FP4_GEMM_EPILOGUE_ARGS, FP4_GEMM_SPLIT_ARGS) {                                                   \
-        using Win = WgmmaWindow<T>;                                                                       \
-        Epilogue ep = FP4_EPILOGUE;                                                                       \
-        ep.out_row_base = FP4_WGMMA_CHUNK_M0(T);                                                          \
-        const __nv_bfloat16* chunk_image = image + (size_t)blockIdx.z * windows_of(K, Win::kK) * (Win::kBytes / 2); \
-        gemm_ws_block<T, S, C>(w_codes, w_scales, chunk_image, ep, min(M - ep.out_row_base, 8u * T), N, K,  \
-                               blockIdx.x, blockIdx.y, FP4_WGMMA_CHUNK_SPLIT(T));                        \
-    }
-#define FP4_DEFINE_GEMM_WS(T, S)                                                                \
-    FP4_DEFINE_GEMM_WS_KERNEL(wgws_##T##x1, T, S, 1, )                                          \
-    FP4_DEFINE_GEMM_WS_KERNEL(wgws_##T##x1_m2, T, S, 2, __cluster_dims__(2, 1, 1))              \
-    FP4_DEFINE_GEMM_WS_KERNEL(wgws_##T##x1_m4, T, S, 4, __cluster_dims__(4, 1, 1))
-
-FP4_DEFINE_GEMM_WS(16, 8)
-FP4_DEFINE_GEMM_WS(32, 5)
-
 // gemm_stage_<T>_{bf16,nvfp4}: the window images of the wgmma kernels with T token tiles. Block
 // (w, z) stages window w of token chunk z in shared memory exactly as those kernels' mainloop did
 // (4-byte pairs scattered into the permuted layout; NVFP4 decoded to exact bf16 e2m1 * s), then
@@ -278,7 +252,6 @@ FP4_DEFINE_GEMM_STAGE(2)
 FP4_DEFINE_GEMM_STAGE(4)
 FP4_DEFINE_GEMM_STAGE(8)
 FP4_DEFINE_GEMM_STAGE(16)
-FP4_DEFINE_GEMM_STAGE(32)
 
 // e2m1 * fp32(scale) of a tiled weight as bf16 [N, K] (exact), the weight operand of the large-M
 // cuBLAS path. One warp per (row tile, 64-k chunk): lane (g, t)'s 16 bytes are rows g and g + 8 at

@@ -135,18 +135,15 @@ __device__ __forceinline__ void dequant_step(unsigned q, unsigned sc_g, unsigned
 // Block scales of tile j (0..3) of a group: (s_g, s_g) and (s_g8, s_g8) times 2^100 as bf16 pairs.
 // The scale word holds bytes (row g, row g + 8) of tiles 0, 1 (x) and 2, 3 (y); sign bits are
 // dropped (block scales are non-negative; the layout converter refuses negative ones).
-__device__ __forceinline__ void scale_pairs_at(uint2 sw, unsigned j, unsigned& sc_g, unsigned& sc_g8) {
-    const unsigned b = 2 * (j & 1);
+template <int j>
+__device__ __forceinline__ void scale_pairs(uint2 sw, unsigned& sc_g, unsigned& sc_g8) {
+    constexpr unsigned b = 2 * (j & 1);
     const unsigned w = (j < 2 ? sw.x : sw.y) & 0x7F7F7F7Fu;
     // bytes (b_g, 0, b_g8, 0): selector 4 reads byte 0 of the zero operand
     const unsigned v = prmt(w, 0u, b | (4u << 4) | ((b + 1) << 8) | (4u << 12));
     const unsigned s = bf16x2_mul(bf16x2_mul(v << 4, 0x7B807B80u), 0x71807180u);  // * 2^120 * 2^100
     sc_g = prmt(s, s, 0x1010u);
     sc_g8 = prmt(s, s, 0x3232u);
-}
-template <int j>
-__device__ __forceinline__ void scale_pairs(uint2 sw, unsigned& sc_g, unsigned& sc_g8) {
-    scale_pairs_at(sw, j, sc_g, sc_g8);
 }
 
 // Activation row of local token i: rows[base + i] (e.g. the tokens routed to one expert) or base + i.
@@ -439,24 +436,6 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned a[4], uns
         : FP4_ACC8(0), FP4_ACC8(8), FP4_ACC8(16), FP4_ACC8(24), FP4_ACC8(32), FP4_ACC8(40), FP4_ACC8(48), FP4_ACC8(56)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
-template <>
-__device__ __forceinline__ void wgmma_rs<256>(float* d, const unsigned a[4], unsigned long long desc) {
-    FP4_WGMMA(
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
-        "{%128,%129,%130,%131}, %132, 1, 1, 1, 0;"
-        : FP4_ACC8(0), FP4_ACC8(8), FP4_ACC8(16), FP4_ACC8(24), FP4_ACC8(32), FP4_ACC8(40), FP4_ACC8(48), FP4_ACC8(56),
-          FP4_ACC8(64), FP4_ACC8(72), FP4_ACC8(80), FP4_ACC8(88), FP4_ACC8(96), FP4_ACC8(104), FP4_ACC8(112),
-          FP4_ACC8(120)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
 #undef FP4_ACC8
 
 struct Epilogue {
@@ -625,95 +604,6 @@ __device__ __forceinline__ void reduce_splits_each(const SplitK& sk, const Epilo
         ep.store(token, n, N, sum);
     }
 }
-
-// The end of a block: its accumulators (row tiles (group * kWarps + warp) * R + r, tokens 0 .. M-1)
-// scaled and stored, unsplit, reduced in a cluster (kCluster > 1, partials in `red`, the block's
-// free dynamic shared memory) or through the split-K scratch by the last split to arrive. Every
-// thread of the block's kThreads calls it (threads past them have exited: a barrier does not wait
-// for exited threads).
-template <int R, int T, int kCluster, class Ep>
-__device__ __forceinline__ void store_block(const float (&acc)[R][T][4], const Ep& ep_in, unsigned M, unsigned N,
-                                            unsigned group, unsigned split, const SplitK& sk, bool active,
-                                            float* red, unsigned* last_block) {
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const unsigned row_tiles = (N + 15) / 16, tile0 = (group * kWarps + warp) * R;
-    Ep ep = ep_in;
-    ep.init();  // every thread of the block calls it (a stand-in may hold a barrier)
-    ep.select_column_block(group * kWarps * R * 16);
-    // D fragment: acc[r][i] = (row g, tokens 8i + 2t, 8i + 2t + 1), (row g + 8, the same tokens)
-    if (sk.splits == 1 || !Ep::kSplitK) {
-        if (!active) return;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < T; ++i)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
-                    if (token < M && n < N) ep.store(token, n, N, acc[r][i][v]);
-                }
-        return;
-    }
-    if constexpr (kCluster > 1) {
-        // The splits of this row group are the kCluster blocks of one thread-block cluster (grid y):
-        // each leaves its fp32 partial in its own shared memory, and each adds up a kCluster-th of
-        // the outputs from all of them through distributed shared memory, in split order.
-        constexpr unsigned kRows = kWarps * R * 16;
-        __syncthreads();  // every warp is done with the shared memory
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < T; ++i)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    const unsigned n = (warp * R + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
-                    if (token < M) red[token * kRows + n] = acc[r][i][v];
-                }
-        cluster_sync();
-        const unsigned quads = kRows / 4 * M, share = (quads + kCluster - 1) / kCluster;
-        const unsigned q_end = min(quads, (split + 1) * share);
-        for (unsigned q = split * share + threadIdx.x; q < q_end; q += kThreads) {
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int s = 0; s < kCluster; ++s) {
-                const float4 p = load_cluster(reinterpret_cast<const float4*>(red) + q, s);
-                sum = make_float4(__fadd_rn(sum.x, p.x), __fadd_rn(sum.y, p.y), __fadd_rn(sum.z, p.z), __fadd_rn(sum.w, p.w));
-            }
-            const unsigned token = q / (kRows / 4), n = group * kRows + q % (kRows / 4) * 4;
-            const float v[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (n + c < N) ep.store(token, n + c, N, v[c]);
-        }
-        cluster_sync_relaxed();  // the peers' shared memory stays until every block has read it
-        return;
-    }
-    const unsigned ld = row_tiles * 16;
-    if (active) {
-        float* part = sk.partials + (size_t)split * M * ld;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < T; ++i)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
-                    if (token < M && tile0 + r < row_tiles) __stcg(part + (size_t)token * ld + n, acc[r][i][v]);
-                }
-    }
-    if (!arrive_last(sk, group, last_block)) return;
-    // The reduction is latency-bound. Few outputs (small M): one output per thread, whose split loads
-    // the compiler issues together. More: 4 groups of 4 adjacent outputs (float4) per thread with 4
-    // splits of each in flight. Either way the splits are added in order.
-    const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
-    if (rows * M <= kThreads) {
-        reduce_splits_each(sk, ep, n0, rows, M, N, ld);
-    } else {
-        reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
-    }
-    if (threadIdx.x == 0) sk.counters[group] = 0u;
-}
-
 
 // One block: weight rows of row group `group` (8 * R row tiles) times tokens 0 .. M-1 (M <= 8T),
 // fetching F weight tiles per row tile at once, over the K range of split `split`. w_codes /
@@ -902,10 +792,83 @@ __device__ void gemm_block(const uint4* w_codes, const uint2* w_scales, Act act,
         window_done();
     }
 
-    static_assert(kCluster <= 1 || kWarps * R * 16 * 8 * T * 4 <= 2 * Win::kBytes,
-                  "a cluster's partial fits in the activation buffers");
-    store_block<R, T, kCluster>(acc, ep_in, M, N, group, split, sk, active, reinterpret_cast<float*>(smem_raw),
-                                &last_block);
+    Ep ep = ep_in;
+    ep.init();  // every thread of the block calls it (a stand-in may hold a barrier)
+    ep.select_column_block(group * kWarps * R * 16);
+    // D fragment: acc[r][i] = (row g, tokens 8i + 2t, 8i + 2t + 1), (row g + 8, the same tokens)
+    if (sk.splits == 1 || !Ep::kSplitK) {
+        if (!active) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M && n < N) ep.store(token, n, N, acc[r][i][v]);
+                }
+        return;
+    }
+    if constexpr (kCluster > 1) {
+        // The splits of this row group are the kCluster blocks of one thread-block cluster (grid y):
+        // each leaves its fp32 partial in its own shared memory, and each adds up a kCluster-th of
+        // the outputs from all of them through distributed shared memory, in split order.
+        constexpr unsigned kRows = kWarps * R * 16;
+        static_assert(kRows * 8 * T * 4 <= 2 * Win::kBytes, "the partial fits in the activation buffers");
+        float* red = reinterpret_cast<float*>(smem_raw);  // [token][kRows]
+        __syncthreads();  // every warp is done with the activation buffers
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (warp * R + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M) red[token * kRows + n] = acc[r][i][v];
+                }
+        cluster_sync();
+        const unsigned quads = kRows / 4 * M, share = (quads + kCluster - 1) / kCluster;
+        const unsigned q_end = min(quads, (split + 1) * share);
+        for (unsigned q = split * share + threadIdx.x; q < q_end; q += kThreads) {
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < kCluster; ++s) {
+                const float4 p = load_cluster(reinterpret_cast<const float4*>(red) + q, s);
+                sum = make_float4(__fadd_rn(sum.x, p.x), __fadd_rn(sum.y, p.y), __fadd_rn(sum.z, p.z), __fadd_rn(sum.w, p.w));
+            }
+            const unsigned token = q / (kRows / 4), n = group * kRows + q % (kRows / 4) * 4;
+            const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (n + c < N) ep.store(token, n + c, N, v[c]);
+        }
+        cluster_sync_relaxed();  // the peers' shared memory stays until every block has read it
+        return;
+    }
+    const unsigned ld = row_tiles * 16;
+    if (active) {
+        float* part = sk.partials + (size_t)split * M * ld;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const unsigned n = (tile0 + r) * 16 + g + 8 * (v >> 1), token = 8 * i + 2 * t + (v & 1);
+                    if (token < M && tile0 + r < row_tiles) __stcg(part + (size_t)token * ld + n, acc[r][i][v]);
+                }
+    }
+    if (!arrive_last(sk, group, &last_block)) return;
+    // The reduction is latency-bound. Few outputs (small M): one output per thread, whose split loads
+    // the compiler issues together. More: 4 groups of 4 adjacent outputs (float4) per thread with 4
+    // splits of each in flight. Either way the splits are added in order.
+    const unsigned rows = kWarps * R * 16, n0 = group * rows, quads = rows / 4 * M;
+    if (rows * M <= kThreads) {
+        reduce_splits_each(sk, ep, n0, rows, M, N, ld);
+    } else {
+        reduce_splits<4, 4>(sk, ep, group, rows, quads, M, N, ld);
+    }
+    if (threadIdx.x == 0) sk.counters[group] = 0u;
 }
 
 }  // namespace gemm
