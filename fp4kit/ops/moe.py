@@ -286,9 +286,14 @@ SMALL_DOWN_VARIANT = "d1c2b4"
 #: H100, V4-Flash at T = 1, one process, two runs of two interleaved rounds, (gate|up, down) = (0, 0)
 #: / (0, 1) / (0, 2) / (0, 3) / (0, 4): W4A16 48.2 / 46.6 / 47.6 / 48.8 / 49.3 us, W4A4 59.7 / 58.6 /
 #: 59.7 / 60.8 / 61.3; ahead in gate|up slower ((1, 0) 49.4, (1, 2) 50.3, (3, 7) 55.2): a wave of
-#: either launch touches more weight than L2 holds, so requests far ahead evict what is needed now
-SMALL_L2_AHEAD = (0, 1)
-#: measured at T = 1 only; larger T keeps (0, 0) until measured
+#: either launch touches more weight than L2 holds, so requests far ahead evict what is needed now.
+#: In the decode step the request costs more than it saves: H100, v4-flash-slice, 4 layers, W4A16,
+#: five interleaved rounds, batch 1 578.4-585.6 us with (0, 1) against 568.5-576.2 with (0, 0)
+#: (every round 6-13 us faster without; batch 2, where neither requests, equal). So none by default;
+#: a caller that runs the layer alone may set (0, 1)
+SMALL_L2_AHEAD = (0, 0)
+#: T = 2 and 8 measured slower with any request (H100, V4-Flash: W4A16 T = 2 77.0 us at (0, 0),
+#: 77.3 at (0, 1); T = 8 251.4, 254.2; W4A4 likewise)
 SMALL_L2_AHEAD_MAX_TOKENS = 1
 #: W4A4 at T = 1 (the layer's ``quantize_out``): the last this-many blocks of the gate|up launch to
 #: finish share the quantization of its SwiGLU output for the down launch, each 1/N of the 16-value
