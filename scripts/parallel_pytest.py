@@ -12,7 +12,7 @@ exit 5, counts as passed). By default it starts half as many processes as there 
 pool; eight on an 80 GB card ran out of memory). Tests marked ``alone`` (they read device-wide state, such as the free
 memory that the other processes change) run after the others, in one process of their own.
 
-    .venv/bin/python scripts/parallel_pytest.py [--jobs N] [--logs DIR] [-m EXPR] [PATH ...]
+    .venv/bin/python scripts/parallel_pytest.py [--jobs N] [--logs DIR] [-m EXPR] [-k EXPR] [PATH ...]
 """
 
 from __future__ import annotations
@@ -55,11 +55,14 @@ def default_jobs(memory_gib: float | None = None) -> int:
     return jobs
 
 
-def collect(python: str, marker: str | None, paths: list[str]) -> list[str]:
-    """The node ids pytest selects for ``paths`` (and ``-m marker``); raises on a collection error."""
+def collect(python: str, marker: str | None, paths: list[str], keyword: str | None = None) -> list[str]:
+    """The node ids pytest selects for ``paths`` (and ``-m marker``, ``-k keyword``); raises on a
+    collection error."""
     cmd = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths]
     if marker:
         cmd += ["-m", marker]
+    if keyword:
+        cmd += ["-k", keyword]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode not in (0, 5):  # 5: nothing selected
         raise RuntimeError(f"pytest collection failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
@@ -101,13 +104,14 @@ def main(argv=None) -> int:
                              f"{GIB_PER_PROCESS} GiB of GPU memory)")
     parser.add_argument("--logs", default=None, help="folder for the processes' logs (default: a temporary one)")
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, as pytest -m")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest keyword expression, as pytest -k")
     parser.add_argument("paths", nargs="*", default=["tests"], help="test files or folders (default: tests)")
     args = parser.parse_args(argv)
     if args.jobs < 0:
         parser.error(f"--jobs: expected a positive number (0: the default), got {args.jobs}")
     jobs = args.jobs or default_jobs()
     python = sys.executable
-    ids = collect(python, args.marker, args.paths)
+    ids = collect(python, args.marker, args.paths, args.keyword)
     if not ids:
         print("no tests selected")
         return 0
