@@ -51,7 +51,7 @@ def shape_weight(run_seed):
 
 
 ENGINES = ["gemv", "gemv-f8", "gemv-split", "gemv-16-warps", "gemv-whole", "gemv-held", "gemv-resident", "gemv-resident-16-warps", "gemv-resident-pipelined", "mma.sync", "mma.sync-predequantized", "wgmma", "wgmma-images",
-           "wgmma-2-row-tiles", "wgmma-128-token-chunks"]
+           "wgmma-2-row-tiles", "wgmma-128-token-chunks", "wgmma-128-token-chunks-2-row-tiles"]
 
 
 @pytest.fixture(params=ENGINES)
@@ -88,11 +88,12 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(gemm_ops, "WGMMA_MIN_M", 1 << 30 if request.param.startswith(("mma.sync", "gemv")) else 1)
     monkeypatch.setattr(gemm_ops, "PREDEQUANTIZE_MIN_WEIGHT", 0 if request.param.endswith("predequantized") else 1 << 62)
     monkeypatch.setattr(gemm_ops, "WGMMA_IMAGE_MIN_WEIGHT", 0 if request.param == "wgmma-images" else 1 << 62)
-    if request.param == "wgmma-128-token-chunks":
+    if request.param.startswith("wgmma-128-token-chunks"):
         monkeypatch.setattr(gemm_ops, "WGMMA_CHUNK_TILES", 16)
-    if request.param == "wgmma-2-row-tiles":
+    if request.param.endswith("2-row-tiles"):
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 4, 2)
         monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 8, 2)
+        monkeypatch.setitem(gemm_ops.WGMMA_ROW_TILES_PER_WARP, 16, 2)
     return request.param
 
 

@@ -189,6 +189,8 @@ def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
     assert gemm_ops.WGMMA_CHUNK_TILES == 8 and gemm_ops.WGMMA_CHUNK_BLOCKS_PER_SM[8] == 2
     for n, k in [(1024, 4096), (2048, 7168), (4096, 2048), (7168, 2048), (18432, 7168), (32768, 1024), (129280, 4096)]:
         got = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
+        if gemm_ops._wide_blocks(m, n, k):  # long-K prefill: its own rule (below)
+            continue
         short, full = (gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, chunk_tiles=t) for t in (8, 16))
         assert short.token_tiles == 8 and short.token_chunks == -(-m // 64) and full.token_tiles == 16
         assert got == (short if short.splits >= full.splits else full), (n, k)
@@ -197,6 +199,29 @@ def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
     if m in (96, 128):
         assert gemm_ops.launch_config(m, 18432, 7168, sms=132, wgmma=True).token_tiles == 16
     assert gemm_ops.launch_config(m, 4096, 2048, sms=132, wgmma=True).token_tiles == 8
+
+
+@pytest.mark.parametrize("m", [512, 1023, 1024, 4096])
+def test_wgmma_wide_blocks_for_long_k_prefill(m, monkeypatch):
+    """From `WGMMA_WIDE_BLOCK_MIN` rows, K and N a wgmma launch runs 128-token chunks of 256-row
+    blocks (two row tiles per warp), split as the rule of 128-token chunks splits them; below any of
+    the three, or with the rule off, the launch is the one of the chunk rule."""
+    from fp4kit.ops import gemm as gemm_ops
+
+    low = gemm_ops.WGMMA_WIDE_BLOCK_MIN
+    for n, k in [(1024, 4096), (2048, 4096), (2048, 7168), (4096, 2048), (4096, 4096), (18432, 7168), (32768, 1024)]:
+        got = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
+        wide = m >= low["m"] and n >= low["n"] and k >= low["k"]
+        assert gemm_ops._wide_blocks(m, n, k) == wide
+        if wide:
+            assert got == gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, chunk_tiles=16, row_tiles=2)
+            assert got.family == "wgmma_16x2" and got.token_chunks == -(-m // 128)
+            assert got.row_groups == -(-n // 256)
+        else:
+            assert got.row_tiles_per_warp == 1
+        monkeypatch.setattr(gemm_ops, "WGMMA_WIDE_BLOCK_MIN", None)
+        assert gemm_ops.launch_config(m, n, k, sms=132, wgmma=True).row_tiles_per_warp == 1
+        monkeypatch.setattr(gemm_ops, "WGMMA_WIDE_BLOCK_MIN", low)
 
 
 def gemv_warp_chunks(shape, n, k, block_row, split, warp):

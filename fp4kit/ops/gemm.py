@@ -76,6 +76,16 @@ WGMMA_TOKEN_TILES = (2, 4, 8, 16)
 WGMMA_CHUNK_TILES = 8
 #: blocks per SM in the one wave of a token-chunked launch (`WGMMA_CHUNKS_ONE_WAVE`), by token tiles
 WGMMA_CHUNK_BLOCKS_PER_SM = {8: 2, 16: 1}
+#: long-K prefill: at least this many rows, K and N run 128-token chunks of 256-row blocks
+#: (``wgmma_16x2``: two row tiles per warp, one block per SM), which stage half the activation bytes
+#: per FLOP of the 64-token, 128-row blocks; with one block per SM a block's prologue and epilogue
+#: overlap nothing, so only a long K loop and enough row groups pay for them. H200, same run, W4A16,
+#: graph replays, 64-token chunks -> 16x2 (µs): 4096 rows 18432x7168 2642 -> 2315, 4096x4096 350 ->
+#: 336, 2048x7168 301 -> 291, 2048x4096 181 -> 186; 1024 rows 2048x7168 68.6 -> 57.7, 2048x4096
+#: 41.3 -> 38.1, 4096x4096 78.4 -> 75.3, 18432x7168 583 -> 583; outside the rule slower: K <= 2048
+#: (4096 rows 32768x1024 879 -> 1385, 4096x2048 182 -> 234), N = 1024 (1024x4096 98 -> 114), 512
+#: rows (2048x7168 35.2 -> 52.7, 18432x7168 293 -> 334; 4096x4096 40.9 -> 36.6 the exception)
+WGMMA_WIDE_BLOCK_MIN = {"m": 1024, "k": 4096, "n": 2048}
 WGMMA_ROW_TILES_PER_WARP = {2: 1, 4: 1, 8: 1, 16: 1}  # 4x2 and 8x2 exist too
 #: about one block per SM while the row groups are fewer than the SMs (more K splits cost more in
 #: the reduction than they gain); a weight with a row group per SM or more splits K `WGMMA_WIDE_SPLITS`
@@ -108,7 +118,7 @@ PREDEQUANTIZE_MIN_WEIGHT = 1 << 26
 #: kernels whose K splits can meet in a thread-block cluster (sm_90+), and the cluster sizes built:
 #: the splits of a row group reduce through distributed shared memory instead of a global scratch
 #: (the mma.sync kernels at M <= 16 measured no faster with them)
-CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8), "wgmma_16x1": (2, 4, 8)}
+CLUSTER_SIZES = {"wgmma_4x1": (2, 4, 8), "wgmma_8x1": (2, 4, 8), "wgmma_16x1": (2, 4, 8), "wgmma_16x2": (2, 4)}
 USE_CLUSTERS = True
 #: a wgmma launch of token chunks (`WGMMA_CHUNK_TILES`) splits K into the most splits that keep its
 #: grid within one wave (`WGMMA_CHUNK_BLOCKS_PER_SM` blocks per SM); a second, partial wave costs more
@@ -613,7 +623,7 @@ def _cluster_capacity(device: int, kernel: str, cluster: int, shared: int) -> in
 
 
 def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = False,
-                  cluster_capacity=None, chunk_tiles: int | None = None) -> LaunchShape:
+                  cluster_capacity=None, chunk_tiles: int | None = None, row_tiles: int | None = None) -> LaunchShape:
     """The engine launch of ``m`` rows (``m <= 64`` for mma.sync: larger M runs once per 64 rows)
     on a GPU with ``sms`` multiprocessors (default: the current device's).
 
@@ -626,12 +636,16 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
     (`_PARTIALS_BYTES`); every split gets at least one tile. A wgmma launch of more rows than
     `WGMMA_CHUNK_TILES` token tiles hold (64) runs them as token chunks of that size in one grid,
     each with its own split-K scratch, or as chunks of 128 rows where those split K more ways;
-    ``chunk_tiles`` fixes the chunk's token tiles.
+    ``chunk_tiles`` fixes the chunk's token tiles and ``row_tiles`` the row tiles per warp (default
+    `WGMMA_ROW_TILES_PER_WARP`). Long-K prefill (`WGMMA_WIDE_BLOCK_MIN`) runs 128-token chunks of
+    two row tiles per warp.
     """
     if sms is None:
         sms = loader.current_sm_count()
         cluster_capacity = cluster_capacity or device_cluster_capacity
     largest = WGMMA_TOKEN_TILES[-1]
+    if wgmma and chunk_tiles is None and _wide_blocks(m, n, k):
+        return launch_config(m, n, k, sms, True, cluster_capacity, chunk_tiles=largest, row_tiles=2)
     if wgmma and chunk_tiles is None and WGMMA_CHUNK_TILES < largest and m > 8 * WGMMA_CHUNK_TILES:
         # short token chunks, unless they split K fewer ways than chunks of the largest tile count
         short, full = (launch_config(m, n, k, sms, True, cluster_capacity, chunk_tiles=t)
@@ -639,7 +653,7 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
         return short if short.splits >= full.splits else full
     if wgmma:
         tiles = min(next((t for t in WGMMA_TOKEN_TILES if 8 * t >= m), largest), chunk_tiles or WGMMA_CHUNK_TILES)
-        r, per_sm, fetch8 = WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
+        r, per_sm, fetch8 = row_tiles or WGMMA_ROW_TILES_PER_WARP[tiles], WGMMA_BLOCKS_PER_SM[tiles], False
     else:
         tiles = token_tiles(m)
         r, per_sm, fetch8 = ROW_TILES_PER_WARP[tiles], BLOCKS_PER_SM[tiles], FETCH_TILES[tiles] == 8
@@ -694,6 +708,13 @@ def launch_config(m: int, n: int, k: int, sms: int | None = None, wgmma: bool = 
         per_split = -(-windows // scratch_splits) * window
         shape = replace(shape, splits=-(-chunks // per_split), chunks_per_split=per_split)
     return shape
+
+
+def _wide_blocks(m: int, n: int, k: int) -> bool:
+    """Whether a wgmma launch of ``m`` rows of an ``[n, k]`` weight takes `WGMMA_WIDE_BLOCK_MIN`'s
+    256-row blocks (None: never)."""
+    low = WGMMA_WIDE_BLOCK_MIN
+    return low is not None and m >= low["m"] and n >= low["n"] and k >= low["k"]
 
 
 def gemv_launch(m: int, n: int, k: int, sms: int | None = None, nvfp4_act: bool = False) -> LaunchShape | None:

@@ -195,6 +195,7 @@ FP4_DEFINE_GEMM_WGMMA(8, 1, 2)
 FP4_DEFINE_GEMM_WGMMA(16, 1, 1)
 FP4_DEFINE_GEMM_WGMMA(4, 2, 1)
 FP4_DEFINE_GEMM_WGMMA(8, 2, 1)
+FP4_DEFINE_GEMM_WGMMA(16, 2, 1)  // 256 weight rows x 128 tokens: half the activation bytes per FLOP of 16x1
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 2, 2)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 4, 2)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(4, 1, 8, 2)
@@ -204,6 +205,8 @@ FP4_DEFINE_GEMM_WGMMA_CLUSTER(8, 1, 8, 2)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 2, 1)  // 65-128 rows: one block per SM, as gemm_wgmma_16x1
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 4, 1)
 FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 1, 8, 1)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 2, 2, 1)
+FP4_DEFINE_GEMM_WGMMA_CLUSTER(16, 2, 4, 1)
 
 // gemm_stage_<T>_{bf16,nvfp4}: the window images of the wgmma kernels with T token tiles. Block
 // (w, z) stages window w of token chunk z in shared memory exactly as those kernels' mainloop did
