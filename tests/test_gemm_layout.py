@@ -188,9 +188,9 @@ def test_wgmma_token_chunks_of_64_unless_they_split_k_fewer_ways(m):
 
     assert gemm_ops.WGMMA_CHUNK_TILES == 8 and gemm_ops.WGMMA_CHUNK_BLOCKS_PER_SM[8] == 2
     for n, k in [(1024, 4096), (2048, 7168), (4096, 2048), (7168, 2048), (18432, 7168), (32768, 1024), (129280, 4096)]:
-        got = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
         if gemm_ops._wide_blocks(m, n, k):  # long-K prefill: its own rule (below)
             continue
+        got = gemm_ops.launch_config(m, n, k, sms=132, wgmma=True)
         short, full = (gemm_ops.launch_config(m, n, k, sms=132, wgmma=True, chunk_tiles=t) for t in (8, 16))
         assert short.token_tiles == 8 and short.token_chunks == -(-m // 64) and full.token_tiles == 16
         assert got == (short if short.splits >= full.splits else full), (n, k)
