@@ -19,14 +19,15 @@ import numpy as np
 from fp4kit.layers.kv_cache import KVCache
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, graph_us, torch_graph_us
+    from benchmarks.common import Table, command_line, copy_bandwidth, device_name, graph_us, torch_graph_us
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, graph_us, torch_graph_us
+    from common import Table, command_line, copy_bandwidth, device_name, graph_us, torch_graph_us
 
 BF16 = ml_dtypes.bfloat16
 
 
 def main() -> None:
+    command_line(__doc__)  # no flags: --help, or a stray flag stops here
     try:
         import torch
     except ImportError:

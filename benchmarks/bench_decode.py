@@ -45,6 +45,7 @@ from one state per batch, in two rounds of opposite order.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import gc
 import sys
@@ -66,10 +67,12 @@ from fp4kit.ops import elementwise as ew  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_kernels, torch_graph_us
+    from benchmarks.common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_kernels,
+                                   int_list, torch_graph_us)
     from benchmarks.torch_decode_peer import TorchDecodePeer, peer_weights
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_kernels, torch_graph_us
+    from common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_kernels, int_list,
+                        torch_graph_us)
     from torch_decode_peer import TorchDecodePeer, peer_weights
 
 LAYERS, CONTEXT, BATCHES, REPLAYS = 4, 4096, (1, 8, 32), 30
@@ -235,37 +238,49 @@ def breakdown(model, state, copy: float) -> Table:
     return parts
 
 
+def flags(parser) -> None:
+    parser.add_argument("--mode", choices=("w4a16", "w4a4"), default="w4a16")
+    parser.add_argument("--projections-apart", action="store_true")
+    parser.add_argument("--batches", type=int_list, default=BATCHES)
+    parser.add_argument("--step-only", action="store_true")
+    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--hc-mult", type=int, default=1)
+    parser.add_argument("--qat-sim", action="store_true")
+    parser.add_argument("--speculative", action="store_true")
+    parser.add_argument("--grouped-swiglu-epilogue", action="store_true")
+    parser.add_argument("--grouped-fold-shared", action="store_true")
+    parser.add_argument("--ab-moe-sorted", action="store_true")
+    # internal: one memory probe, "BATCH,PREFILL_TOKENS" (peak_memory_mb runs it in a fresh process)
+    parser.add_argument("--memory-probe", type=lambda v: tuple(int(x) for x in v.split(",")), help=argparse.SUPPRESS)
+
+
 def main() -> None:
-    mode = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mode=")), "w4a16")
-    if mode not in ("w4a4", "w4a16"):
-        raise SystemExit(f"--mode: expected w4a4 or w4a16, got {mode!r}")
-    model_module.FUSE_PROJECTIONS = "--projections-apart" not in sys.argv
+    args = command_line(__doc__, flags)
+    mode = args.mode
+    model_module.FUSE_PROJECTIONS = not args.projections_apart
     # the sorted MoE path (batch 32) with SwiGLU in the gate|up grouped GEMM: one launch per layer fewer
-    if "--grouped-swiglu-epilogue" in sys.argv:
+    if args.grouped_swiglu_epilogue:
         moe_layer.GROUPED_SWIGLU_EPILOGUE = True
-    if "--grouped-fold-shared" in sys.argv:  # and the shared expert in its grouped GEMMs: three fewer
+    if args.grouped_fold_shared:  # and the shared expert in its grouped GEMMs: three fewer
         moe_layer.GROUPED_SWIGLU_EPILOGUE = moe_layer.GROUPED_FOLD_SHARED = True
-    probe = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--memory-probe=")), None)
-    if probe is not None:
-        batch, tokens = (int(v) for v in probe.split(","))
+    if args.memory_probe is not None:
+        batch, tokens = args.memory_probe
         memory_probe(mode, batch, tokens)
         return
-    batches = next((tuple(int(v) for v in a.split("=", 1)[1].split(",")) for a in sys.argv[1:]
-                    if a.startswith("--batches=")), BATCHES)
-    step_only = "--step-only" in sys.argv
+    batches, step_only = args.batches, args.step_only
     torch = None
-    if "--peer" in sys.argv:
+    if args.peer:
         import torch
-    hc = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--hc-mult=")), 1))
+    hc = args.hc_mult
     if hc != 1 and (torch is not None or not step_only):
         raise SystemExit("--hc-mult: with --step-only and without --peer (the peer and the probes run one stream)")
-    qat_sim = "--qat-sim" in sys.argv
+    qat_sim = args.qat_sim
     if qat_sim and (torch is not None or not step_only):
         raise SystemExit("--qat-sim: with --step-only and without --peer")
-    speculative = "--speculative" in sys.argv
+    speculative = args.speculative
     if speculative and (torch is not None or not step_only):
         raise SystemExit("--speculative: with --step-only and without --peer")
-    ab_sorted = "--ab-moe-sorted" in sys.argv
+    ab_sorted = args.ab_moe_sorted
     if ab_sorted and (torch is not None or not step_only or speculative or mode != "w4a16"):
         raise SystemExit("--ab-moe-sorted: W4A16, with --step-only, without --peer or --speculative")
     cfg = configs.v4_flash_slice(LAYERS, max_context=2 * CONTEXT, mode=mode, hc_mult=hc, qat_sim=qat_sim,

@@ -38,10 +38,10 @@ from fp4kit import distributed as dist  # noqa: E402
 
 try:
     from benchmarks.bench_moe import CONFIGS, build
-    from benchmarks.common import Table, device_name, graph_us
+    from benchmarks.common import Table, command_line, device_name, graph_us
 except ImportError:
     from bench_moe import CONFIGS, build
-    from common import Table, device_name, graph_us
+    from common import Table, command_line, device_name, graph_us
 
 BF16 = ml_dtypes.bfloat16
 TOKENS = (1, 64, 512)
@@ -107,6 +107,7 @@ def _nccl_version():
 GPUS = 2
 
 if __name__ == "__main__":
+    command_line(__doc__)  # no flags: --help, or a stray flag stops here, before any process starts
     if "FP4KIT_RANK" not in os.environ:  # started plainly (e.g. by run_all.py): one process per GPU
         import subprocess
 

@@ -25,6 +25,7 @@ SM; up to 8 rows the GEMV kernels' fetch size, K split and 8- or 16-warp blocks)
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 
@@ -38,10 +39,11 @@ from fp4kit.ops import gemm as gemm_ops
 from fp4kit.ops.gemm import gemm
 
 try:
-    from benchmarks.common import (Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes,
-                                   read_floor_us, torch_graph_us)
+    from benchmarks.common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_us, int_list,
+                                   l2_bytes, read_floor_us, torch_graph_us)
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes, read_floor_us, torch_graph_us
+    from common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_us, int_list, l2_bytes,
+                        read_floor_us, torch_graph_us)
 
 BF16 = ml_dtypes.bfloat16
 SHAPES = [(2048, 4096), (4096, 2048), (4096, 4096), (1024, 4096), (32768, 1024), (2048, 7168), (7168, 2048),
@@ -180,10 +182,30 @@ def sweep(table, w_list, x, out, m, n, k):
     return min(results)
 
 
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """``2048x4096,4096x4096`` -> [(2048, 4096), (4096, 4096)]: the ``--shapes`` flag."""
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated NxK shapes, got {text!r}")
+    return shapes
+
+
+def flags(parser) -> None:
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sass", action="store_true")
+    parser.add_argument("--shapes", type=shape_list)
+    parser.add_argument("--ms", type=int_list)
+
+
 def main() -> None:
+    args = command_line(__doc__, flags)
     import torch
 
-    quick, do_sweep = "--quick" in sys.argv, "--sweep" in sys.argv
+    quick, do_sweep = args.quick, args.sweep
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     rng = np.random.default_rng(0)
@@ -192,13 +214,8 @@ def main() -> None:
                           "TFLOP/s", "cuBLAS bf16 µs", "FP8 µs", "x bf16", "x FP8", "W4A4 / W4A16", "target"])
     sweep_table = Table(f"Decode GEMM launch shapes ({device_name()})",
                         ["shape NxK", "M", "kernel", "blocks/SM", "splits", "µs"])
-    shapes = [SHAPES[0], SHAPES[5], SHAPES[7], SHAPES[8]] if quick else SHAPES
-    ms = (1, 16, 64, 256) if quick else MS
-    for arg in sys.argv[1:]:  # --shapes NxK,NxK,... and --ms 1,16,...: a subset
-        if arg.startswith("--shapes="):
-            shapes = [tuple(int(v) for v in s.split("x")) for s in arg.split("=", 1)[1].split(",")]
-        if arg.startswith("--ms="):
-            ms = tuple(int(v) for v in arg.split("=", 1)[1].split(","))
+    shapes = args.shapes or ([SHAPES[0], SHAPES[5], SHAPES[7], SHAPES[8]] if quick else SHAPES)
+    ms = args.ms or ((1, 16, 64, 256) if quick else MS)
     for n, k in shapes:
         w_float = cp.asarray(rng.standard_normal((n, k), dtype=np.float32))
         w_q = to_tiled(fp4kit.quantize(w_float))
@@ -265,7 +282,7 @@ def main() -> None:
     print()
     print(table.markdown())
     meta = {"device": device_name(), "copy_bandwidth_Bps": bw, "cupy": cp.__version__, "torch": torch.__version__}
-    if "--sass" in sys.argv:
+    if args.sass:
         sys.path.insert(0, "scripts")
         import gemm_sass
 

@@ -19,7 +19,7 @@ each.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import cupy as cp
 import ml_dtypes
@@ -32,11 +32,12 @@ from fp4kit.ops import moe as moe_ops
 from fp4kit.ops.quant import quantize
 
 try:
-    from benchmarks.common import (Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us,
-                                   torch_graph_us)
+    from benchmarks.common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_kernel_nodes,
+                                   graph_us, int_list, torch_graph_us)
     from benchmarks.fp8_peer import Fp8MoePeer, random_weights
 except ImportError:
-    from common import Table, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us, torch_graph_us
+    from common import (Table, command_line, copy_bandwidth, device_name, events_us, graph_kernel_nodes, graph_us,
+                        int_list, torch_graph_us)
     from fp8_peer import Fp8MoePeer, random_weights
 
 BF16 = ml_dtypes.bfloat16
@@ -138,26 +139,40 @@ def fp8_peer_us(torch, layer: MoE, cfg, xs) -> float:
     return us
 
 
+def flags(parser) -> None:
+    def names(allowed):
+        def parse(text: str) -> tuple[str, ...]:
+            values = tuple(text.split(","))
+            unknown = [v for v in values if v not in allowed]
+            if unknown:
+                raise argparse.ArgumentTypeError(f"unknown {unknown}; expected some of {list(allowed)}")
+            return values
+        return parse
+
+    parser.add_argument("--tokens", type=int_list, default=TOKENS)
+    parser.add_argument("--modes", type=names(("w4a4", "w4a16")), default=("w4a4", "w4a16"))
+    parser.add_argument("--configs", type=names(tuple(CONFIGS)), default=tuple(CONFIGS))
+    # warps per expert of the router's logits (default: moe.py's rule)
+    parser.add_argument("--router-warps", type=int)
+    # 0: the small-T builds with per-tile bounds tests (moe.py SMALL_WHOLE_FETCHES)
+    parser.add_argument("--whole-fetches", type=int, choices=(0, 1))
+    # the sorted path's 8- and 16-row passes: 3 (default) or 2 blocks per SM
+    parser.add_argument("--grouped-blocks-per-sm", type=int)
+
+
 def main() -> None:
+    args = command_line(__doc__, flags)
     try:
         import torch
     except ImportError:
         torch = None
-    tokens, modes, configs = TOKENS, ("w4a4", "w4a16"), tuple(CONFIGS)
-    for arg in sys.argv[1:]:
-        key, _, value = arg.partition("=")
-        if key == "--tokens":
-            tokens = tuple(int(v) for v in value.split(","))
-        elif key == "--modes":
-            modes = tuple(value.split(","))
-        elif key == "--configs":
-            configs = tuple(value.split(","))
-        elif key == "--router-warps":  # warps per expert of the router's logits (default: moe.py's rule)
-            moe_ops.ROUTER_WARPS_PER_EXPERT = int(value)
-        elif key == "--whole-fetches":  # 0: the small-T builds with per-tile bounds tests (moe.py SMALL_WHOLE_FETCHES)
-            moe_ops.SMALL_WHOLE_FETCHES = value != "0"
-        elif key == "--grouped-blocks-per-sm":  # the sorted path's 8- and 16-row passes: 3 (default) or 2 blocks per SM
-            moe_ops.GROUPED_BLOCKS_PER_SM = int(value)
+    tokens, modes, configs = args.tokens, args.modes, args.configs
+    if args.router_warps is not None:
+        moe_ops.ROUTER_WARPS_PER_EXPERT = args.router_warps
+    if args.whole_fetches is not None:
+        moe_ops.SMALL_WHOLE_FETCHES = args.whole_fetches != 0
+    if args.grouped_blocks_per_sm is not None:
+        moe_ops.GROUPED_BLOCKS_PER_SM = args.grouped_blocks_per_sm
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     rng = np.random.default_rng(0)

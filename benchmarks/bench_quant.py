@@ -24,9 +24,9 @@ import fp4kit
 from fp4kit import formats
 
 try:
-    from benchmarks.common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
+    from benchmarks.common import Table, command_line, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
 except ImportError:  # run as a script from benchmarks/
-    from common import Table, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
+    from common import Table, command_line, copy_bandwidth, device_name, events_us, graph_us, l2_bytes
 
 K = 7168
 BF16 = ml_dtypes.bfloat16
@@ -57,6 +57,7 @@ def nvfp4_bytes(m: int, k: int) -> int:
 
 
 def main() -> None:
+    command_line(__doc__)  # no flags: --help, or a stray flag stops here
     bw = copy_bandwidth()
     print(f"{device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
     try:

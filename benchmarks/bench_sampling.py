@@ -17,9 +17,9 @@ import numpy as np
 from fp4kit.layers.sampler import Generator, Sampler
 
 try:
-    from benchmarks.common import Table, device_name, graph_us, torch_graph_us
+    from benchmarks.common import Table, command_line, device_name, graph_us, torch_graph_us
 except ImportError:
-    from common import Table, device_name, graph_us, torch_graph_us
+    from common import Table, command_line, device_name, graph_us, torch_graph_us
 
 BF16 = ml_dtypes.bfloat16
 VOCAB = 129280
@@ -31,6 +31,7 @@ MODES = {"greedy": dict(temperature=0.0), "temperature 1.0": dict(temperature=1.
 
 
 def main() -> None:
+    command_line(__doc__)  # no flags: --help, or a stray flag stops here
     try:
         import torch
     except ImportError:

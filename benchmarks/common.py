@@ -8,10 +8,12 @@
   every row is compared with.
 * `graph_kernels`, `graph_kernel_nodes`: the kernel launches a captured CUDA graph holds (names, count).
 * `Table`: prints the rows and writes them as JSON for the runner.
+* `command_line`: a benchmark's flags, checked before any GPU work (``--help`` prints its docstring).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -19,6 +21,28 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
+
+
+def command_line(doc: str, add_flags=None, argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's flags. ``--help`` prints the benchmark's docstring and an unknown or malformed
+    flag stops it with the flag's name, both before the benchmark builds anything on the GPU (a typo
+    must not silently run the default for minutes). ``add_flags(parser)`` declares the flags."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    if add_flags is not None:
+        add_flags(parser)
+    return parser.parse_args(argv)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``1,8,32`` -> (1, 8, 32): the argparse type of the benchmarks' comma-separated counts."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def events_us(fn, *, warmup: int = 3, iters: int = 20) -> float:
