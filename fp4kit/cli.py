@@ -79,7 +79,7 @@ DEFAULT_SKIP = (
 )
 _DEFAULT_SKIP = re.compile("|".join(f"(?:{p})" for p in DEFAULT_SKIP))
 _QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
-_ROW_CHUNK_ELEMENTS = 1 << 22  # error statistics are accumulated over row chunks of this size
+_ROW_CHUNK_ELEMENTS = 1 << 18  # error statistics are accumulated over row chunks of this size (in cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,36 +253,61 @@ def read_calibration(path, plan: Plan, src: checkpoint.CheckpointFiles) -> dict[
     return scales
 
 
-def _quantize_one(name: str, w, device: str, host_dequantized: bool = True) -> tuple[Nvfp4Tensor, np.ndarray]:
-    """NVFP4 of ``w`` (host, or device for ``device`` cuda) on the host, and its fp32
-    dequantization: on the host, or with ``host_dequantized=False`` where ``w`` is."""
+def _quantize_one(name: str, w, device: str) -> tuple[Nvfp4Tensor, float, float]:
+    """NVFP4 of ``w`` (host, or device for ``device`` cuda) as host arrays, and its error against
+    ``w`` (`quantization_error`), computed where ``w`` is: only the NVFP4 bytes and two numbers
+    cross to the host."""
     xp = formats.array_module(w)
     bad = w.size - int(xp.count_nonzero(xp.isfinite(w)))
     if bad:
         raise ValueError(f"{name}: holds {bad} non-finite value(s); refusing to quantize it")
     if device == "cpu":
         q = quantize(w)
-        return q, dequantize(q)
+        return (q, *quantization_error(w, q))
     import cupy
 
-    q = quantize(cupy.asarray(w))
-    host = Nvfp4Tensor(q.packed.get(), q.block_scales.get(), q.global_scale.get(), q.scale_layout, q.shape)
-    d = dequantize(q)
-    return host, d.get() if host_dequantized else d
+    w = cupy.asarray(w)
+    q = quantize(w)
+    rel, max_abs = quantization_error(w, q)
+    return Nvfp4Tensor(q.packed.get(), q.block_scales.get(), q.global_scale.get(), q.scale_layout, q.shape), rel, max_abs
 
 
-def error_stats(w: np.ndarray, d: np.ndarray) -> tuple[float, float]:
+def _row_chunks(rows: int, k: int) -> list[slice]:
+    step = max(1, _ROW_CHUNK_ELEMENTS // max(k, 1))
+    return [slice(r, r + step) for r in range(0, rows, step)]
+
+
+def _error_sums(pairs) -> tuple[float, float]:
+    """Relative L2 error and max absolute error over ``(reference rows, approximation rows)`` pairs
+    (float64 sums, on the host or the device)."""
+    err2 = ref2 = max_abs = 0.0
+    for w, d in pairs:
+        xp = formats.array_module(w)
+        wf = w.astype(np.float64)
+        diff = d.astype(np.float64) - wf
+        err2 += float((diff * diff).sum())  # not vdot: BLAS threads would spin in every worker process
+        ref2 += float((wf * wf).sum())
+        max_abs = max(max_abs, float(xp.abs(diff).max())) if diff.size else max_abs
+    return (float(np.sqrt(err2 / ref2)) if ref2 else 0.0), max_abs
+
+
+def error_stats(w, d) -> tuple[float, float]:
     """Relative L2 error ``|d - w| / |w|`` and max ``|d - w|`` (float64 sums over row chunks)."""
     w2, d2 = w.reshape(-1, w.shape[-1]), d.reshape(-1, w.shape[-1])
-    step = max(1, _ROW_CHUNK_ELEMENTS // max(w2.shape[1], 1))
-    err2 = ref2 = max_abs = 0.0
-    for r in range(0, w2.shape[0], step):
-        wf = w2[r : r + step].astype(np.float64)
-        diff = d2[r : r + step].astype(np.float64) - wf
-        err2 += float(np.vdot(diff, diff))
-        ref2 += float(np.vdot(wf, wf))
-        max_abs = max(max_abs, float(np.abs(diff).max(initial=0.0)))
-    return (float(np.sqrt(err2 / ref2)) if ref2 else 0.0), max_abs
+    return _error_sums((w2[r], d2[r]) for r in _row_chunks(*w2.shape))
+
+
+def quantization_error(w, q: Nvfp4Tensor) -> tuple[float, float]:
+    """`error_stats` of ``dequantize(q)`` (``q`` in the linear scale layout) against ``w``, one row
+    chunk at a time: no whole-tensor temporary, on the host or the device."""
+    k = w.shape[-1]
+    w2, packed, scales = w.reshape(-1, k), q.packed.reshape(-1, k // 2), q.block_scales.reshape(-1, k // BLOCK_SIZE)
+
+    def rows(r: slice):
+        part = Nvfp4Tensor(packed[r], scales[r], q.global_scale, q.scale_layout, (len(packed[r]), k))
+        return w2[r], dequantize(part)
+
+    return _error_sums(rows(r) for r in _row_chunks(*w2.shape))
 
 
 def _output_names(count: int) -> list[str]:
@@ -342,9 +367,9 @@ def _quantize_shard(f: checkpoint.SafetensorsFile, plan: Plan, input_scales: dic
         bar.set_postfix_str(name[-60:], refresh=False)
         w = f.read(name)
         if name in quantized:
-            q, d = _quantize_one(name, w, device)
+            q, rel, max_abs = _quantize_one(name, w, device)
             weights[name.removesuffix(".weight")] = q
-            row = _summary_row(name, w, q, d)
+            row = _summary_row(name, w, q, rel, max_abs)
             summary.rows.append(row)
             summary.bytes_before += w.nbytes
             summary.bytes_after += q.packed.nbytes + q.block_scales.nbytes + 4  # + the fp32 weight_scale_2
@@ -414,8 +439,7 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def _summary_row(name: str, w: np.ndarray, q: Nvfp4Tensor, d: np.ndarray) -> list[str]:
-    rel, max_abs = error_stats(w, d)
+def _summary_row(name: str, w: np.ndarray, q: Nvfp4Tensor, rel: float, max_abs: float) -> list[str]:
     after = q.packed.nbytes + q.block_scales.nbytes + 4  # + the fp32 weight_scale_2
     return [name, _shape(w.shape), f"{rel:.3e}", f"{max_abs:.3e}", f"{w.nbytes:,}", f"{after:,}"]
 
@@ -508,7 +532,7 @@ def _warm_conversion(device: str) -> None:
     codes = np.full((FP8_WARM_ROWS, 2 * FP8_WARM_ROWS), 0x38, np.uint8).view(ml_dtypes.float8_e4m3fn)  # 1.0
     scale = np.full((1, 2), 127, np.uint8).view(ml_dtypes.float8_e8m0fnu)  # 2^0
     src = deepseek.Source("warm-up", "fp8-ue8m0", "warm-up.scale")
-    deepseek.convert_weight(src, codes, scale, lambda where, w: _quantize_one(where, w, device, host_dequantized=False),
+    deepseek.convert_weight(src, codes, scale, lambda where, w: _quantize_one(where, w, device)[:2],
                             upload=_uploader(device))
 
 
@@ -584,7 +608,7 @@ class _ConvertJob:
 
         def quantize(where, w):  # the FP8 (or re-quantized) weights, on ``device``
             with timed("quantize"):
-                return _quantize_one(where, w, self.device, host_dequantized=False)
+                return _quantize_one(where, w, self.device)[:2]
 
         maps = {}  # the input files' tensors over memory maps: no copy, pages read ahead by the system
 

@@ -312,3 +312,13 @@ def test_calibrate_writes_input_scales(rng, tmp_path, capsys):
         assert cli.main(["quantize", str(src), str(tmp_path / f"bad{i}"), "--device", "cpu", "--calibrate", str(calib)]) == 1
         assert re.search(message, capsys.readouterr().err)
         assert not (tmp_path / f"bad{i}").exists()
+
+
+def test_quantization_error_in_row_chunks_matches_the_whole_dequantization(rng, monkeypatch):
+    w = (rng.standard_normal((50, 64)) * np.exp(rng.uniform(-3, 3, (50, 1)))).astype(F32)
+    q = fp4kit.quantize(w)
+    expected = cli.error_stats(w, fp4kit.dequantize(q))
+    monkeypatch.setattr(cli, "_ROW_CHUNK_ELEMENTS", 3 * 64)  # 17 chunks, the last one of 2 rows
+    got = cli.quantization_error(w, q)
+    assert got[0] == pytest.approx(expected[0], rel=1e-12) and got[1] == expected[1]
+    assert 0.02 < got[0] < 0.2  # an NVFP4 error, not zero

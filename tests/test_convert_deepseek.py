@@ -300,7 +300,7 @@ def sequential_conversion(src, out_name, index):
             continue
         s = sources[name]
         c = deepseek.convert_weight(s, f.read(name), files.where[s.scale_name].read(s.scale_name),
-                                    lambda where, w: (qref.quantize(w), qref.dequantize(qref.quantize(w))))
+                                    lambda where, w: (qref.quantize(w), 0.0))
         weights[c.prefix] = c.weight
     tensors, metadata = checkpoint.to_modelopt_tensors(weights, extra=extra)
     path = src.parent / f"expected-{out_name}"

@@ -252,3 +252,34 @@ def test_has_nonfinite_sees_every_nan_and_inf(dtype):
             y[at] = bad
             assert ref.has_nonfinite(y), (bad, at)
         assert ref.has_nonfinite(np.asarray(bad, dtype))
+
+
+@pytest.mark.parametrize("dtype", [F32, ml_dtypes.bfloat16])
+def test_quantize_and_dequantize_in_row_chunks_equal_one_pass(rng, monkeypatch, dtype):
+    """The reference works through a tensor in row chunks (bounded memory); a chunk of a few rows
+    must give the bytes and values of one chunk holding the whole tensor, with the global scale
+    from the whole tensor (the largest value sits in the last chunk), for leading axes, a NaN and
+    swizzled scales."""
+    x = (rng.standard_normal((3, 37, 64)) * np.exp(rng.uniform(-4, 4, (3, 37, 1)))).astype(dtype)
+    x[2, 36, 5] = 900.0
+    with_nan = x.copy()
+    with_nan[1, 3, 7] = np.nan
+
+    def quantize_all(layout: str, values, chunk: int):
+        monkeypatch.setattr(ref, "CHUNK_ELEMENTS", chunk)
+        q = ref.quantize(values, scale_layout=layout)
+        return q, ref.dequantize(q)
+
+    for values, layout in ((x, "linear"), (with_nan, "linear"), (x.reshape(111, 64), "swizzled")):
+        whole, whole_d = quantize_all(layout, values, 1 << 30)
+        chunked, chunked_d = quantize_all(layout, values, 200)  # 3 rows of 64 per chunk
+        for name in ("packed", "block_scales", "global_scale"):
+            np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name))
+        np.testing.assert_array_equal(chunked_d.view(np.uint32), whole_d.view(np.uint32))
+        assert float(whole.global_scale) != 1.0 or np.isnan(values.astype(F32)).any()
+
+
+def test_row_chunks_of_empty_and_zero_width_tensors():
+    for shape in ((0, 32), (4, 0), (16,)):
+        q = ref.quantize(np.zeros(shape, F32))
+        assert q.shape == shape and ref.dequantize(q).shape == shape

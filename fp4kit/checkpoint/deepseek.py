@@ -202,28 +202,19 @@ class Converted:
 
 
 def convert_weight(src: Source, weight: np.ndarray, scale: np.ndarray, quantize, upload=None) -> Converted:
-    """``src``'s weight (host arrays) as NVFP4; ``quantize(name, fp32 [N, K])`` gives ``(Nvfp4Tensor,
-    its fp32 dequantization)`` with the TE recipe (the CLI passes the CPU or CUDA quantizer).
-    ``upload`` (``cupy.asarray`` for the CUDA quantizer) moves the weight's bytes to where the
-    dequantization, quantization and error run, so only FP8 or FP4 bytes cross to the device and
-    only the NVFP4 result and one number come back; the exact MXFP4 form is found on the host."""
+    """``src``'s weight (host arrays) as NVFP4; ``quantize(name, fp32 [N, K])`` gives ``(Nvfp4Tensor
+    on the host, its relative L2 error against the values)`` with the TE recipe (the CLI passes the
+    CPU or CUDA quantizer). ``upload`` (``cupy.asarray`` for the CUDA quantizer) moves the weight's
+    bytes to where the dequantization, quantization and error run, so only FP8 or FP4 bytes cross
+    to the device and only the NVFP4 result and one number come back; the exact MXFP4 form is
+    found on the host."""
     where = f"{src.prefix}.weight"
     upload = upload or (lambda a: a)
     if src.format == "mxfp4":
         exact, spread = mxfp4_to_nvfp4(weight, scale, f"{src.prefix} ({src.scale_name})")
         if exact is not None:
             return Converted(src.prefix, exact, src.format, "exact", spread, 0.0)
-        values = mxfp4_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name)
-        q, d = quantize(where, values)
-        return Converted(src.prefix, q, src.format, "re-quantized", spread, _rel_error(values, d))
-    values = fp8_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name)
-    q, d = quantize(where, values)
-    return Converted(src.prefix, q, src.format, "quantized", None, _rel_error(values, d))
-
-
-def _rel_error(w, d) -> float:
-    """``|d - w| / |w|`` for the report, on the host or the device (fp32 norms: pairwise sums,
-    ample for three digits)."""
-    xp = array_module(w)
-    ref = float(xp.linalg.norm(w.ravel()))
-    return float(xp.linalg.norm((d - w).ravel())) / ref if ref else 0.0
+        q, rel = quantize(where, mxfp4_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name))
+        return Converted(src.prefix, q, src.format, "re-quantized", spread, rel)
+    q, rel = quantize(where, fp8_dequantize(upload(weight.view(np.uint8)), scale, src.scale_name))
+    return Converted(src.prefix, q, src.format, "quantized", None, rel)

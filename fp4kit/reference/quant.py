@@ -39,6 +39,8 @@ read as written, bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -121,15 +123,47 @@ def quantize(x, global_scale=None, scale_layout: str = "linear") -> Nvfp4Tensor:
 
     ``global_scale`` is the encode scale ``S``; ``None`` computes it from ``amax(x)``.
     """
-    xf = to_float32(x)
+    x = np.asarray(x)
     _check_quantize_layout(scale_layout)
-    s = global_scale_from_amax(abs_max(xf)) if global_scale is None else np.asarray(global_scale, F32).reshape(())
-    sf, codes = block_scales_and_codes(xf, s)
+    if global_scale is None:
+        s = global_scale_from_amax(_over_rows(x, lambda rows: abs_max(to_float32(rows)), np.maximum.reduce))
+    else:
+        s = np.asarray(global_scale, F32).reshape(())
+    k = x.shape[-1]
+    packed = np.empty((*x.shape[:-1], k // 2), np.uint8)
+    sf = np.empty((*x.shape[:-1], k // BLOCK_SIZE), np.uint8)
+    for r in _row_chunks(x):  # the same values as one pass over the whole tensor, in bounded memory
+        sf_rows, codes = block_scales_and_codes(to_float32(_rows(x, r)), s)
+        _rows(sf, r)[...] = sf_rows
+        _rows(packed, r)[...] = formats.pack_nibbles(codes)
     if scale_layout == "swizzled":
         sf = formats.swizzle_scales(sf.reshape(-1, sf.shape[-1]))
     else:
-        formats.block_scale_shape(xf.shape, scale_layout)  # validates the name
-    return Nvfp4Tensor(formats.pack_nibbles(codes), sf, np.array(s, F32), scale_layout, xf.shape)
+        formats.block_scale_shape(x.shape, scale_layout)  # validates the name
+    return Nvfp4Tensor(packed, sf, np.array(s, F32), scale_layout, x.shape)
+
+
+#: the numpy quantizer and dequantizer work through a tensor this many elements at a time: its
+#: temporaries stay in the cache instead of costing page faults (five times faster at 32M elements)
+CHUNK_ELEMENTS = 1 << 18
+
+
+def _row_chunks(x: np.ndarray) -> list[slice]:
+    """Slices of ``x``'s rows (its last axis kept whole, leading axes flattened) of about
+    `CHUNK_ELEMENTS` elements each."""
+    n = math.prod(x.shape[:-1])
+    step = max(1, CHUNK_ELEMENTS // max(x.shape[-1], 1))
+    return [slice(r, min(r + step, n)) for r in range(0, n, step)] or [slice(0, 0)]
+
+
+def _rows(a: np.ndarray, r: slice) -> np.ndarray:
+    """Rows ``r`` of ``a`` viewed as ``[rows, last axis]`` (a view of a contiguous ``a``)."""
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])[r]
+
+
+def _over_rows(x: np.ndarray, f, combine):
+    """``combine`` of ``f`` over `_row_chunks` of ``x``."""
+    return combine([f(_rows(x, r)) for r in _row_chunks(x)])
 
 
 def _check_quantize_layout(scale_layout: str) -> None:
@@ -140,12 +174,15 @@ def _check_quantize_layout(scale_layout: str) -> None:
 
 def dequantize(q: Nvfp4Tensor, dtype=np.float32) -> np.ndarray:
     """``e2m1 * (fp32(block_scale) / S)``, rounded to ``dtype`` (bf16, fp16 or fp32)."""
-    codes = formats.unpack_nibbles(np.asarray(q.linear_packed))
+    packed = np.asarray(q.linear_packed)
     sf = np.asarray(q.linear_block_scales)
-    block_decode = fp32.div(E4M3_VALUES[sf], F32(np.asarray(q.global_scale)))
-    vals = E2M1_VALUES[codes].reshape(*sf.shape, BLOCK_SIZE)
-    out = fp32.mul(vals, block_decode[..., None]).reshape(q.shape)
-    return out.astype(dtype)
+    s = F32(np.asarray(q.global_scale))
+    out = np.empty(q.shape, dtype)
+    for r in _row_chunks(packed):
+        block_decode = fp32.div(E4M3_VALUES[_rows(sf, r)], s)
+        vals = E2M1_VALUES[formats.unpack_nibbles(_rows(packed, r))].reshape(*block_decode.shape, BLOCK_SIZE)
+        _rows(out, r)[...] = fp32.mul(vals, block_decode[..., None]).reshape(len(vals), q.shape[-1])
+    return out
 
 
 def split_gate_up(h, layout: str) -> tuple[np.ndarray, np.ndarray]:
