@@ -80,6 +80,7 @@ DEFAULT_SKIP = (
 _DEFAULT_SKIP = re.compile("|".join(f"(?:{p})" for p in DEFAULT_SKIP))
 _QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 _ROW_CHUNK_ELEMENTS = 1 << 18  # error statistics are accumulated over row chunks of this size (in cache)
+_DEVICE_CHUNK_ELEMENTS = 1 << 24  # ... and of this size on a device (float64 temporaries of 128 MB)
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,8 +273,12 @@ def _quantize_one(name: str, w, device: str) -> tuple[Nvfp4Tensor, float, float]
     return Nvfp4Tensor(q.packed.get(), q.block_scales.get(), q.global_scale.get(), q.scale_layout, q.shape), rel, max_abs
 
 
-def _row_chunks(rows: int, k: int) -> list[slice]:
-    step = max(1, _ROW_CHUNK_ELEMENTS // max(k, 1))
+def _row_chunks(a) -> list[slice]:
+    """Row slices of the 2-D ``a``: in-cache chunks on the host, few large ones on a device (each
+    chunk there costs launches and a read-back)."""
+    rows, k = a.shape
+    size = _ROW_CHUNK_ELEMENTS if isinstance(a, np.ndarray) else _DEVICE_CHUNK_ELEMENTS
+    step = max(1, size // max(k, 1))
     return [slice(r, r + step) for r in range(0, rows, step)]
 
 
@@ -294,7 +299,7 @@ def _error_sums(pairs) -> tuple[float, float]:
 def error_stats(w, d) -> tuple[float, float]:
     """Relative L2 error ``|d - w| / |w|`` and max ``|d - w|`` (float64 sums over row chunks)."""
     w2, d2 = w.reshape(-1, w.shape[-1]), d.reshape(-1, w.shape[-1])
-    return _error_sums((w2[r], d2[r]) for r in _row_chunks(*w2.shape))
+    return _error_sums((w2[r], d2[r]) for r in _row_chunks(w2))
 
 
 def quantization_error(w, q: Nvfp4Tensor) -> tuple[float, float]:
@@ -307,7 +312,7 @@ def quantization_error(w, q: Nvfp4Tensor) -> tuple[float, float]:
         part = Nvfp4Tensor(packed[r], scales[r], q.global_scale, q.scale_layout, (len(packed[r]), k))
         return w2[r], dequantize(part)
 
-    return _error_sums(rows(r) for r in _row_chunks(*w2.shape))
+    return _error_sums(rows(r) for r in _row_chunks(w2))
 
 
 def _output_names(count: int) -> list[str]:
