@@ -87,6 +87,15 @@ def deal(ids: list[str], jobs: int) -> list[list[str]]:
     return [s for s in shares if s]
 
 
+_SUMMARY = re.compile(r"\d+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected)\b.* in [\d.]+s")
+
+
+def summary_line(lines: list[str]) -> str | None:
+    """The last pytest summary line of a log ("3 passed, 1 failed in 2.0s"), or None: a process that
+    crashed after its tests (an interpreter error at exit) can end on other lines."""
+    return next((line for line in reversed(lines) if _SUMMARY.search(line)), None)
+
+
 def counts(summary: str) -> dict[str, int]:
     """The outcome counts of a pytest summary line ("3 passed, 1 failed in 2.0s")."""
     found = {}
@@ -140,17 +149,19 @@ def main(argv=None) -> int:
         rc = proc.wait()
         log.close()
         lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
-        summary = next((line for line in reversed(lines) if line.strip()), "")
-        print(f"{name.replace('part', 'part ')}: exit {rc}: {summary}")
-        for line in lines:
-            if line.startswith(("FAILED ", "ERROR ")):
-                print(f"    {line}")
-        if rc not in (0, 5):
+        summary = summary_line(lines)
+        failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        shown = summary if summary is not None else f"no summary line ({len(failures)} FAILED / ERROR lines)"
+        print(f"{name.replace('part', 'part ')}: exit {rc}: {shown}")
+        for line in failures:
+            print(f"    {line}")
+        if rc not in (0, 5) or summary is None:
             for line in first_errors(lines):
                 print(f"    first error: {line}")
-        for word, n in counts(summary).items():
+        found = counts(summary) if summary is not None else {"failed": len(failures)}
+        for word, n in found.items():
             total[word] = total.get(word, 0) + n
-        failed_parts += rc not in (0, 5)
+        failed_parts += rc not in (0, 5) or summary is None
 
     for running in [launch(f"part{i}", share) for i, share in enumerate(shares)]:
         report(*running)
@@ -158,7 +169,7 @@ def main(argv=None) -> int:
         report(*launch("alone", alone))
     words = ", ".join(f"{total[w]} {w}" for w in OUTCOMES if total.get(w))
     print(f"{words or 'no outcome'} in {time.perf_counter() - start:.1f}s ({len(shares)} processes"
-          f"{', then one alone' if alone else ''})")
+          f"{', then one alone' if alone else ''}{f'; {failed_parts} failed' if failed_parts else ''})")
     return 1 if failed_parts else 0
 
 

@@ -533,3 +533,14 @@ def test_ab_step_kernel_overlays_build_only_the_modules_they_change(tmp_path):
         ab_step.kernel_tree(overlay, trees)
     with pytest.raises(ValueError, match="not a folder"):
         ab_step.kernel_tree(tmp_path / "missing", trees)
+
+def test_parallel_pytest_counts_a_process_that_crashed_after_its_tests():
+    """A process whose log ends without a summary line (the interpreter failed at exit, as a lost GPU
+    context can make it) fails the run and its FAILED lines count, instead of counting nothing."""
+    import parallel_pytest
+
+    crashed = ["..FF", "FAILED t.py::a - CUDARuntimeError", "FAILED t.py::b - CUDARuntimeError",
+               "=== short test summary info ===", "Error in sys.excepthook:", "", "Original exception was:"]
+    assert parallel_pytest.summary_line(crashed) is None
+    finished = ["..", "=== 2 passed, 1 warning in 3.10s ===", ""]
+    assert parallel_pytest.summary_line(finished) == "=== 2 passed, 1 warning in 3.10s ==="
