@@ -544,3 +544,12 @@ def test_parallel_pytest_counts_a_process_that_crashed_after_its_tests():
     assert parallel_pytest.summary_line(crashed) is None
     finished = ["..", "=== 2 passed, 1 warning in 3.10s ===", ""]
     assert parallel_pytest.summary_line(finished) == "=== 2 passed, 1 warning in 3.10s ==="
+
+
+def test_parallel_pytest_fails_a_process_that_ends_without_a_summary(tmp_path):
+    """A process that stops before pytest's summary, with exit status 0 even, fails the run."""
+    done = _parallel(tmp_path, "import os\n\ndef test_a():\n    pass\n\ndef test_b():\n    os._exit(0)\n",
+                     "--jobs", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "part 0: exit 0: no summary line" in done.stdout
+    assert "(1 processes; 1 failed)" in done.stdout
