@@ -282,8 +282,8 @@ def _row_chunks(a) -> list[slice]:
     return [slice(r, r + step) for r in range(0, rows, step)]
 
 
-def _error_sums(pairs) -> tuple[float, float]:
-    """Relative L2 error and max absolute error over ``(reference rows, approximation rows)`` pairs
+def error_stats(pairs) -> tuple[float, float]:
+    """Relative L2 error ``|d - w| / |w|`` and max ``|d - w|`` over ``(w, d)`` pairs of row chunks
     (float64 sums, on the host or the device)."""
     err2 = ref2 = max_abs = 0.0
     for w, d in pairs:
@@ -296,12 +296,6 @@ def _error_sums(pairs) -> tuple[float, float]:
     return (float(np.sqrt(err2 / ref2)) if ref2 else 0.0), max_abs
 
 
-def error_stats(w, d) -> tuple[float, float]:
-    """Relative L2 error ``|d - w| / |w|`` and max ``|d - w|`` (float64 sums over row chunks)."""
-    w2, d2 = w.reshape(-1, w.shape[-1]), d.reshape(-1, w.shape[-1])
-    return _error_sums((w2[r], d2[r]) for r in _row_chunks(w2))
-
-
 def quantization_error(w, q: Nvfp4Tensor) -> tuple[float, float]:
     """`error_stats` of ``dequantize(q)`` (``q`` in the linear scale layout) against ``w``, one row
     chunk at a time: no whole-tensor temporary, on the host or the device."""
@@ -312,7 +306,7 @@ def quantization_error(w, q: Nvfp4Tensor) -> tuple[float, float]:
         part = Nvfp4Tensor(packed[r], scales[r], q.global_scale, q.scale_layout, (len(packed[r]), k))
         return w2[r], dequantize(part)
 
-    return _error_sums(rows(r) for r in _row_chunks(w2))
+    return error_stats(rows(r) for r in _row_chunks(w2))
 
 
 def _output_names(count: int) -> list[str]:

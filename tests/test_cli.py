@@ -222,9 +222,9 @@ def test_inspect_plain_file(rng, tmp_path, capsys):
 
 def test_error_stats_and_progress():
     w = np.array([[3.0, 4.0]], F32)
-    rel, max_abs = cli.error_stats(w, np.array([[3.0, 4.5]], F32))
+    rel, max_abs = cli.error_stats([(w, np.array([[3.0, 4.5]], F32))])
     assert rel == pytest.approx(0.1) and max_abs == 0.5
-    assert cli.error_stats(np.zeros((1, 2), F32), np.zeros((1, 2), F32)) == (0.0, 0.0)
+    assert cli.error_stats([(np.zeros((1, 2), F32), np.zeros((1, 2), F32))]) == (0.0, 0.0)
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -317,7 +317,7 @@ def test_calibrate_writes_input_scales(rng, tmp_path, capsys):
 def test_quantization_error_in_row_chunks_matches_the_whole_dequantization(rng, monkeypatch):
     w = (rng.standard_normal((50, 64)) * np.exp(rng.uniform(-3, 3, (50, 1)))).astype(F32)
     q = fp4kit.quantize(w)
-    expected = cli.error_stats(w, fp4kit.dequantize(q))
+    expected = cli.error_stats([(w, fp4kit.dequantize(q))])  # one chunk: the whole tensor
     monkeypatch.setattr(cli, "_ROW_CHUNK_ELEMENTS", 3 * 64)  # 17 chunks, the last one of 2 rows
     got = cli.quantization_error(w, q)
     assert got[0] == pytest.approx(expected[0], rel=1e-12) and got[1] == expected[1]

@@ -277,6 +277,10 @@ def test_quantize_and_dequantize_in_row_chunks_equal_one_pass(rng, monkeypatch, 
             np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name))
         np.testing.assert_array_equal(chunked_d.view(np.uint32), whole_d.view(np.uint32))
         assert float(whole.global_scale) != 1.0 or np.isnan(values.astype(F32)).any()
+    # a strided view is quantized as its contiguous copy
+    view = np.ascontiguousarray(np.swapaxes(x, 1, 2)).swapaxes(1, 2)
+    assert not view.flags.c_contiguous
+    np.testing.assert_array_equal(ref.quantize(view).packed, ref.quantize(np.ascontiguousarray(view)).packed)
 
 
 def test_row_chunks_of_empty_and_zero_width_tensors():

@@ -123,10 +123,10 @@ def quantize(x, global_scale=None, scale_layout: str = "linear") -> Nvfp4Tensor:
 
     ``global_scale`` is the encode scale ``S``; ``None`` computes it from ``amax(x)``.
     """
-    x = np.asarray(x)
+    x = np.ascontiguousarray(x)  # row chunks are views, not copies of the whole tensor each
     _check_quantize_layout(scale_layout)
     if global_scale is None:
-        s = global_scale_from_amax(_over_rows(x, lambda rows: abs_max(to_float32(rows)), np.maximum.reduce))
+        s = global_scale_from_amax(np.maximum.reduce([abs_max(to_float32(_rows(x, r))) for r in _row_chunks(x)]))
     else:
         s = np.asarray(global_scale, F32).reshape(())
     k = x.shape[-1]
@@ -153,17 +153,12 @@ def _row_chunks(x: np.ndarray) -> list[slice]:
     `CHUNK_ELEMENTS` elements each."""
     n = math.prod(x.shape[:-1])
     step = max(1, CHUNK_ELEMENTS // max(x.shape[-1], 1))
-    return [slice(r, min(r + step, n)) for r in range(0, n, step)] or [slice(0, 0)]
+    return [slice(r, min(r + step, n)) for r in range(0, n, step)] or [slice(0, 0)]  # an empty one has an amax
 
 
 def _rows(a: np.ndarray, r: slice) -> np.ndarray:
     """Rows ``r`` of ``a`` viewed as ``[rows, last axis]`` (a view of a contiguous ``a``)."""
     return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])[r]
-
-
-def _over_rows(x: np.ndarray, f, combine):
-    """``combine`` of ``f`` over `_row_chunks` of ``x``."""
-    return combine([f(_rows(x, r)) for r in _row_chunks(x)])
 
 
 def _check_quantize_layout(scale_layout: str) -> None:
@@ -174,8 +169,8 @@ def _check_quantize_layout(scale_layout: str) -> None:
 
 def dequantize(q: Nvfp4Tensor, dtype=np.float32) -> np.ndarray:
     """``e2m1 * (fp32(block_scale) / S)``, rounded to ``dtype`` (bf16, fp16 or fp32)."""
-    packed = np.asarray(q.linear_packed)
-    sf = np.asarray(q.linear_block_scales)
+    packed = np.ascontiguousarray(q.linear_packed)
+    sf = np.ascontiguousarray(q.linear_block_scales)
     s = F32(np.asarray(q.global_scale))
     out = np.empty(q.shape, dtype)
     for r in _row_chunks(packed):
